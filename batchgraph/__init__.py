@@ -11,6 +11,58 @@ Write code for one example; run many together::
 
 from __future__ import annotations
 
+from batchgraph.errors import (
+    BatchedCallError,
+    BatchgraphError,
+    NotATensorError,
+    NotComputedError,
+    PolicyClosedError,
+    PolicyMismatchError,
+    ShapeMismatchError,
+)
+from batchgraph.executor import Executor
+from batchgraph.functional import batched_func, batched_value, compute
+from batchgraph.handle import ResultHandle
+from batchgraph.keys import (
+    BatchKey,
+    DimArgKey,
+    ElementwiseKey,
+    IndexKey,
+    StackKey,
+    UnbatchedKey,
+    VmapKey,
+)
+from batchgraph.module import BatchedModule
+from batchgraph.policy import BatchingPolicy, ScheduleStats
+from batchgraph.scheduling import Schedule
+from batchgraph.specs import TensorSpec
+
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "BatchKey",
+    "BatchedCallError",
+    "BatchedModule",
+    "BatchgraphError",
+    "BatchingPolicy",
+    "DimArgKey",
+    "ElementwiseKey",
+    "Executor",
+    "IndexKey",
+    "NotATensorError",
+    "NotComputedError",
+    "PolicyClosedError",
+    "PolicyMismatchError",
+    "ResultHandle",
+    "Schedule",
+    "ScheduleStats",
+    "ShapeMismatchError",
+    "StackKey",
+    "TensorSpec",
+    "UnbatchedKey",
+    "VmapKey",
+    "__version__",
+    "batched_func",
+    "batched_value",
+    "compute",
+]

@@ -1,0 +1,46 @@
+"""Exceptions raised by batchgraph.
+
+Each subclasses the builtin a caller would naturally catch (``ValueError`` for bad
+input, ``RuntimeError`` for failures while running), so existing ``except`` clauses
+keep working, and each message names the call, the values and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchedCallError",
+    "BatchgraphError",
+    "NotATensorError",
+    "NotComputedError",
+    "PolicyClosedError",
+    "PolicyMismatchError",
+    "ShapeMismatchError",
+]
+
+
+class BatchgraphError(Exception):
+    """Base class of every error batchgraph raises on purpose."""
+
+
+class PolicyMismatchError(BatchgraphError, ValueError):
+    """Handles recorded under two different ``BatchingPolicy`` objects were combined."""
+
+
+class PolicyClosedError(BatchgraphError, RuntimeError):
+    """A handle was used to record a new call after its policy's ``with`` block ended."""
+
+
+class NotComputedError(BatchgraphError, RuntimeError):
+    """A handle's value was read before ``compute`` ran it."""
+
+
+class ShapeMismatchError(BatchgraphError, ValueError):
+    """A recorded call's per-example inputs do not fit the callable."""
+
+
+class NotATensorError(BatchgraphError, TypeError):
+    """A call returned something other than a tensor (or a tuple of tensors)."""
+
+
+class BatchedCallError(BatchgraphError, RuntimeError):
+    """A batched call raised; the message names the key, the callable and the examples."""

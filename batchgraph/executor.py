@@ -1,0 +1,189 @@
+"""``Executor``: runs a ``Schedule`` on the live modules, autograd intact.
+
+Each step's outputs stay batched (one tensor per output leaf, rows in node order) and
+are appended to ``graph.stores``. Inputs are gathered by the step's plans: a slice
+view when rows are contiguous, else one ``index_select`` per source, one ``cat`` and
+one permuting ``index_select``. All of these are differentiable, so gradients flow
+from any computed value back to the parameters and constants that produced it.
+
+When a batched call raises, the executor reruns that step's calls one at a time to
+find the first failing one, and raises ``BatchedCallError`` naming the key, the
+callable, the batch and the failing example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from batchgraph.errors import BatchedCallError, NotATensorError
+from batchgraph.graph import Graph
+from batchgraph.keys import BatchKey, ConstantKey
+from batchgraph.scheduling import GatherPlan, Schedule, Step
+from batchgraph.specs import flatten_output
+
+__all__ = ["Executor"]
+
+ExampleOf = Callable[[int], "int | None"]
+
+
+class Executor:
+    """Executes schedules against a graph's keys (and thus the live modules).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> from batchgraph.scheduling import build_schedule
+        >>> with bg.BatchingPolicy() as p:
+        ...     h = bg.batched_func(torch.tanh)(torch.zeros(2))
+        >>> Executor(p.graph).run(build_schedule(p.graph, [h.node]))
+        >>> h.value
+        tensor([0., 0.])
+    """
+
+    def __init__(self, graph: Graph, example_of: ExampleOf | None = None) -> None:
+        self.graph = graph
+        self._example_of = example_of
+        # Index tensors built from plans, per device; plans are plain lists.
+        # The list is kept beside its tensor so its id cannot be reused while cached.
+        self._index_cache: dict[tuple[int, torch.device], tuple[list[int], torch.Tensor]] = {}
+
+    def run(self, schedule: Schedule) -> None:
+        """Run every step; on success record where each node's value lives.
+
+        Raises:
+            BatchedCallError: when a call raises (names key, callable and examples).
+            NotATensorError: when a call returns something other than tensors.
+        """
+        graph = self.graph
+        if schedule.base_store != len(graph.stores):
+            raise ValueError(
+                f"schedule starts at store {schedule.base_store} but the graph has "
+                f"{len(graph.stores)}; schedules must run in the order they were built"
+            )
+        added = 0
+        try:
+            for step in schedule.steps:
+                graph.stores.append(self._run_step(step))
+                added += 1
+        except BaseException:
+            del graph.stores[len(graph.stores) - added :]
+            raise
+        node_store = graph.node_store
+        node_row = graph.node_row
+        for step in schedule.steps:
+            sid = step.store
+            for row, n in enumerate(step.nodes):
+                node_store[n] = sid
+                node_row[n] = row
+
+    def _run_step(self, step: Step) -> list[Any]:
+        graph = self.graph
+        key = graph.keys[step.key]
+        size = len(step.nodes)
+        if isinstance(key, ConstantKey):
+            constants = graph.constants
+            return [key.run(key.fn, [[constants[n] for n in step.nodes]], size)]
+        if step.refs:
+            inputs: list[Any] = [self._fetch(refs) for refs in step.refs]
+        else:
+            inputs = [None] * key.call.num_inputs
+            for plan in step.gathers:
+                gathered = self._gather(plan)
+                if len(plan.positions) == 1:
+                    inputs[plan.positions[0]] = gathered
+                else:
+                    for p, chunk in zip(plan.positions, gathered.split(size)):
+                        inputs[p] = chunk
+        try:
+            out = key.run(key.fn, inputs, size)
+        except Exception as err:
+            raise self._diagnose(key, step, inputs, err) from err
+        if key.combine == "list":
+            return self._columns(key, out, size)
+        leaves: list[torch.Tensor] = []
+        try:
+            flatten_output(out, leaves)
+        except TypeError as err:
+            raise NotATensorError(f"{key.label} returned {type(out).__name__}: {err}") from err
+        for leaf in leaves:
+            if leaf.dim() == 0 or leaf.shape[0] != size:
+                raise BatchedCallError(
+                    f"{key.label} returned shape {tuple(leaf.shape)} for a batch of {size} "
+                    f"calls; a batched output needs a leading dimension of {size}. If this "
+                    "callable does not take a leading batch dimension, register VmapKey "
+                    "for it (BatchingPolicy(rules={...}))."
+                )
+        return leaves
+
+    def _columns(self, key: BatchKey, out: Any, size: int) -> list[Any]:
+        if not isinstance(out, list) or len(out) != size:
+            raise BatchedCallError(
+                f"{key.label} must return a list of {size} per-example results, got "
+                f"{type(out).__name__}"
+            )
+        flat: list[list[torch.Tensor]] = []
+        for value in out:
+            leaves: list[torch.Tensor] = []
+            try:
+                flatten_output(value, leaves)
+            except TypeError as err:
+                raise NotATensorError(f"{key.label} returned {err}") from err
+            flat.append(leaves)
+        return [list(column) for column in zip(*flat)]
+
+    def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        cache_key = (id(rows), device)
+        cached = self._index_cache.get(cache_key)
+        if cached is None:
+            cached = (rows, torch.tensor(rows, dtype=torch.long, device=device))
+            self._index_cache[cache_key] = cached
+        return cached[1]
+
+    def _gather(self, plan: GatherPlan) -> torch.Tensor:
+        stores = self.graph.stores
+        pieces = []
+        for sid, leaf, rows in plan.parts:
+            source = stores[sid][leaf]
+            if type(source) is list:
+                pieces.append(torch.stack([source[r] for r in rows]))
+            elif type(rows) is range:
+                pieces.append(source if len(rows) == len(source) else source[rows.start : rows.stop])
+            else:
+                pieces.append(source.index_select(0, self._index(rows, source.device)))
+        gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if plan.perm is not None:
+            gathered = gathered.index_select(0, self._index(plan.perm, gathered.device))
+        return gathered
+
+    def _fetch(self, refs: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+        stores = self.graph.stores
+        return [stores[sid][leaf][row] for sid, leaf, row in refs]
+
+    def _diagnose(
+        self, key: BatchKey, step: Step, inputs: Sequence[Any], err: Exception
+    ) -> BatchedCallError:
+        size = len(step.nodes)
+        examples = sorted({e for e in map(self._example, step.nodes) if e is not None})
+        failing = ""
+        for i, n in enumerate(step.nodes):
+            one = [x[i] if key.combine == "list" else x[i : i + 1] for x in inputs]
+            try:
+                key.run(key.fn, one, 1)
+            except Exception as single:
+                example = self._example(n)
+                where = f"example {example}" if example is not None else f"node {n}"
+                failing = (
+                    f" Run alone, the call of {where} (row {i}) fails too: "
+                    f"{type(single).__name__}: {single}"
+                )
+                break
+        shown = ", ".join(map(str, examples[:10])) + (" ..." if len(examples) > 10 else "")
+        return BatchedCallError(
+            f"{key.label} raised in a batched call of {size} calls "
+            f"(examples {shown or 'unknown'}): {type(err).__name__}: {err}.{failing}"
+        )
+
+    def _example(self, node: int) -> int | None:
+        return self._example_of(node) if self._example_of is not None else None

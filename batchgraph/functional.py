@@ -1,0 +1,92 @@
+"""Functional entry points: ``batched_func``, ``batched_value`` and ``compute``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from batchgraph.errors import PolicyClosedError
+from batchgraph.handle import ResultHandle
+from batchgraph.policy import BatchingPolicy, _collect
+from batchgraph.recording import _ACTIVE, CallSite, function_site, module_site
+
+__all__ = ["batched_func", "batched_value", "compute"]
+
+
+def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Defer ``fn``: inside a policy calls record; outside they run ``fn`` directly.
+
+    ``fn`` may be any function or ``nn.Module`` with per-example semantics; functions
+    without a fast rule batch through ``torch.func.vmap``.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> add = bg.batched_func(torch.add)
+        >>> add(torch.ones(2), torch.ones(2))          # eager outside a policy
+        tensor([2., 2.])
+        >>> with bg.BatchingPolicy():
+        ...     h = add(torch.ones(2), torch.ones(2))  # recorded
+        >>> bg.compute(h)
+        tensor([2., 2.])
+    """
+    site: CallSite = module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        policy = _ACTIVE.get()
+        if policy is None:
+            return fn(*args, **kwargs)
+        return site.record(policy, args, kwargs)
+
+    return wrapper
+
+
+def batched_value(value: Any) -> Any:
+    """A handle for a per-example constant (outside a policy: the tensor itself).
+
+    Python scalars (``bool``, ``int``, ``float``) are kept as they are while recording
+    and become one tensor per batch, which is much cheaper than a ``torch.tensor``
+    per example; ``bg.batched_value(tree.token)`` is the fast way to feed token ids.
+
+    Args:
+        value: a tensor, a Python scalar, or anything ``torch.as_tensor`` accepts.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> bg.batched_value(3)
+        tensor(3)
+    """
+    policy = _ACTIVE.get()
+    if policy is None:
+        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    graph = policy.graph
+    if type(value) not in (bool, int, float) and not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    node = graph.add_constant(value)
+    return ResultHandle(graph, node, 0, graph.node_spec[node])
+
+
+def compute(obj: Any) -> Any:
+    """Compute all handles in ``obj`` and return the same nesting with tensors.
+
+    The policy is the one the handles belong to (they must all share it). Plain
+    tensors and other leaves are returned unchanged.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     pair = {"a": bg.batched_value(torch.ones(2)) * 3}
+        >>> bg.compute(pair)
+        {'a': tensor([3., 3.])}
+    """
+    handles: list[ResultHandle] = []
+    _collect(obj, handles)
+    if not handles:
+        return obj
+    policy = handles[0]._graph.policy
+    if not isinstance(policy, BatchingPolicy):
+        raise PolicyClosedError(f"{handles[0]!r} has no policy to compute it")
+    return policy.compute(obj)

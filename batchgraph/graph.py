@@ -1,0 +1,110 @@
+"""The recorded computation graph, kept as flat arrays for speed.
+
+Node ``n`` is a call (or a constant). Its arrays:
+
+* ``node_key[n]``: index into ``keys`` (equal keys batch together);
+* ``node_inputs[n]``: tuple of ``(source node, leaf)`` pairs, one per tensor input,
+  where ``leaf`` numbers the tensors of the source's (flattened) output;
+* ``node_depth[n]``: longest path from a constant (constants have depth 0);
+* ``node_spec[n]``: output spec tree.
+
+Node ids are assigned in recording order, which is a topological order: a node's
+inputs always exist before it. Values live in ``stores``: one entry per executed step,
+holding a batched tensor (or list of per-example tensors) per output leaf; node ``n``
+is row ``node_row[n]`` of store ``node_store[n]`` (``-1`` until computed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchgraph.keys import BatchKey, ConstantKey
+from batchgraph.specs import OutSpec, TensorSpec
+
+__all__ = ["Graph", "Ref"]
+
+Ref = tuple[int, int]  # (node, leaf)
+
+_CPU = torch.device("cpu")
+# Python scalars become 0-d constants of torch's default type for that scalar.
+_SCALAR_SPECS: dict[type, TensorSpec] = {
+    bool: TensorSpec((), torch.bool, _CPU),
+    int: TensorSpec((), torch.int64, _CPU),
+    float: TensorSpec((), torch.get_default_dtype(), _CPU),
+}
+
+
+class Graph:
+    """Nodes recorded by one ``BatchingPolicy``; see the module docstring."""
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self.open = True
+        self.policy: Any = None  # the BatchingPolicy recording into this graph
+        # Deduplication state: how far it has looked, and the calls it has seen.
+        self.deduped_upto = 0
+        self.dedupe_table: dict[Any, int] = {}
+        self.keys: list[BatchKey] = []
+        self.key_ids: dict[BatchKey, int] = {}
+        self.node_key: list[int] = []
+        self.node_inputs: list[tuple[Ref, ...]] = []
+        self.node_depth: list[int] = []
+        self.node_spec: list[OutSpec] = []
+        # Constant values: tensors, or Python scalars (stacked with one torch.tensor call).
+        self.constants: dict[int, Any] = {}
+        self._constant_kids: dict[TensorSpec, int] = {}
+        # Deduplication maps a node to the node that computes it (itself by default).
+        self.canon: list[int] = []
+        self.node_store: list[int] = []
+        self.node_row: list[int] = []
+        self.stores: list[list[Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.node_key)
+
+    def key_id(self, key: BatchKey) -> int:
+        kid = self.key_ids.get(key)
+        if kid is None:
+            kid = len(self.keys)
+            self.keys.append(key)
+            self.key_ids[key] = kid
+        return kid
+
+    def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:
+        n = len(self.node_key)
+        self.node_key.append(kid)
+        self.node_inputs.append(inputs)
+        self.node_depth.append(depth)
+        self.node_spec.append(spec)
+        self.canon.append(n)
+        self.node_store.append(-1)
+        self.node_row.append(-1)
+        return n
+
+    def add_constant(self, value: torch.Tensor | bool | int | float) -> int:
+        """Add a per-example constant: a tensor or a Python scalar."""
+        if isinstance(value, torch.Tensor):
+            spec = TensorSpec.of(value)
+        else:
+            spec = _SCALAR_SPECS[type(value)]
+        kid = self._constant_kids.get(spec)
+        if kid is None:
+            kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))
+        n = self.add_node(kid, (), 0, spec)
+        self.constants[n] = value
+        return n
+
+    def is_constant(self, n: int) -> bool:
+        return n in self.constants
+
+    def computed(self, n: int) -> bool:
+        return self.node_store[self.canon[n]] >= 0
+
+    def leaf_value(self, n: int, leaf: int) -> torch.Tensor:
+        """The per-example value of one output leaf of a computed node."""
+        c = self.canon[n]
+        column = self.stores[self.node_store[c]][leaf]
+        value: torch.Tensor = column[self.node_row[c]]
+        return value

@@ -1,0 +1,241 @@
+"""``ResultHandle``: the stand-in for a value that has been recorded but not computed.
+
+A handle behaves like the per-example tensor (or tuple) it stands for, as far as
+recording goes: it unpacks like the tuple (``h, c = cell(x)``), answers ``shape``,
+``dtype`` and ``device`` from its spec, and its operators, tensor methods and any
+``torch`` function applied to it are recorded with per-example semantics. Reading
+its value needs ``compute`` first; branching on it (``if h > 0``) needs a coroutine
+(see ``bg.run_all``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgraph.errors import NotComputedError
+from batchgraph.specs import OutSpec, TensorSpec, count_leaves
+
+if TYPE_CHECKING:
+    from batchgraph.graph import Graph
+
+__all__ = ["ResultHandle"]
+
+
+# Leaf offset of each child of a tuple spec (specs are few and reused: cache them).
+_CHILD_OFFSETS: dict[tuple[Any, ...], list[int]] = {}
+
+
+def _offsets(spec: tuple[Any, ...]) -> list[int]:
+    offsets = []
+    total = 0
+    for s in spec:
+        offsets.append(total)
+        total += count_leaves(s)
+    return offsets
+
+
+class ResultHandle:
+    """A recorded value: output ``leaf`` (or the subtree starting there) of ``node``.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     h = bg.batched_func(torch.tanh)(torch.zeros(3))
+        ...     g = h * 2 + 1
+        >>> bg.compute(g)
+        tensor([1., 1., 1.])
+    """
+
+    __slots__ = ("_graph", "leaf", "node", "spec")
+
+    def __init__(self, graph: Graph, node: int, leaf: int, spec: OutSpec) -> None:
+        self._graph = graph
+        self.node = node
+        self.leaf = leaf
+        self.spec = spec
+
+    # -- structure -----------------------------------------------------------------
+    def _child(self, index: int) -> ResultHandle:
+        spec = self.spec
+        assert isinstance(spec, tuple)
+        if index < 0:
+            index += len(spec)
+        if not 0 <= index < len(spec):
+            raise IndexError(f"index {index} out of range for a result of {len(spec)} items")
+        offsets = _CHILD_OFFSETS.get(spec)
+        if offsets is None:
+            offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+        return ResultHandle(self._graph, self.node, self.leaf + offsets[index], spec[index])
+
+    def __iter__(self) -> Iterator[ResultHandle]:
+        spec = self.spec
+        if type(spec) is tuple:
+            return iter([self._child(i) for i in range(len(spec))])
+        if isinstance(spec, TensorSpec):
+            if not spec.shape:
+                raise TypeError("iteration over a 0-d tensor handle")
+            return (self[i] for i in range(spec.shape[0]))
+        raise TypeError(
+            f"cannot unpack {self!r}: the structure of its result is only known once it runs "
+            "(its output could not be inferred before running). Compute it first."
+        )
+
+    def __len__(self) -> int:
+        spec = self.spec
+        if isinstance(spec, TensorSpec):
+            if not spec.shape:
+                raise TypeError("len() of a 0-d tensor handle")
+            return spec.shape[0]
+        if isinstance(spec, tuple):
+            return len(spec)
+        raise TypeError(f"len() of {self!r}: its structure is unknown until it runs")
+
+    def __getitem__(self, index: Any) -> Any:
+        spec = self.spec
+        if isinstance(spec, tuple) and not isinstance(spec, TensorSpec):
+            if isinstance(index, slice):
+                return tuple(self._child(i) for i in range(*index.indices(len(spec))))
+            return self._child(operator.index(index))
+        return _record(operator.getitem, (self, index), {})
+
+    # -- tensor-like metadata ----------------------------------------------------------
+    def _tensor_spec(self) -> TensorSpec:
+        if not isinstance(self.spec, TensorSpec):
+            raise TypeError(f"{self!r} does not stand for a single tensor")
+        return self.spec
+
+    @property
+    def shape(self) -> torch.Size:
+        """Per-example shape (no batch dimension)."""
+        return torch.Size(self._tensor_spec().shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._tensor_spec().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensor_spec().device
+
+    @property
+    def ndim(self) -> int:
+        return len(self._tensor_spec().shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def size(self, dim: int | None = None) -> Any:
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
+    # -- values ------------------------------------------------------------------------
+    @property
+    def computed(self) -> bool:
+        """Whether ``compute`` has run this handle's node."""
+        return self._graph.computed(self.node)
+
+    @property
+    def value(self) -> Any:
+        """The computed per-example value (a tensor, or a tuple for tuple results).
+
+        Raises:
+            NotComputedError: if the handle has not been computed yet.
+        """
+        if not self.computed:
+            raise NotComputedError(
+                f"{self!r} has not been computed yet; call bg.compute(...) on it (or on a "
+                "structure holding it) before reading its value"
+            )
+        return self._value_of(self.spec, self.leaf)
+
+    def _value_of(self, spec: OutSpec, leaf: int) -> Any:
+        if isinstance(spec, tuple) and not isinstance(spec, TensorSpec):
+            values = []
+            for s in spec:
+                values.append(self._value_of(s, leaf))
+                leaf += count_leaves(s)
+            return tuple(values)
+        return self._graph.leaf_value(self.node, leaf)
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            f"the truth value of {self!r} is not known while recording. Compute it first, "
+            "or write the example as a coroutine and `await bg.value(h)` (see bg.run_all)."
+        )
+
+    def __repr__(self) -> str:
+        spec = self.spec
+        what = spec.describe() if isinstance(spec, TensorSpec) else (
+            f"tuple of {len(spec)}" if isinstance(spec, tuple) else "unknown structure"
+        )
+        return f"<ResultHandle node={self.node} leaf={self.leaf} {what} of {self._graph.name}>"
+
+    # -- recorded operations ---------------------------------------------------------
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _record(func, tuple(args), kwargs or {})
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(torch.Tensor, name, None)
+        if method is None or name.startswith("_"):
+            raise AttributeError(f"ResultHandle has no attribute {name!r}")
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            return _record(method, (self, *args), kwargs)
+
+        return recorded
+
+    def __add__(self, other: Any) -> Any:
+        return _record(torch.add, (self, other), {})
+
+    def __radd__(self, other: Any) -> Any:
+        return _record(torch.add, (other, self), {})
+
+    def __sub__(self, other: Any) -> Any:
+        return _record(torch.sub, (self, other), {})
+
+    def __rsub__(self, other: Any) -> Any:
+        return _record(torch.sub, (other, self), {})
+
+    def __mul__(self, other: Any) -> Any:
+        return _record(torch.mul, (self, other), {})
+
+    def __rmul__(self, other: Any) -> Any:
+        return _record(torch.mul, (other, self), {})
+
+    def __truediv__(self, other: Any) -> Any:
+        return _record(torch.div, (self, other), {})
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return _record(torch.div, (other, self), {})
+
+    def __pow__(self, other: Any) -> Any:
+        return _record(torch.pow, (self, other), {})
+
+    def __rpow__(self, other: Any) -> Any:
+        return _record(torch.pow, (other, self), {})
+
+    def __matmul__(self, other: Any) -> Any:
+        return _record(torch.matmul, (self, other), {})
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return _record(torch.matmul, (other, self), {})
+
+    def __neg__(self) -> Any:
+        return _record(torch.neg, (self,), {})
+
+    def __abs__(self) -> Any:
+        return _record(torch.abs, (self,), {})
+
+
+from batchgraph.recording import record_function as _record  # noqa: E402  (cycle by design)

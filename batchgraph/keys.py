@@ -1,0 +1,299 @@
+"""``BatchKey``: which calls batch together, and how a group of them runs.
+
+Calls whose keys are equal run as one call. A key is built once per distinct call
+signature (callable, per-example input specs, static arguments) and cached, so its
+cost is not paid per example.
+
+How a group runs is the key's ``run``. The executor hands it the inputs of all the
+calls of the group, position by position:
+
+* ``combine = "stack"``: input ``j`` arrives as one tensor of shape ``(B, *spec_j)``,
+  gathered from earlier batched outputs by views or one ``index_select``/``cat`` (never
+  by stacking per-example tensors). ``run`` returns the batched result (a tensor or a
+  tuple of tensors, each with leading dimension ``B``).
+* ``combine = "list"``: input ``j`` arrives as a list of ``B`` per-example tensors, and
+  ``run`` returns a list of ``B`` per-example results. This is for rules that need to
+  see the examples separately (padding variable-length sequences, say).
+
+Built-in keys, from fastest to most general: ``StackKey`` (callables that already take
+a leading batch dimension), ``ElementwiseKey`` (broadcasting ops, with per-example
+broadcasting kept), ``DimArgKey`` (ops with a ``dim`` argument), ``IndexKey``
+(``h[...]``), ``VmapKey`` (anything, through ``torch.func.vmap``), and
+``UnbatchedKey`` (one call at a time, for what cannot batch).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from batchgraph.specs import CallSignature, InputSlot, TensorSpec
+
+__all__ = [
+    "BatchKey",
+    "ConstantKey",
+    "DimArgKey",
+    "ElementwiseKey",
+    "IndexKey",
+    "StackKey",
+    "UnbatchedKey",
+    "VmapKey",
+    "callable_name",
+]
+
+
+def callable_name(fn: Any) -> str:
+    """A short human name for a callable: ``Linear(in=4, out=8)`` or ``torch.add``."""
+    if isinstance(fn, torch.nn.Module):
+        extra = fn.extra_repr()
+        return f"{type(fn).__name__}({extra})" if extra else type(fn).__name__
+    module = getattr(fn, "__module__", None) or ""
+    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if module.startswith("torch") and "." not in qual:
+        return f"torch.{qual}"
+    return f"{module}.{qual}" if module and module != "builtins" else qual
+
+
+class BatchKey:
+    """Base class of batching rules. Equal keys batch together.
+
+    Subclass it for a callable that needs its own rule, and name the class in the
+    module's ``batch_key`` attribute or register it with
+    ``BatchingPolicy(rules={ModuleType: MyKey})``. Override ``identity`` to say what
+    must match (the default: the callable and the whole call signature) and ``run``
+    to say how a group runs.
+
+    Attributes:
+        fn: the callable (an ``nn.Module`` or a function).
+        call: the call's ``CallSignature`` (static arguments and per-example specs).
+        combine: ``"stack"`` or ``"list"`` (see the module docstring).
+        batchable: False for keys whose calls run one at a time.
+        deterministic: False when two identical calls may give different results
+            (dropout): such calls are never merged by deduplication.
+
+    Example:
+        >>> class SumKey(BatchKey):          # per-example x.sum() via a batched sum
+        ...     def run(self, fn, inputs, size):
+        ...         return inputs[0].flatten(1).sum(1)
+    """
+
+    combine: ClassVar[str] = "stack"
+    batchable: ClassVar[bool] = True
+
+    def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
+        self.fn = fn
+        self.call = call
+        self.deterministic = deterministic
+        self._hash = hash((type(self), self.identity()))
+
+    def identity(self) -> Hashable:
+        """What must be equal for two calls to batch: callable and full signature."""
+        return (id(self.fn), self.call.statics)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            type(other) is type(self)
+            and isinstance(other, BatchKey)
+            and self._hash == other._hash
+            and self.fn is other.fn
+            and self.identity() == other.identity()
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def label(self) -> str:
+        """How errors and stats name this key."""
+        return f"{type(self).__name__}[{callable_name(self.fn)}]"
+
+    def __repr__(self) -> str:
+        return self.label
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        """Run ``size`` calls at once. See the module docstring for the contract."""
+        return self.call.apply(fn, inputs)
+
+
+class StackKey(BatchKey):
+    """For callables that take a leading batch dimension (``nn.Linear``, ``LSTMCell``).
+
+    The batched call is the per-example call with every tensor input stacked.
+    """
+
+
+class ElementwiseKey(BatchKey):
+    """Broadcasting elementwise ops (``torch.add``, ``torch.tanh``, ``h * 2``).
+
+    Per-example broadcasting aligns shapes from the right; after stacking, an input
+    of lower rank would broadcast against the batch dimension instead. So inputs of
+    lower rank are viewed as ``(B, 1, ..., 1, *shape)`` first.
+    """
+
+    def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
+        super().__init__(fn, call, deterministic=deterministic)
+        ranks = [len(s.shape) for s in call.input_specs if s is not None]
+        top = max(ranks, default=0)
+        # One entry per input: the per-example shape padded on the left, or None.
+        self._views: list[tuple[int, ...] | None] = [
+            None if s is None or len(s.shape) == top else (1,) * (top - len(s.shape)) + s.shape
+            for s in call.input_specs
+        ]
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        views = self._views
+        if any(v is not None for v in views):
+            inputs = [x if v is None else x.view(size, *v) for x, v in zip(inputs, views)]
+        return self.call.apply(fn, inputs)
+
+
+class DimArgKey(BatchKey):
+    """Ops whose ``dim`` argument counts per-example dimensions (``cat``, ``softmax``).
+
+    A non-negative ``dim`` is shifted by one for the batch dimension; negative ones
+    already count from the end and stay. Built only when ``dim`` is an int.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        call: CallSignature,
+        *,
+        dim_position: int = 1,
+        deterministic: bool = True,
+    ):
+        super().__init__(fn, call, deterministic=deterministic)
+        dim = call.static_arg(dim_position, "dim", 0)
+        self._batched_call = call.with_arg(dim_position, "dim", dim + 1 if dim >= 0 else dim)
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        return self._batched_call.apply(fn, inputs)
+
+
+class IndexKey(BatchKey):
+    """``h[idx]`` with a static index (ints, slices, ``None``, ``...``)."""
+
+    def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
+        super().__init__(fn, call, deterministic=deterministic)
+        index = call.args[1]
+        parts = index if isinstance(index, tuple) else (index,)
+        self._index = (slice(None), *parts)
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        return inputs[0][self._index]
+
+
+class VmapKey(BatchKey):
+    """Any per-example callable, batched with ``torch.func.vmap``.
+
+    Correct for whatever ``vmap`` supports (per-example semantics by construction);
+    random ops draw independent values per example (``randomness="different"``).
+    """
+
+    def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
+        super().__init__(fn, call, deterministic=deterministic)
+        apply = call.apply
+
+        def per_example(*xs: torch.Tensor) -> Any:
+            return apply(fn, xs)
+
+        self._batched = torch.func.vmap(per_example, randomness="different")
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        if not inputs:  # nothing to map over: every call is the same static call
+            out = self.call.apply(fn, ())
+            return _expand(out, size)
+        return self._batched(*inputs)
+
+
+def _expand(out: Any, size: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.unsqueeze(0).expand(size, *out.shape)
+    return type(out)(_expand(o, size) for o in out)
+
+
+class UnbatchedKey(BatchKey):
+    """Runs the calls one at a time (the callable cannot batch). Stats count these."""
+
+    combine: ClassVar[str] = "list"
+    batchable: ClassVar[bool] = False
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        apply = self.call.apply
+        return [apply(fn, [inp[i] for inp in inputs]) for i in range(size)]
+
+
+class ConstantKey(BatchKey):
+    """Per-example constants (``batched_value``): a group is stacked once."""
+
+    def __init__(self, spec: TensorSpec):
+        self.spec = spec
+        super().__init__(torch.stack, CallSignature((InputSlot(0),), (), (spec,), ("const", spec)))
+
+    def identity(self) -> Hashable:
+        return self.spec
+
+    @property
+    def label(self) -> str:
+        return f"constant{tuple(self.spec.shape)}"
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        values = inputs[0]
+        if not isinstance(values[0], torch.Tensor) and not any(
+            isinstance(v, torch.Tensor) for v in values
+        ):
+            # Python scalars: one tensor construction for the whole group.
+            return torch.tensor(values, dtype=self.spec.dtype, device=self.spec.device)
+        return torch.stack([torch.as_tensor(v, device=self.spec.device) for v in values])
+
+
+# Functions whose per-example semantics equal their batched semantics once inputs are
+# rank-aligned (see ElementwiseKey).
+ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset(
+    {
+        torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.neg, torch.abs,
+        torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.pow, torch.tanh, torch.sigmoid,
+        torch.relu, torch.sin, torch.cos, torch.maximum, torch.minimum, torch.where,
+        torch.clamp, torch.sign, torch.square, torch.reciprocal, torch.erf, torch.log1p,
+        torch.expm1, torch.nn.functional.relu, torch.nn.functional.gelu,
+        torch.nn.functional.silu, torch.nn.functional.elu, torch.nn.functional.leaky_relu,
+        torch.nn.functional.softplus, torch.nn.functional.logsigmoid, torch.nn.functional.tanh,
+        torch.nn.functional.sigmoid,
+        torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div,
+        torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+        torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__,
+        torch.Tensor.__rtruediv__, torch.Tensor.__neg__, torch.Tensor.__pow__,
+        torch.Tensor.__rpow__, torch.Tensor.tanh, torch.Tensor.sigmoid, torch.Tensor.relu,
+        torch.Tensor.exp, torch.Tensor.log, torch.Tensor.abs, torch.Tensor.neg,
+        torch.Tensor.sqrt, torch.Tensor.pow, torch.Tensor.clamp, torch.Tensor.square,
+        torch.Tensor.__abs__, torch.Tensor.sign, torch.Tensor.float, torch.Tensor.double,
+        operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    }
+)
+
+# Functions with a ``dim`` argument at the given position that DimArgKey can shift.
+DIM_FUNCTIONS: dict[Any, int] = {
+    torch.cat: 1,
+    torch.concat: 1,
+    torch.stack: 1,
+    torch.softmax: 1,
+    torch.log_softmax: 1,
+    torch.nn.functional.softmax: 1,
+    torch.nn.functional.log_softmax: 1,
+    torch.Tensor.softmax: 1,
+    torch.Tensor.log_softmax: 1,
+}
+
+# Random functions: identical calls must not be merged by deduplication.
+RANDOM_FUNCTIONS: frozenset[Any] = frozenset(
+    {
+        torch.dropout, torch.nn.functional.dropout, torch.rand_like, torch.randn_like,
+        torch.bernoulli, torch.multinomial, torch.normal, torch.randint_like,
+        torch.nn.functional.alpha_dropout, torch.nn.functional.gumbel_softmax,
+    }
+)

@@ -1,0 +1,144 @@
+"""``BatchedModule``: a container whose module attributes record when a policy is active.
+
+A ``BatchedModule`` holds ordinary ``nn.Module``s that work on batches (cells, linear
+layers) and per-example methods that call them. While a ``BatchingPolicy`` records,
+reading such an attribute gives a *stub* that records the call instead of running it;
+otherwise the attribute is the module itself, so the very same code runs eagerly.
+Nested ``BatchedModule``s are returned as they are (their own attributes stub
+themselves), and ``nn.ModuleList``/``nn.ModuleDict`` give containers of stubs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from batchgraph.recording import _ACTIVE, CallSite, module_site
+
+__all__ = ["BatchedModule", "ModuleStub"]
+
+
+class ModuleStub:
+    """Records calls of ``module``; other attributes are read from the module.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class M(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 2)
+        >>> m = M()
+        >>> with bg.BatchingPolicy():
+        ...     isinstance(m.lin, ModuleStub)
+        True
+    """
+
+    __slots__ = ("module", "site")
+
+    def __init__(self, module: nn.Module, site: CallSite) -> None:
+        self.module = module
+        self.site = site
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = _ACTIVE.get()
+        if policy is None:  # the policy ended while a stub was held: run eagerly
+            return self.module(*args, **kwargs)
+        return self.site.record(policy, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def __repr__(self) -> str:
+        return f"ModuleStub({self.module!r})"
+
+
+class _ContainerStub:
+    """``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` whose items are stubbed."""
+
+    __slots__ = ("container",)
+
+    def __init__(self, container: nn.Module) -> None:
+        self.container = container
+
+    def __getitem__(self, index: Any) -> Any:
+        return _stub(self.container[index])
+
+    def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.container, nn.ModuleDict):
+            return iter(self.container)
+        return (_stub(m) for m in self.container)
+
+    def __len__(self) -> int:
+        return len(self.container)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _stub_module(self.container)(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.container, name)
+        if name in ("keys", "values", "items") and isinstance(self.container, nn.ModuleDict):
+            return _dict_view(self.container, name)
+        return value
+
+
+def _dict_view(container: nn.ModuleDict, name: str) -> Any:
+    def view() -> Any:
+        if name == "keys":
+            return container.keys()
+        if name == "values":
+            return [_stub(m) for m in container.values()]
+        return [(k, _stub(m)) for k, m in container.items()]
+
+    return view
+
+
+_STUBS: weakref.WeakKeyDictionary[nn.Module, ModuleStub] = weakref.WeakKeyDictionary()
+
+
+def _stub_module(module: nn.Module) -> ModuleStub:
+    # Stubs hold no policy state, so one per module serves every policy.
+    stub = _STUBS.get(module)
+    if stub is None:
+        stub = _STUBS[module] = ModuleStub(module, module_site(module))
+    return stub
+
+
+def _stub(value: Any) -> Any:
+    if isinstance(value, BatchedModule) or not isinstance(value, nn.Module):
+        return value
+    if isinstance(value, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return _ContainerStub(value)
+    return _stub_module(value)
+
+
+class BatchedModule(nn.Module):
+    """An ``nn.Module`` whose per-example code is recorded under a ``BatchingPolicy``.
+
+    Write methods for one example (no batch dimension); call them eagerly for the
+    unbatched reference, or inside a policy to record and batch them.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class Scorer(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(4, 1)
+        ...     def score(self, x):
+        ...         return self.lin(x)
+        >>> model = Scorer()
+        >>> xs = [torch.randn(4) for _ in range(3)]
+        >>> with bg.BatchingPolicy():
+        ...     hs = [model.score(x) for x in xs]
+        >>> [t.shape for t in bg.compute(hs)]
+        [torch.Size([1]), torch.Size([1]), torch.Size([1])]
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        # Submodules first: this runs on every `self.cell` of per-example code.
+        module = self.__dict__["_modules"].get(name)
+        if module is not None:
+            return module if _ACTIVE.get() is None else _stub(module)
+        return super().__getattr__(name)

@@ -1,0 +1,263 @@
+"""``BatchingPolicy``: the recording context, the key registry, and ``compute``.
+
+Inside ``with BatchingPolicy():`` module calls of a ``BatchedModule``, functions
+wrapped by ``batched_func`` and operations on handles are recorded instead of run.
+``compute`` then deduplicates, prunes, schedules and executes what the requested
+handles need, and returns tensors in the same nesting. A policy can compute several
+times; later computes reuse everything computed before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgraph.errors import PolicyMismatchError
+from batchgraph.executor import Executor
+from batchgraph.graph import Graph
+from batchgraph.handle import ResultHandle
+from batchgraph.keys import ConstantKey, callable_name
+from batchgraph.passes import deduplicate, prune
+from batchgraph.recording import _ACTIVE
+from batchgraph.rules import KeyFactory
+from batchgraph.scheduling import SCHEDULERS, Schedule, build_schedule, launch_lower_bound
+
+__all__ = ["BatchingPolicy", "ScheduleStats"]
+
+_policy_ids = itertools.count()
+
+
+@dataclass
+class ScheduleStats:
+    """What one ``compute`` did.
+
+    Attributes:
+        nodes: calls computed (constants and merged duplicates not counted).
+        launches: batched calls made; a call that cannot batch counts once per example.
+        lower_bound: the launch lower bound (see ``scheduling.launch_lower_bound``).
+        mean_batch_size: calls per batched launch.
+        merged: identical calls merged by deduplication.
+        unbatched_calls: calls that ran one at a time, and ``unbatched_callables`` names them.
+        record_seconds: time from entering the policy (or the last compute) to this compute.
+        schedule_seconds: passes plus scheduling; ``execute_seconds``: running the steps.
+    """
+
+    nodes: int
+    launches: int
+    lower_bound: int
+    mean_batch_size: float
+    merged: int
+    unbatched_calls: int
+    unbatched_callables: tuple[str, ...]
+    record_seconds: float
+    schedule_seconds: float
+    execute_seconds: float
+    scheduler: str
+    calls_recorded: int = field(default=0)
+
+
+class BatchingPolicy:
+    """Records per-example calls and runs them batched.
+
+    Args:
+        scheduler: ``"agenda"`` (default) or ``"depth"``.
+        dedupe: merge identical calls (same callable, same inputs) before running.
+        rules: extra batching rules: ``{ModuleType or function: BatchKey subclass}``.
+        lower_bound: compute the launch lower bound in ``stats`` (costs a pass per key).
+        name: shown in error messages.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> f = bg.batched_func(lin)
+        >>> with bg.BatchingPolicy() as policy:
+        ...     hs = [f(torch.ones(3)) for _ in range(4)]
+        >>> out = policy.compute(hs)
+        >>> policy.stats.launches
+        1
+    """
+
+    def __init__(
+        self,
+        *,
+        scheduler: str = "agenda",
+        dedupe: bool = True,
+        rules: Mapping[Any, KeyFactory] | None = None,
+        lower_bound: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}"
+            )
+        self.scheduler = scheduler
+        self.dedupe = dedupe
+        self.rules: dict[Any, KeyFactory] = dict(rules or {})
+        # Signature caches are shared across policies with the same (empty) rules.
+        self.rules_token = 0 if not self.rules else id(self.rules)
+        self.collect_lower_bound = lower_bound
+        self.name = name or f"policy-{next(_policy_ids)}"
+        self.graph = Graph(self.name)
+        self.graph.policy = self
+        self.graph.open = False
+        self.calls_recorded = 0
+        self.stats: ScheduleStats | None = None
+        self.schedules: list[Schedule] = []
+        self._token: Any = None
+        self._mark = time.perf_counter()
+
+    # -- recording context -----------------------------------------------------------
+    def __enter__(self) -> BatchingPolicy:
+        if self._token is not None:
+            raise RuntimeError(f"{self.name} is already active; policies are not reentrant")
+        self._token = _ACTIVE.set(self)
+        self.graph.open = True
+        self._mark = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.reset(self._token)
+        self._token = None
+        self.graph.open = False
+
+    @property
+    def recording(self) -> bool:
+        """True inside the policy's ``with`` block."""
+        return self.graph.open
+
+    # -- computing -----------------------------------------------------------------
+    def compute(self, obj: Any) -> Any:
+        """Compute every handle in ``obj`` (lists, tuples and dicts of handles).
+
+        Returns:
+            The same nesting with each handle replaced by its per-example tensor (or
+            tuple of tensors); other leaves are returned unchanged.
+
+        Raises:
+            PolicyMismatchError: if ``obj`` holds handles of another policy.
+            BatchedCallError: if a batched call raises.
+        """
+        start = time.perf_counter()
+        record_seconds = start - self._mark
+        handles: list[ResultHandle] = []
+        _collect(obj, handles)
+        for h in handles:
+            if h._graph is not self.graph:
+                raise PolicyMismatchError(
+                    f"{h!r} belongs to policy {h._graph.name!r}, not {self.name!r}; compute "
+                    "each policy's handles with that policy"
+                )
+        graph = self.graph
+        merged = deduplicate(graph) if self.dedupe else 0
+        live = prune(graph, [h.node for h in handles])
+        schedule = build_schedule(graph, live, self.scheduler)
+        scheduled = time.perf_counter()
+        executor = Executor(graph, example_of=_ExampleIndex(graph, handles))
+        executor.run(schedule)
+        executed = time.perf_counter()
+        self.schedules.append(schedule)
+        self.stats = self._stats(schedule, live, merged, record_seconds, start, scheduled, executed)
+        result = _rebuild(obj)
+        self._mark = time.perf_counter()
+        return result
+
+    def _stats(
+        self,
+        schedule: Schedule,
+        live: list[int],
+        merged: int,
+        record_seconds: float,
+        start: float,
+        scheduled: float,
+        executed: float,
+    ) -> ScheduleStats:
+        keys = self.graph.keys
+        launches = 0
+        nodes = 0
+        unbatched = 0
+        names: set[str] = set()
+        for step in schedule.steps:
+            key = keys[step.key]
+            if isinstance(key, ConstantKey):
+                continue
+            nodes += len(step.nodes)
+            if key.batchable:
+                launches += 1
+            else:
+                launches += len(step.nodes)
+                unbatched += len(step.nodes)
+                names.add(callable_name(key.fn))
+        bound = launch_lower_bound(self.graph, live) if self.collect_lower_bound else 0
+        return ScheduleStats(
+            nodes=nodes,
+            launches=launches,
+            lower_bound=bound,
+            mean_batch_size=nodes / launches if launches else 0.0,
+            merged=merged,
+            unbatched_calls=unbatched,
+            unbatched_callables=tuple(sorted(names)),
+            record_seconds=record_seconds,
+            schedule_seconds=scheduled - start,
+            execute_seconds=executed - scheduled,
+            scheduler=self.scheduler,
+            calls_recorded=self.calls_recorded,
+        )
+
+
+class _ExampleIndex:
+    """Maps a node to the index of the first requested output that needs it.
+
+    Built lazily: it is only needed to name examples in error messages.
+    """
+
+    def __init__(self, graph: Graph, handles: list[ResultHandle]) -> None:
+        self.graph = graph
+        self.handles = handles
+        self._owner: dict[int, int] | None = None
+
+    def __call__(self, node: int) -> int | None:
+        if self._owner is None:
+            self._owner = {}
+            canon = self.graph.canon
+            inputs = self.graph.node_inputs
+            for i, h in enumerate(self.handles):
+                stack = [canon[h.node]]
+                while stack:
+                    n = stack.pop()
+                    if n in self._owner:
+                        continue
+                    self._owner[n] = i
+                    stack.extend(canon[s] for s, _ in inputs[n])
+        return self._owner.get(self.graph.canon[node])
+
+
+def _collect(obj: Any, out: list[ResultHandle]) -> None:
+    if type(obj) is ResultHandle:
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect(x, out)
+
+
+def _rebuild(obj: Any) -> Any:
+    if type(obj) is ResultHandle:
+        return obj.value
+    if isinstance(obj, list):
+        return [_rebuild(x) for x in obj]
+    if isinstance(obj, tuple):
+        values = [_rebuild(x) for x in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    if isinstance(obj, dict):
+        return type(obj)((k, _rebuild(v)) for k, v in obj.items())
+    return obj
+
+
+def current_policy() -> BatchingPolicy | None:
+    """The policy recording in this context, if any."""
+    return _ACTIVE.get()

@@ -1,0 +1,143 @@
+"""Choosing a ``BatchKey`` class for a call: the built-in registry and its fallbacks.
+
+Order of precedence: a module's own ``batch_key`` attribute, then the policy's
+``rules`` (by module type or by function), then the built-in fast rules below, then
+``VmapKey``. Separately, ``probe_vmap`` checks once per signature that vmap can run the
+call at all; if not, the call runs one at a time (``UnbatchedKey``) and stats say so.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgraph.keys import (
+    DIM_FUNCTIONS,
+    ELEMENTWISE_FUNCTIONS,
+    RANDOM_FUNCTIONS,
+    BatchKey,
+    DimArgKey,
+    ElementwiseKey,
+    IndexKey,
+    StackKey,
+    UnbatchedKey,
+    VmapKey,
+)
+from batchgraph.specs import CallSignature, InputSlot
+
+__all__ = ["KeyFactory", "choose_key"]
+
+KeyFactory = Callable[..., BatchKey]
+
+# Modules whose forward treats dim 0 as a batch dimension for any input rank.
+_STACK_ANY_RANK: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.Identity, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU,
+    nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Hardtanh, nn.Mish, nn.LayerNorm,
+    nn.Dropout, nn.AlphaDropout, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.ReLU6,
+)
+# Modules that accept an unbatched input of exactly this rank and add a batch dim.
+_STACK_AT_RANK: dict[type[nn.Module], int] = {
+    nn.LSTMCell: 1, nn.GRUCell: 1, nn.RNNCell: 1,
+    nn.Conv1d: 2, nn.Conv2d: 3, nn.Conv3d: 4,
+    nn.MaxPool1d: 2, nn.MaxPool2d: 3, nn.AvgPool1d: 2, nn.AvgPool2d: 3,
+}
+_RANDOM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+)
+
+
+def _is_random_module(module: nn.Module) -> bool:
+    return any(isinstance(m, _RANDOM_MODULES) and m.training for m in module.modules())
+
+
+def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:
+    kind = type(module)
+    if kind in _STACK_ANY_RANK:
+        return StackKey
+    rank = _STACK_AT_RANK.get(kind)
+    if rank is not None and call.input_specs and call.input_specs[0] is not None:
+        # The first input decides whether the module sees its unbatched form.
+        if len(call.input_specs[0].shape) == rank:
+            return StackKey
+    if isinstance(module, (nn.Softmax, nn.LogSoftmax)) and isinstance(module.dim, int):
+        if module.dim < 0:
+            return StackKey
+    return VmapKey
+
+
+def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
+    if fn in ELEMENTWISE_FUNCTIONS:
+        return ElementwiseKey
+    position = DIM_FUNCTIONS.get(fn)
+    if position is not None and isinstance(call.static_arg(position, "dim", 0), int):
+        return lambda f, c, **kw: DimArgKey(f, c, dim_position=position, **kw)
+    if fn is operator.getitem and _static_index(call):
+        return IndexKey
+    return VmapKey
+
+
+def _static_index(call: CallSignature) -> bool:
+    if len(call.args) != 2 or type(call.args[0]) is not InputSlot:
+        return False
+    index = call.args[1]
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+
+
+def choose_key(
+    fn: Any,
+    call: CallSignature,
+    rules: Mapping[Any, KeyFactory],
+) -> BatchKey:
+    """Build the key for one call signature (done once per signature, then cached).
+
+    Args:
+        fn: the callable.
+        call: its signature.
+        rules: the policy's registry, by module type or by function.
+
+    Returns:
+        A ``BatchKey`` instance.
+    """
+    if any(s is None for s in call.input_specs):
+        # An input whose structure is unknown until it runs cannot be stacked.
+        return UnbatchedKey(fn, call)
+    if isinstance(fn, nn.Module):
+        deterministic = not _is_random_module(fn)
+        factory: KeyFactory | None = getattr(fn, "batch_key", None)
+        if factory is None:
+            factory = rules.get(type(fn))
+        if factory is None:
+            factory = _module_key(fn, call)
+    else:
+        deterministic = fn not in RANDOM_FUNCTIONS
+        factory = rules.get(fn)
+        if factory is None:
+            factory = _function_key(fn, call)
+    return factory(fn, call, deterministic=deterministic)
+
+
+def probe_vmap(key: BatchKey) -> bool:
+    """Whether ``key`` can run a batch of two on fake tensors (checked once per key).
+
+    Only ``VmapKey`` needs the probe: the other built-in rules are known to batch.
+    """
+    if not isinstance(key, VmapKey):
+        return True
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            inputs = [
+                torch.empty((2, *s.shape), dtype=s.dtype, device=s.device)
+                for s in key.call.input_specs
+                if s is not None
+            ]
+            key.run(key.fn, inputs, 2)
+    except Exception:
+        return False
+    return True

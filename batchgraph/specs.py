@@ -1,0 +1,147 @@
+"""Per-example tensor specs and the shape of a call's arguments.
+
+A recorded call is described without tensors: each tensor input becomes a
+``TensorSpec`` (per-example shape, dtype, device) and a slot number; everything else
+is a static value. ``CallSignature`` keeps that description and rebuilds the real
+arguments from a list of (batched or per-example) tensors when the call runs.
+
+Output specs are trees: a ``TensorSpec`` for one tensor, a tuple of trees for a tuple
+result (``nn.LSTM`` returns ``(out, (h, c))``), or ``None`` when the structure cannot
+be known before running the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Union
+
+import torch
+
+__all__ = ["CallSignature", "InputSlot", "OutSpec", "TensorSpec", "count_leaves", "spec_of"]
+
+
+class TensorSpec(NamedTuple):
+    """What must match for two per-example tensors to batch: shape, dtype, device."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{tuple(self.shape)} {dtype} on {self.device}"
+
+
+OutSpec = Union[TensorSpec, tuple["OutSpec", ...], None]
+
+
+def count_leaves(spec: OutSpec) -> int:
+    """Number of tensors in an output spec tree (1 for an unknown structure)."""
+    if spec is None or isinstance(spec, TensorSpec):
+        return 1
+    return sum(count_leaves(s) for s in spec)
+
+
+def spec_of(value: Any) -> OutSpec:
+    """The spec tree of a call's result: tensors, and tuples/lists of them.
+
+    Raises:
+        TypeError: if ``value`` holds anything but tensors (the caller turns this into
+            a ``NotATensorError`` naming the call).
+    """
+    if isinstance(value, torch.Tensor):
+        return TensorSpec.of(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(spec_of(v) for v in value)
+    raise TypeError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
+
+
+def flatten_output(value: Any, out: list[torch.Tensor]) -> None:
+    """Append the tensors of a (nested) result to ``out`` in spec-tree order."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            flatten_output(v, out)
+    else:
+        raise TypeError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
+
+
+class InputSlot(NamedTuple):
+    """Placeholder in an argument template: the ``index``-th tensor input."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class _Seq:
+    """A list or tuple argument that contains tensor inputs (``torch.cat([a, b])``)."""
+
+    kind: type
+    items: tuple[Any, ...]
+
+
+def _fill(template: Any, inputs: Sequence[Any]) -> Any:
+    if type(template) is InputSlot:
+        return inputs[template.index]
+    if type(template) is _Seq:
+        return template.kind(_fill(t, inputs) for t in template.items)
+    return template
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """A call with its tensor inputs taken out.
+
+    ``args``/``kwargs`` hold ``InputSlot`` placeholders where tensors were;
+    ``input_specs[i]`` is the per-example spec of input ``i`` (``None`` if unknown);
+    ``statics`` is the hashable summary of everything else.
+
+    Example:
+        >>> sig = CallSignature((InputSlot(0), 2), (), (TensorSpec((3,), torch.float32,
+        ...     torch.device("cpu")),), ("s", 2))
+        >>> sig.apply(torch.mul, [torch.ones(3)])
+        tensor([2., 2., 2.])
+    """
+
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    input_specs: tuple[TensorSpec | None, ...]
+    statics: Any
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.input_specs)
+
+    def apply(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> Any:
+        """Call ``fn`` with the template filled from ``inputs``."""
+        args = [_fill(a, inputs) for a in self.args]
+        if self.kwargs:
+            return fn(*args, **{k: _fill(v, inputs) for k, v in self.kwargs})
+        return fn(*args)
+
+    def static_arg(self, position: int, name: str, default: Any) -> Any:
+        """The static value passed at ``position`` or as ``name``, else ``default``."""
+        for key, value in self.kwargs:
+            if key == name:
+                return value
+        if position < len(self.args):
+            return self.args[position]
+        return default
+
+    def with_arg(self, position: int, name: str, value: Any) -> CallSignature:
+        """A copy with the static argument at ``position``/``name`` replaced."""
+        kwargs = tuple((k, value if k == name else v) for k, v in self.kwargs)
+        args = self.args
+        if position < len(args) and not any(k == name for k, _ in self.kwargs):
+            args = (*args[:position], value, *args[position + 1 :])
+        return CallSignature(args, kwargs, self.input_specs, self.statics)
+
+
+def make_seq(kind: type, items: tuple[Any, ...]) -> _Seq:
+    return _Seq(kind, items)
