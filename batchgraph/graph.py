@@ -43,8 +43,6 @@ class Graph:
         self.name = name
         self.open = True
         self.policy: Any = None  # the BatchingPolicy recording into this graph
-        # Deduplication state: how far it has looked, and the calls it has seen.
-        self.deduped_upto = 0
         self.dedupe_table: dict[Any, int] = {}
         self.keys: list[BatchKey] = []
         self.key_ids: dict[BatchKey, int] = {}
@@ -55,8 +53,10 @@ class Graph:
         # Constant values: tensors, or Python scalars (stacked with one torch.tensor call).
         self.constants: dict[int, Any] = {}
         self._constant_kids: dict[TensorSpec, int] = {}
-        # Deduplication maps a node to the node that computes it (itself by default).
-        self.canon: list[int] = []
+        # Identical calls and constants are merged as they are recorded (hash-consing):
+        # this table maps a call's (key, inputs) or a constant's value to its node.
+        self.dedupe = True
+        self.merged = 0
         self.node_store: list[int] = []
         self.node_row: list[int] = []
         self.stores: list[list[Any]] = []
@@ -78,7 +78,6 @@ class Graph:
         self.node_inputs.append(inputs)
         self.node_depth.append(depth)
         self.node_spec.append(spec)
-        self.canon.append(n)
         self.node_store.append(-1)
         self.node_row.append(-1)
         return n
@@ -92,6 +91,14 @@ class Graph:
         kid = self._constant_kids.get(spec)
         if kid is None:
             kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))
+        if self.dedupe:
+            signature = constant_signature(kid, value)
+            if signature is not None:
+                existing = self.dedupe_table.get(signature)
+                if existing is not None:
+                    self.merged += 1
+                    return existing
+                self.dedupe_table[signature] = len(self.node_key)
         n = self.add_node(kid, (), 0, spec)
         self.constants[n] = value
         return n
@@ -100,11 +107,25 @@ class Graph:
         return n in self.constants
 
     def computed(self, n: int) -> bool:
-        return self.node_store[self.canon[n]] >= 0
+        return self.node_store[n] >= 0
 
     def leaf_value(self, n: int, leaf: int) -> torch.Tensor:
         """The per-example value of one output leaf of a computed node."""
-        c = self.canon[n]
-        column = self.stores[self.node_store[c]][leaf]
-        value: torch.Tensor = column[self.node_row[c]]
+        column = self.stores[self.node_store[n]][leaf]
+        value: torch.Tensor = column[self.node_row[n]]
         return value
+
+
+# Constants up to this many elements are merged by value; larger ones never.
+_VALUE_DEDUPE_NUMEL = 16
+
+
+def constant_signature(kid: int, value: Any) -> Any:
+    """What identifies a constant for merging, or None if it is not merged."""
+    if not isinstance(value, torch.Tensor):
+        return (kid, value)
+    if value.requires_grad or value.numel() > _VALUE_DEDUPE_NUMEL:
+        return None
+    if value.dim() == 0:  # the same signature as the equal Python scalar
+        return (kid, value.item())
+    return (kid, tuple(value.reshape(-1).tolist()))

@@ -20,7 +20,7 @@ from batchgraph.executor import Executor
 from batchgraph.graph import Graph
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
-from batchgraph.passes import deduplicate, prune
+from batchgraph.passes import prune
 from batchgraph.recording import _ACTIVE
 from batchgraph.rules import KeyFactory
 from batchgraph.scheduling import SCHEDULERS, Schedule, build_schedule, launch_lower_bound
@@ -103,6 +103,8 @@ class BatchingPolicy:
         self.graph = Graph(self.name)
         self.graph.policy = self
         self.graph.open = False
+        self.graph.dedupe = dedupe
+        self._merged_before = 0
         self.calls_recorded = 0
         self.stats: ScheduleStats | None = None
         self.schedules: list[Schedule] = []
@@ -151,7 +153,8 @@ class BatchingPolicy:
                     "each policy's handles with that policy"
                 )
         graph = self.graph
-        merged = deduplicate(graph) if self.dedupe else 0
+        merged = graph.merged - self._merged_before
+        self._merged_before = graph.merged
         live = prune(graph, [h.node for h in handles])
         schedule = build_schedule(graph, live, self.scheduler)
         scheduled = time.perf_counter()
@@ -159,7 +162,7 @@ class BatchingPolicy:
         executor.run(schedule)
         executed = time.perf_counter()
         self.schedules.append(schedule)
-        self.stats = self._stats(schedule, live, merged, record_seconds, start, scheduled, executed)
+        self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
         result = _rebuild(obj)
         self._mark = time.perf_counter()
         return result
@@ -221,17 +224,16 @@ class _ExampleIndex:
     def __call__(self, node: int) -> int | None:
         if self._owner is None:
             self._owner = {}
-            canon = self.graph.canon
             inputs = self.graph.node_inputs
             for i, h in enumerate(self.handles):
-                stack = [canon[h.node]]
+                stack = [h.node]
                 while stack:
                     n = stack.pop()
                     if n in self._owner:
                         continue
                     self._owner[n] = i
-                    stack.extend(canon[s] for s, _ in inputs[n])
-        return self._owner.get(self.graph.canon[node])
+                    stack.extend(s for s, _ in inputs[n])
+        return self._owner.get(node)
 
 
 def _collect(obj: Any, out: list[ResultHandle]) -> None:

@@ -116,8 +116,19 @@ class CallSite:
         if entry.graph_ref is not graph:
             entry.graph_ref = graph
             entry.kid = graph.key_id(entry.key)
-        node = graph.add_node(entry.kid, tuple(inputs), depth[0] + 1, entry.spec)
         policy.calls_recorded += 1
+        refs = tuple(inputs)
+        if graph.dedupe and entry.key.deterministic:
+            # Hash-consing: an identical call (same key, same inputs) is the same node.
+            signature = (entry.kid, refs)
+            node = graph.dedupe_table.get(signature)
+            if node is None:
+                node = graph.add_node(entry.kid, refs, depth[0] + 1, entry.spec)
+                graph.dedupe_table[signature] = node
+            else:
+                graph.merged += 1
+        else:
+            node = graph.add_node(entry.kid, refs, depth[0] + 1, entry.spec)
         return ResultHandle(graph, node, 0, entry.spec)
 
     def _resolve(

@@ -29,6 +29,7 @@ from typing import Any
 
 from batchgraph.graph import Graph
 from batchgraph.keys import BatchKey, ConstantKey
+from batchgraph.passes import LiveGraph
 
 __all__ = [
     "GatherPlan",
@@ -78,16 +79,17 @@ class Schedule:
     scheduler: str
 
 
-def agenda_order(graph: Graph, live: Sequence[int]) -> list[tuple[int, list[int]]]:
+def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
     """Order ``live`` nodes into steps by the agenda rule (see module docstring)."""
     node_key = graph.node_key
     node_depth = graph.node_depth
     keys = graph.keys
-    pending, consumers = _dependencies(graph, live)
+    pending = dict(live.pending)  # consumed as steps are taken
+    consumers = live.consumers
     depth_sum: dict[int, float] = defaultdict(float)
     count: dict[int, int] = defaultdict(int)
     ready: dict[int, list[int]] = defaultdict(list)
-    for n in live:
+    for n in live.nodes:
         k = node_key[n]
         depth_sum[k] += node_depth[n]
         count[k] += 1
@@ -119,41 +121,22 @@ def agenda_order(graph: Graph, live: Sequence[int]) -> list[tuple[int, list[int]
     return steps
 
 
-def depth_order(graph: Graph, live: Sequence[int]) -> list[tuple[int, list[int]]]:
+def depth_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
     """One step per (depth, key), by increasing depth; unbatchable keys first."""
     node_key = graph.node_key
     node_depth = graph.node_depth
     keys = graph.keys
     groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    for n in live:
+    for n in live.nodes:
         k = node_key[n]
         groups[(node_depth[n], 0 if not keys[k].batchable else 1, k)].append(n)
     return [(k, groups[(d, b, k)]) for d, b, k in sorted(groups)]
 
 
-def _dependencies(
-    graph: Graph, live: Sequence[int]
-) -> tuple[dict[int, int], dict[int, list[int]]]:
-    canon = graph.canon
-    store = graph.node_store
-    inputs = graph.node_inputs
-    pending: dict[int, int] = {}
-    consumers: dict[int, list[int]] = defaultdict(list)
-    for n in live:
-        waiting = 0
-        for s, _ in inputs[n]:
-            c = canon[s]
-            if store[c] < 0:
-                waiting += 1
-                consumers[c].append(n)
-        pending[n] = waiting
-    return pending, consumers
-
-
 SCHEDULERS = {"agenda": agenda_order, "depth": depth_order}
 
 
-def build_schedule(graph: Graph, live: Sequence[int], scheduler: str = "agenda") -> Schedule:
+def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> Schedule:
     """Order ``live`` nodes with ``scheduler`` and plan every step's gathers.
 
     Raises:
@@ -184,23 +167,20 @@ def build_schedule(graph: Graph, live: Sequence[int], scheduler: str = "agenda")
 def _plan_inputs(
     graph: Graph, key: BatchKey, step: Step, loc_store: list[int], loc_row: list[int]
 ) -> None:
-    canon = graph.canon
     inputs = graph.node_inputs
     nodes = step.nodes
     num = len(inputs[nodes[0]])
     if key.combine != "stack":
         for p in range(num):
             refs = [inputs[n][p] for n in nodes]
-            step.refs.append(
-                [(loc_store[canon[s]], leaf, loc_row[canon[s]]) for s, leaf in refs]
-            )
+            step.refs.append([(loc_store[s], leaf, loc_row[s]) for s, leaf in refs])
         return
     for positions in _position_groups(key, num):
         sources: list[int] = []
         leaves: list[int] = []
         for p in positions:
             column = [inputs[n][p] for n in nodes]
-            sources.extend([canon[s] for s, _ in column])
+            sources.extend([s for s, _ in column])
             leaves.extend([leaf for _, leaf in column])
         stores = [loc_store[c] for c in sources]
         rows = [loc_row[c] for c in sources]
@@ -253,10 +233,9 @@ def _plan_gather(
 
 
 def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:
-    """Lower bound on launches for ``live`` (see the module docstring)."""
+    """Lower bound on launches for the ``live`` nodes (see the module docstring)."""
     node_key = graph.node_key
     inputs = graph.node_inputs
-    canon = graph.canon
     keys = graph.keys
     unbatched = 0
     call_keys = set()
@@ -276,9 +255,8 @@ def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:
         for n in live:
             m = 0
             for s, _ in inputs[n]:
-                c = canon[s]
-                if c in live_set:
-                    v = longest[c]
+                if s in live_set:
+                    v = longest[s]
                     if v > m:
                         m = v
             if node_key[n] == k:
