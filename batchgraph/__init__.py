@@ -35,6 +35,7 @@ from batchgraph.keys import (
 from batchgraph.module import BatchedModule
 from batchgraph.policy import BatchingPolicy, ScheduleStats
 from batchgraph.scheduling import Schedule
+from batchgraph.sequence import PackedSequenceKey
 from batchgraph.specs import TensorSpec
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "IndexKey",
     "NotATensorError",
     "NotComputedError",
+    "PackedSequenceKey",
     "PolicyClosedError",
     "PolicyMismatchError",
     "ResultHandle",

@@ -131,7 +131,9 @@ class Executor:
             except TypeError as err:
                 raise NotATensorError(f"{key.label} returned {err}") from err
             flat.append(leaves)
-        return [list(column) for column in zip(*flat)]
+        # The last column keeps each whole result: handles whose structure was unknown
+        # before running refer to it as leaf -1.
+        return [*(list(column) for column in zip(*flat)), list(out)]
 
     def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
         cache_key = (id(rows), device)

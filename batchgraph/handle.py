@@ -150,6 +150,8 @@ class ResultHandle:
                 f"{self!r} has not been computed yet; call bg.compute(...) on it (or on a "
                 "structure holding it) before reading its value"
             )
+        if self.spec is None:  # the whole result, whatever its structure turned out to be
+            return self._graph.leaf_value(self.node, -1)
         return self._value_of(self.spec, self.leaf)
 
     def _value_of(self, spec: OutSpec, leaf: int) -> Any:

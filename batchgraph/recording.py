@@ -191,9 +191,12 @@ def _encode(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:
         d = graph.node_depth[a.node]
         if d > depth[0]:
             depth[0] = d
-        if type(spec) is TensorSpec or spec is None:
+        if type(spec) is TensorSpec:
             inputs.append((a.node, a.leaf))
             return spec
+        if spec is None:  # structure unknown until it runs: pass the whole result
+            inputs.append((a.node, -1))
+            return None
         return ("handle-tuple", tuple(_encode(h, graph, inputs, depth) for h in a))
     if isinstance(a, torch.Tensor):
         node = graph.add_constant(a)

@@ -27,6 +27,7 @@ from batchgraph.keys import (
     UnbatchedKey,
     VmapKey,
 )
+from batchgraph.sequence import packed_sequence_rule
 from batchgraph.specs import CallSignature, InputSlot
 
 __all__ = ["KeyFactory", "choose_key"]
@@ -58,6 +59,8 @@ def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:
     kind = type(module)
     if kind in _STACK_ANY_RANK:
         return StackKey
+    if kind in (nn.LSTM, nn.GRU, nn.RNN):
+        return packed_sequence_rule
     rank = _STACK_AT_RANK.get(kind)
     if rank is not None and call.input_specs and call.input_specs[0] is not None:
         # The first input decides whether the module sees its unbatched form.

@@ -1,0 +1,88 @@
+"""Bad input gets errors that name the call, the values and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import batchgraph as bg
+
+
+def test_mixing_handles_of_two_policies() -> None:
+    lin = bg.batched_func(nn.Linear(2, 2))
+    with bg.BatchingPolicy(name="first"):
+        a = lin(torch.ones(2))
+        with bg.BatchingPolicy(name="second"), pytest.raises(
+            bg.PolicyMismatchError, match=r"recorded by policy 'first'.*policy 'second'"
+        ):
+            lin(a)
+
+
+def test_computing_handles_of_two_policies_together() -> None:
+    with bg.BatchingPolicy(name="p1"):
+        a = bg.batched_value(torch.ones(2)) + 1
+    with bg.BatchingPolicy(name="p2") as p2:
+        b = bg.batched_value(torch.ones(2)) + 2
+    with pytest.raises(bg.PolicyMismatchError, match=r"belongs to policy 'p1', not 'p2'"):
+        p2.compute([b, a])
+
+
+def test_using_a_handle_after_its_policy_closed() -> None:
+    with bg.BatchingPolicy():
+        a = bg.batched_value(torch.ones(2)) * 2
+    with pytest.raises(bg.PolicyClosedError, match=r"`with` block has ended.*Compute it first"):
+        _ = a + 1
+    with pytest.raises(bg.PolicyClosedError, match="has ended"):
+        torch.tanh(a)
+    # Computing after the block is fine.
+    torch.testing.assert_close(bg.compute(a), torch.full((2,), 2.0))
+
+
+def test_shape_mismatch_is_caught_when_recorded() -> None:
+    lin = bg.batched_func(nn.Linear(4, 3))
+    with bg.BatchingPolicy(), pytest.raises(
+        bg.ShapeMismatchError,
+        match=r"Linear\(in_features=4, out_features=3, bias=True\) does not accept these "
+        r"per-example inputs \(input 0: \(5,\) float32 on cpu\).*no batch\s+dimension",
+    ):
+        lin(torch.randn(5))
+
+
+def test_exception_inside_a_batched_call_names_key_and_example() -> None:
+    embed = bg.batched_func(nn.Embedding(10, 2))
+    tokens = [1, 2, 50, 3]  # 50 is out of range; only running it can tell
+    with bg.BatchingPolicy():
+        hs = [embed(bg.batched_value(t)) for t in tokens]
+    with pytest.raises(
+        bg.BatchedCallError,
+        match=r"StackKey\[Embedding\(10, 2\)\] raised in a batched call of 4 calls "
+        r"\(examples 0, 1, 2, 3\): IndexError.*call of example 2 \(row 2\) fails too",
+    ):
+        bg.compute(hs)
+
+
+def test_non_tensor_result_is_refused() -> None:
+    count = bg.batched_func(lambda t: t.shape[0])
+    with bg.BatchingPolicy(), pytest.raises(
+        bg.NotATensorError, match=r"returned int; a recorded call must return a tensor"
+    ):
+        count(torch.ones(3))
+
+
+def test_unknown_scheduler() -> None:
+    with pytest.raises(ValueError, match=r"unknown scheduler 'fifo'; choose one of"):
+        bg.BatchingPolicy(scheduler="fifo")
+
+
+def test_unpacking_an_unknown_structure() -> None:
+    f = bg.batched_func(lambda t: (t, t) if t.sum().item() > 0 else (t, -t))
+    with bg.BatchingPolicy():
+        h = f(torch.ones(2))
+        with pytest.raises(TypeError, match="only known once it runs"):
+            _a, _b = h
+        g = bg.batched_func(lambda pair: pair[0] + pair[1])(h)
+    first, second = bg.compute(h)
+    torch.testing.assert_close(first, torch.ones(2))
+    torch.testing.assert_close(second, torch.ones(2))
+    torch.testing.assert_close(bg.compute(g), torch.full((2,), 2.0))
