@@ -1,0 +1,67 @@
+"""Scheduler behaviour: agenda vs depth, the lower bound, pinned launch counts."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch import nn
+
+import batchgraph as bg
+from tests.property.models import TreeModel
+
+
+def test_agenda_batches_across_depths_where_depth_cannot() -> None:
+    lin = bg.batched_func(nn.Linear(3, 3))
+    tanh = bg.batched_func(torch.tanh)
+
+    def example(i: int) -> Any:
+        x = torch.full((3,), float(i))
+        # Half the examples reach the linear layer one step later than the others.
+        return lin(tanh(x)) if i % 2 else lin(x)
+
+    results = {}
+    for scheduler in ("agenda", "depth"):
+        with bg.BatchingPolicy(scheduler=scheduler) as policy:
+            hs = [example(i) for i in range(6)]
+        results[scheduler] = bg.compute(hs)
+        assert policy.stats is not None
+        if scheduler == "agenda":
+            assert (policy.stats.launches, policy.stats.lower_bound) == (2, 2)
+        else:
+            assert (policy.stats.launches, policy.stats.lower_bound) == (3, 2)
+    for a, d in zip(results["agenda"], results["depth"]):
+        torch.testing.assert_close(a, d)
+
+
+def _fixed_trees(n: int, seed: int) -> list[Any]:
+    rng = random.Random(seed)
+
+    def tree(leaves: int) -> Any:
+        if leaves == 1:
+            return rng.randrange(20)
+        k = rng.randint(1, leaves - 1)
+        return (tree(k), tree(leaves - k))
+
+    return [tree(rng.randint(1, 20)) for _ in range(n)]
+
+
+def test_pinned_launch_counts_for_a_fixed_treelstm_batch() -> None:
+    # A change in batching quality (or in dedupe) shows up here first.
+    trees = _fixed_trees(32, seed=7)
+    model = TreeModel()
+    counts = {}
+    for scheduler in ("agenda", "depth"):
+        with bg.BatchingPolicy(scheduler=scheduler) as policy:
+            hs = [model.logits(t) for t in trees]
+        bg.compute(hs)
+        assert policy.stats is not None
+        counts[scheduler] = (policy.stats.launches, policy.stats.lower_bound, policy.stats.nodes)
+    assert counts == {"agenda": PINNED_AGENDA, "depth": PINNED_DEPTH}
+
+
+# (launches, lower bound, calls): agenda reaches the bound; by-depth cannot merge
+# the output layer across trees of different heights.
+PINNED_AGENDA = (11, 11, 349)
+PINNED_DEPTH = (19, 11, 349)
