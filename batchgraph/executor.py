@@ -94,7 +94,7 @@ class Executor:
                 if len(plan.positions) == 1:
                     inputs[plan.positions[0]] = gathered
                 else:
-                    for p, chunk in zip(plan.positions, gathered.split(size)):
+                    for p, chunk in zip(plan.positions, torch.split(gathered, size)):
                         inputs[p] = chunk
         try:
             out = key.run(key.fn, inputs, size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -69,7 +69,8 @@ class ResultHandle:
         offsets = _CHILD_OFFSETS.get(spec)
         if offsets is None:
             offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
-        return ResultHandle(self._graph, self.node, self.leaf + offsets[index], spec[index])
+        child = cast(OutSpec, spec[index])
+        return ResultHandle(self._graph, self.node, self.leaf + offsets[index], child)
 
     def __iter__(self) -> Iterator[ResultHandle]:
         spec = self.spec

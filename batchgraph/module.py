@@ -60,7 +60,8 @@ class _ContainerStub:
 
     __slots__ = ("container",)
 
-    def __init__(self, container: nn.Module) -> None:
+    def __init__(self, container: Any) -> None:
+        # Any: ModuleList, ModuleDict and Sequential share indexing but no base type.
         self.container = container
 
     def __getitem__(self, index: Any) -> Any:

@@ -11,7 +11,7 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -288,7 +288,7 @@ def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return function_site(fn).record(policy, args, kwargs)
 
 
-def _handles(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _handles(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[ResultHandle]:
     for a in (*args, *kwargs.values()):
         if type(a) is ResultHandle:
             yield a
