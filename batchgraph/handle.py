@@ -75,7 +75,14 @@ class ResultHandle:
     def __iter__(self) -> Iterator[ResultHandle]:
         spec = self.spec
         if type(spec) is tuple:
-            return iter([self._child(i) for i in range(len(spec))])
+            offsets = _CHILD_OFFSETS.get(spec)
+            if offsets is None:
+                offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+            graph, node, leaf = self._graph, self.node, self.leaf
+            children = cast(tuple[OutSpec, ...], spec)
+            return iter(
+                [ResultHandle(graph, node, leaf + o, s) for o, s in zip(offsets, children)]
+            )
         if isinstance(spec, TensorSpec):
             if not spec.shape:
                 raise TypeError("iteration over a 0-d tensor handle")

@@ -22,12 +22,13 @@ nodes of that key on one dependency path, summed, plus one per unbatchable node.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgraph.graph import Graph
+from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.passes import LiveGraph
 
@@ -40,6 +41,8 @@ __all__ = [
     "depth_order",
     "launch_lower_bound",
 ]
+
+LEAF_MASK = (1 << (STORE_SHIFT - LEAF_SHIFT)) - 1
 
 # rows: a range (a slice of the source) or an explicit list of rows.
 Part = tuple[int, int, Any]  # (store id, leaf, rows)
@@ -84,7 +87,7 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
     node_key = graph.node_key
     node_depth = graph.node_depth
     keys = graph.keys
-    pending = dict(live.pending)  # consumed as steps are taken
+    pending = live.pending[:]  # consumed as steps are taken
     consumers = live.consumers
     depth_sum: dict[int, float] = defaultdict(float)
     count: dict[int, int] = defaultdict(int)
@@ -109,7 +112,10 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
         nodes = ready.pop(k)
         steps.append((k, nodes))
         for n in nodes:
-            for c in consumers.get(n, ()):
+            users = consumers[n]
+            if users is None:
+                continue
+            for c in users:
                 left = pending[c] - 1
                 pending[c] = left
                 if not left:
@@ -147,44 +153,41 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
     order = order_fn(graph, live)
     base = len(graph.stores)
-    # Locations are planned on copies: the graph only changes once execution succeeds.
-    loc_store = graph.node_store[:]
-    loc_row = graph.node_row[:]
+    # Locations are planned on a copy: the graph only changes once execution succeeds.
+    loc = graph.node_loc[:]
+    keys = graph.keys
+    inputs = graph.node_inputs
     steps = []
     for i, (k, nodes) in enumerate(order):
         sid = base + i
         step = Step(k, nodes, sid)
-        key = graph.keys[k]
-        if not isinstance(key, ConstantKey) and graph.node_inputs[nodes[0]]:
-            _plan_inputs(graph, key, step, loc_store, loc_row)
+        key = keys[k]
+        if inputs[nodes[0]] and not isinstance(key, ConstantKey):
+            _plan_inputs(graph, key, step, loc)
+        code = sid << STORE_SHIFT
         for row, n in enumerate(nodes):
-            loc_store[n] = sid
-            loc_row[n] = row
+            loc[n] = code | row
         steps.append(step)
     return Schedule(steps, base, scheduler)
 
 
-def _plan_inputs(
-    graph: Graph, key: BatchKey, step: Step, loc_store: list[int], loc_row: list[int]
-) -> None:
+def _plan_inputs(graph: Graph, key: BatchKey, step: Step, loc: list[int]) -> None:
     inputs = graph.node_inputs
     nodes = step.nodes
     num = len(inputs[nodes[0]])
     if key.combine != "stack":
         for p in range(num):
-            refs = [inputs[n][p] for n in nodes]
-            step.refs.append([(loc_store[s], leaf, loc_row[s]) for s, leaf in refs])
+            column = [inputs[n][p] for n in nodes]
+            step.refs.append(
+                [(loc[s] >> STORE_SHIFT, leaf, loc[s] & ROW_MASK) for s, leaf in column]
+            )
         return
     for positions in _position_groups(key, num):
-        sources: list[int] = []
-        leaves: list[int] = []
+        codes: list[int] = []
         for p in positions:
             column = [inputs[n][p] for n in nodes]
-            sources.extend([s for s, _ in column])
-            leaves.extend([leaf for _, leaf in column])
-        stores = [loc_store[c] for c in sources]
-        rows = [loc_row[c] for c in sources]
-        step.gathers.append(_plan_gather(positions, stores, leaves, rows))
+            codes.extend([loc[s] | (leaf << LEAF_SHIFT) for s, leaf in column])
+        step.gathers.append(_plan_gather(positions, codes))
 
 
 def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
@@ -199,37 +202,32 @@ def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
     return groups
 
 
-def _plan_gather(
-    positions: list[int], stores: list[int], leaves: list[int], rows: list[int]
-) -> GatherPlan:
-    first = (stores[0], leaves[0])
-    if all(s == first[0] for s in stores) and all(lf == first[1] for lf in leaves):
-        lo = rows[0]
-        if rows == list(range(lo, lo + len(rows))):
-            return GatherPlan(positions, [(first[0], first[1], range(lo, lo + len(rows)))], None)
-        return GatherPlan(positions, [(first[0], first[1], rows)], None)
-    # Several sources: per source, its needed rows (sorted, unique); then one
-    # permutation back to node order.
-    by_source: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for s, lf, r in zip(stores, leaves, rows):
-        by_source[(s, lf)].add(r)
+def _plan_gather(positions: list[int], codes: list[int]) -> GatherPlan:
+    """Plan one gather from location codes (store, leaf, row packed in one int).
+
+    Sorting the distinct codes groups them by (store, leaf) and orders rows within
+    each group; each group becomes one part (a slice when its rows are contiguous),
+    and a permutation restores the requested order unless it already holds.
+    """
+    distinct = sorted(set(codes))
     parts: list[Part] = []
-    offset: dict[tuple[int, int, int], int] = {}
-    total = 0
-    for (s, lf), wanted in sorted(by_source.items()):
-        ordered = sorted(wanted)
-        lo = ordered[0]
-        if ordered[-1] - lo + 1 == len(ordered):
-            parts.append((s, lf, range(lo, lo + len(ordered))))
+    start = 0
+    total = len(distinct)
+    while start < total:
+        column = distinct[start] >> LEAF_SHIFT
+        stop = bisect_left(distinct, (column + 1) << LEAF_SHIFT, start)
+        first = distinct[start] & ROW_MASK
+        last = distinct[stop - 1] & ROW_MASK
+        store, leaf = column >> (STORE_SHIFT - LEAF_SHIFT), column & LEAF_MASK
+        if last - first + 1 == stop - start:  # distinct and sorted: contiguous
+            parts.append((store, leaf, range(first, last + 1)))
         else:
-            parts.append((s, lf, ordered))
-        for j, r in enumerate(ordered):
-            offset[(s, lf, r)] = total + j
-        total += len(ordered)
-    perm = [offset[t] for t in zip(stores, leaves, rows)]
-    if perm == list(range(len(perm))) and total == len(perm):
+            parts.append((store, leaf, [c & ROW_MASK for c in distinct[start:stop]]))
+        start = stop
+    if codes == distinct:
         return GatherPlan(positions, parts, None)
-    return GatherPlan(positions, parts, perm)
+    where = {c: i for i, c in enumerate(distinct)}
+    return GatherPlan(positions, parts, [where[c] for c in codes])
 
 
 def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:
