@@ -88,12 +88,16 @@ class Graph:
         self.node_loc.append(-1)
         return n
 
-    def add_constant(self, value: torch.Tensor | bool | int | float) -> int:
-        """Add a per-example constant: a tensor or a Python scalar."""
+    def add_constant(
+        self, value: torch.Tensor | bool | int | float, device: torch.device | None = None
+    ) -> int:
+        """Add a per-example constant: a tensor, or a Python scalar for ``device``."""
         if isinstance(value, torch.Tensor):
             spec = TensorSpec.of(value)
-        else:
+        elif device is None:
             spec = _SCALAR_SPECS[type(value)]
+        else:
+            spec = _SCALAR_SPECS[type(value)]._replace(device=device)
         kid = self._constant_kids.get(spec)
         if kid is None:
             kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))

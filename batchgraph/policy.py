@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from batchgraph.errors import PolicyMismatchError
@@ -23,40 +22,17 @@ from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
 from batchgraph.recording import _ACTIVE
 from batchgraph.rules import KeyFactory
-from batchgraph.scheduling import SCHEDULERS, Schedule, build_schedule, launch_lower_bound
+from batchgraph.scheduling import (
+    SCHEDULERS,
+    Schedule,
+    ScheduleStats,
+    build_schedule,
+    launch_lower_bound,
+)
 
-__all__ = ["BatchingPolicy", "ScheduleStats"]
+__all__ = ["BatchingPolicy"]
 
 _policy_ids = itertools.count()
-
-
-@dataclass
-class ScheduleStats:
-    """What one ``compute`` did.
-
-    Attributes:
-        nodes: calls computed (constants and merged duplicates not counted).
-        launches: batched calls made; a call that cannot batch counts once per example.
-        lower_bound: the launch lower bound (see ``scheduling.launch_lower_bound``).
-        mean_batch_size: calls per batched launch.
-        merged: identical calls merged by deduplication.
-        unbatched_calls: calls that ran one at a time, and ``unbatched_callables`` names them.
-        record_seconds: time from entering the policy (or the last compute) to this compute.
-        schedule_seconds: passes plus scheduling; ``execute_seconds``: running the steps.
-    """
-
-    nodes: int
-    launches: int
-    lower_bound: int
-    mean_batch_size: float
-    merged: int
-    unbatched_calls: int
-    unbatched_callables: tuple[str, ...]
-    record_seconds: float
-    schedule_seconds: float
-    execute_seconds: float
-    scheduler: str
-    calls_recorded: int = field(default=0)
 
 
 class BatchingPolicy:
@@ -163,6 +139,7 @@ class BatchingPolicy:
         executed = time.perf_counter()
         self.schedules.append(schedule)
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
+        schedule.stats = self.stats
         result = _rebuild(obj)
         self._mark = time.perf_counter()
         return result

@@ -35,6 +35,7 @@ from batchgraph.passes import LiveGraph
 __all__ = [
     "GatherPlan",
     "Schedule",
+    "ScheduleStats",
     "Step",
     "agenda_order",
     "build_schedule",
@@ -74,12 +75,42 @@ class Step:
 
 
 @dataclass
+class ScheduleStats:
+    """What one ``compute`` did.
+
+    Attributes:
+        nodes: calls computed (constants and merged duplicates not counted).
+        launches: batched calls made; a call that cannot batch counts once per example.
+        lower_bound: the launch lower bound (see ``scheduling.launch_lower_bound``).
+        mean_batch_size: calls per batched launch.
+        merged: identical calls merged by deduplication.
+        unbatched_calls: calls that ran one at a time, and ``unbatched_callables`` names them.
+        record_seconds: time from entering the policy (or the last compute) to this compute.
+        schedule_seconds: passes plus scheduling; ``execute_seconds``: running the steps.
+    """
+
+    nodes: int
+    launches: int
+    lower_bound: int
+    mean_batch_size: float
+    merged: int
+    unbatched_calls: int
+    unbatched_callables: tuple[str, ...]
+    record_seconds: float
+    schedule_seconds: float
+    execute_seconds: float
+    scheduler: str
+    calls_recorded: int = field(default=0)
+
+
+@dataclass
 class Schedule:
-    """A whole run: steps in order, and where each requested value ends up."""
+    """A whole run: its steps in order. ``stats`` is filled in once it has run."""
 
     steps: list[Step]
     base_store: int
     scheduler: str
+    stats: ScheduleStats | None = None
 
 
 def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
