@@ -27,7 +27,6 @@ from batchgraph.scheduling import (
     Schedule,
     ScheduleStats,
     build_schedule,
-    launch_lower_bound,
 )
 
 __all__ = ["BatchingPolicy"]
@@ -42,7 +41,6 @@ class BatchingPolicy:
         scheduler: ``"agenda"`` (default) or ``"depth"``.
         dedupe: merge identical calls (same callable, same inputs) before running.
         rules: extra batching rules: ``{ModuleType or function: BatchKey subclass}``.
-        lower_bound: compute the launch lower bound in ``stats`` (costs a pass per key).
         name: shown in error messages.
 
     Example:
@@ -62,7 +60,6 @@ class BatchingPolicy:
         scheduler: str = "agenda",
         dedupe: bool = True,
         rules: Mapping[Any, KeyFactory] | None = None,
-        lower_bound: bool = True,
         name: str | None = None,
     ) -> None:
         if scheduler not in SCHEDULERS:
@@ -74,7 +71,6 @@ class BatchingPolicy:
         self.rules: dict[Any, KeyFactory] = dict(rules or {})
         # Signature caches are shared across policies with the same (empty) rules.
         self.rules_token = 0 if not self.rules else id(self.rules)
-        self.collect_lower_bound = lower_bound
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
@@ -170,11 +166,9 @@ class BatchingPolicy:
                 launches += len(step.nodes)
                 unbatched += len(step.nodes)
                 names.add(callable_name(key.fn))
-        bound = launch_lower_bound(self.graph, live) if self.collect_lower_bound else 0
         return ScheduleStats(
             nodes=nodes,
             launches=launches,
-            lower_bound=bound,
             mean_batch_size=nodes / launches if launches else 0.0,
             merged=merged,
             unbatched_calls=unbatched,
@@ -184,6 +178,7 @@ class BatchingPolicy:
             execute_seconds=executed - scheduled,
             scheduler=self.scheduler,
             calls_recorded=self.calls_recorded,
+            _bound_source=(self.graph, live),
         )
 
 

@@ -81,7 +81,8 @@ class ScheduleStats:
     Attributes:
         nodes: calls computed (constants and merged duplicates not counted).
         launches: batched calls made; a call that cannot batch counts once per example.
-        lower_bound: the launch lower bound (see ``scheduling.launch_lower_bound``).
+        lower_bound: the launch lower bound (see ``launch_lower_bound``); computed on
+            first access (it costs a pass per key), and before pickling.
         mean_batch_size: calls per batched launch.
         merged: identical calls merged by deduplication.
         unbatched_calls: calls that ran one at a time, and ``unbatched_callables`` names them.
@@ -91,7 +92,6 @@ class ScheduleStats:
 
     nodes: int
     launches: int
-    lower_bound: int
     mean_batch_size: float
     merged: int
     unbatched_calls: int
@@ -101,6 +101,25 @@ class ScheduleStats:
     execute_seconds: float
     scheduler: str
     calls_recorded: int = field(default=0)
+    # What the lazy lower bound needs: the graph and the live nodes (dropped once used).
+    _bound_source: tuple[Graph, list[int]] | None = field(default=None, repr=False)
+    _lower_bound: int | None = field(default=None, repr=False)
+
+    @property
+    def lower_bound(self) -> int:
+        if self._lower_bound is None:
+            assert self._bound_source is not None
+            self._lower_bound = launch_lower_bound(*self._bound_source)
+            self._bound_source = None
+        return self._lower_bound
+
+    def __getstate__(self) -> dict[str, Any]:
+        _ = self.lower_bound  # resolve it: the graph does not travel
+        return {k: v for k, v in self.__dict__.items() if k != "_bound_source"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bound_source = None
 
 
 @dataclass
