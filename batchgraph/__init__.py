@@ -11,6 +11,8 @@ Write code for one example; run many together::
 
 from __future__ import annotations
 
+from batchgraph.awaiting import DeadlockError, ExampleError, UnsupportedAwaitError
+from batchgraph.coroutines import run_all, value
 from batchgraph.errors import (
     BatchedCallError,
     BatchgraphError,
@@ -46,8 +48,10 @@ __all__ = [
     "BatchedModule",
     "BatchgraphError",
     "BatchingPolicy",
+    "DeadlockError",
     "DimArgKey",
     "ElementwiseKey",
+    "ExampleError",
     "Executor",
     "IndexKey",
     "NotATensorError",
@@ -62,9 +66,12 @@ __all__ = [
     "StackKey",
     "TensorSpec",
     "UnbatchedKey",
+    "UnsupportedAwaitError",
     "VmapKey",
     "__version__",
     "batched_func",
     "batched_value",
     "compute",
+    "run_all",
+    "value",
 ]

@@ -11,7 +11,7 @@ its value needs ``compute`` first; branching on it (``if h > 0``) needs a corout
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -170,6 +170,13 @@ class ResultHandle:
                 leaf += count_leaves(s)
             return tuple(values)
         return self._graph.leaf_value(self.node, leaf)
+
+    # -- coroutines (see batchgraph.awaiting) ---------------------------------------------
+    def __await__(self) -> Generator[Any, Any, Any]:
+        """``await h`` is ``await bg.value(h)``: suspend the example until ``h`` is computed."""
+        from batchgraph.awaiting import value  # import here: awaiting imports this module
+
+        return value(self).__await__()
 
     def __bool__(self) -> bool:
         raise TypeError(

@@ -1,0 +1,172 @@
+"""``bg.value``: the awaitable that suspends a coroutine example until a handle is computed.
+
+An example written as ``async def`` awaits ``bg.value(h)`` (or ``h`` itself) where it
+needs a computed value to decide what to do next. The awaitable does not compute
+anything: it *yields itself* to whoever drives the coroutine (``bg.run_all`` or
+``bg.AsyncBatcher``), and the driver sends the value back once a batched step has
+computed it::
+
+    example coroutine            driver (run_all)
+    ─────────────────            ────────────────
+    h = model.step(x)   records
+    await bg.value(h) ──yield Wait──▶ collects the Waits of all live examples
+                                     policy.compute(all pending handles)  (one step)
+    tok = ... ◀──send(tensor)──────── resumes each example with its value
+
+On a plain tensor, or a handle that is already computed, the awaitable finishes at
+once without yielding, so the very same coroutine also runs eagerly
+(``asyncio.run(example())``, or ``coro.send(None)`` until ``StopIteration``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from batchgraph.errors import BatchgraphError, NotComputedError
+from batchgraph.handle import ResultHandle
+
+__all__ = [
+    "DeadlockError",
+    "ExampleError",
+    "UnsupportedAwaitError",
+    "Wait",
+    "value",
+]
+
+# True while a batchgraph driver steps coroutines in this context. Awaiting an
+# uncomputed handle without one would hand our Wait to asyncio ("bad yield") or hang;
+# with this flag the await itself raises a clear error instead.
+DRIVING: ContextVar[bool] = ContextVar("batchgraph_driving", default=False)
+
+
+class ExampleError(BatchgraphError, RuntimeError):
+    """An example coroutine raised (``bg.run_all`` with ``return_exceptions=False``).
+
+    Attributes:
+        index: the first failing example.
+        errors: every failing example's exception, by index.
+        results: all results in order, with the exception in each failed slot, so the
+            work of the examples that finished is not lost.
+    """
+
+    def __init__(self, message: str, index: int, errors: dict[int, BaseException],
+                 results: list[Any]) -> None:
+        super().__init__(message)
+        self.index = index
+        self.errors = errors
+        self.results = results
+
+
+class UnsupportedAwaitError(BatchgraphError, TypeError):
+    """An example awaited something its batchgraph driver cannot resolve."""
+
+
+class DeadlockError(BatchgraphError, RuntimeError):
+    """Every live example waits, but nothing that the driver can compute is pending."""
+
+
+class Wait:
+    """What ``bg.value`` returns; awaiting it yields it to the driver if needed.
+
+    Attributes:
+        obj: the awaited structure (handles, tensors, lists/tuples/dicts of them).
+        pending: its handles that were not computed when the Wait was made.
+    """
+
+    __slots__ = ("obj", "pending")
+
+    def __init__(self, obj: Any, pending: list[ResultHandle]) -> None:
+        self.obj = obj
+        self.pending = pending
+
+    def __await__(self) -> Generator[Wait, Any, Any]:
+        if not self.pending:
+            return resolve(self.obj)
+        if not DRIVING.get():
+            raise NotComputedError(
+                f"awaiting {self.pending[0]!r}, which is not computed, outside a batchgraph "
+                "driver: nothing would ever compute it. Run the coroutine with "
+                "bg.run_all([...]) or AsyncBatcher.run(...), or compute it first "
+                "(bg.compute)."
+            )
+        # The driver sends the resolved structure back (or throws the example's error).
+        return (yield self)
+
+    def __repr__(self) -> str:
+        return f"<bg.value waiting for {len(self.pending)} handle(s)>"
+
+
+def value(obj: Any) -> Wait:
+    """Wait for ``obj`` to be computed; ``await`` it inside a coroutine example.
+
+    Args:
+        obj: a ``ResultHandle``, a tensor, or lists/tuples/dicts of them (other leaves
+            inside containers pass through unchanged).
+
+    Returns:
+        An awaitable whose result is ``obj`` with every handle replaced by its
+        per-example tensor (or tuple of tensors). A plain tensor, or a handle that is
+        already computed, gives its value at once: the coroutine also runs eagerly.
+
+    Raises:
+        UnsupportedAwaitError: if ``obj`` is neither a handle, a tensor nor a container
+            of them (a ``TypeError``).
+        NotComputedError: when awaited outside a driver while a handle is pending.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> async def example(x):
+        ...     y = bg.batched_func(torch.tanh)(x)
+        ...     return int((await bg.value(y)).argmax())
+        >>> bg.run_all([example(torch.tensor([0.0, 1.0])), example(torch.tensor([2.0, 1.0]))])
+        [1, 0]
+    """
+    if type(obj) is ResultHandle:  # the common case, kept short
+        if obj._graph.node_loc[obj.node] >= 0:
+            return Wait(obj, [])
+        return Wait(obj, [obj])
+    if isinstance(obj, torch.Tensor):
+        return Wait(obj, [])
+    if not isinstance(obj, (list, tuple, dict)):
+        raise UnsupportedAwaitError(
+            f"bg.value expects a ResultHandle, a tensor, or lists/tuples/dicts of them; "
+            f"got {type(obj).__name__} ({obj!r:.60}). Await handles returned by recorded "
+            "calls, and use plain Python values directly."
+        )
+    pending: list[ResultHandle] = []
+    _pending(obj, pending)
+    return Wait(obj, pending)
+
+
+def _pending(obj: Any, out: list[ResultHandle]) -> None:
+    if type(obj) is ResultHandle:
+        if obj._graph.node_loc[obj.node] < 0:
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _pending(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _pending(x, out)
+
+
+def resolve(obj: Any) -> Any:
+    """``obj`` with every (computed) handle replaced by its value.
+
+    Raises:
+        NotComputedError: if a handle in ``obj`` is still not computed.
+    """
+    if type(obj) is ResultHandle:
+        return obj.value
+    if isinstance(obj, list):
+        return [resolve(x) for x in obj]
+    if isinstance(obj, tuple):
+        values = [resolve(x) for x in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    if isinstance(obj, dict):
+        return type(obj)((k, resolve(v)) for k, v in obj.items())
+    return obj

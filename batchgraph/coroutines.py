@@ -1,0 +1,164 @@
+"""``bg.run_all``: run many coroutine examples together, one batched step at a time.
+
+Per-example code that needs computed values to decide what to do next (a decoder
+that stops at its own end token, a parser that follows its own predictions) is
+written as ``async def`` and awaits ``bg.value(h)``. ``run_all`` steps every example
+until it waits, computes everything pending as one ``policy.compute``, and resumes
+them with real tensors, so value-dependent control flow still batches.
+
+Several groups taking turns (``groups=k``): the examples are split into ``k`` lanes,
+each with its own policy. While one lane's step runs on the executor thread
+(PyTorch releases the GIL inside its kernels; on CUDA the kernels are asynchronous
+anyway), the driver thread resumes another lane's examples and records their next
+step::
+
+    driver thread:   record A0 │ record B0 │ wait A0, record A1 │ wait B0, record B1 │ ...
+    executor thread:           │ compute A0          │ compute B0          │ compute A1
+
+A lane is touched by one thread at a time: its examples are all suspended while it
+computes. Results are identical to one group (the same calls, batched differently).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any
+
+from batchgraph.awaiting import ExampleError, value
+from batchgraph.policy import BatchingPolicy
+from batchgraph.stepping import Example, GradMode, Lane, grad_mode
+
+__all__ = ["run_all", "value"]
+
+
+def run_all(
+    coroutines: Iterable[Coroutine[Any, Any, Any]],
+    groups: int = 1,
+    return_exceptions: bool = False,
+    *,
+    max_steps: int | None = None,
+    make_policy: Callable[[], BatchingPolicy] | None = None,
+) -> list[Any]:
+    """Run coroutine examples together and return their results in order.
+
+    Each example runs until it awaits ``bg.value(h)`` (or ``h``). When every live
+    example waits, all pending handles are computed as one batched step and each
+    example resumes with its values. Handles left in a returned result are computed
+    too. Recording between awaits works exactly as inside ``with BatchingPolicy()``.
+
+    Args:
+        coroutines: coroutine objects (``[decode(x) for x in batch]``), one per example.
+        groups: split the examples into this many lanes that take turns: one lane's
+            step computes on an executor thread while the next lane records.
+        return_exceptions: put a failing example's exception in its result slot
+            instead of raising once the others have finished.
+        max_steps: fail an example that awaits more often than this (a coroutine that
+            never finishes) with ``DeadlockError``; ``None`` for no limit.
+        make_policy: builds each lane's policy (for custom rules or a scheduler);
+            default ``BatchingPolicy()``.
+
+    Returns:
+        The examples' return values (handles in them replaced by tensors), in order.
+
+    Raises:
+        ExampleError: when an example raised and ``return_exceptions`` is False; it
+            names the first failing example, chains its exception and carries every
+            result (``.results``) and error (``.errors``).
+        TypeError: if an item is not a coroutine, or ``groups`` is not positive.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> double = bg.batched_func(torch.mul)
+        >>> async def countdown(n):
+        ...     x = torch.tensor(float(n))
+        ...     steps = 0
+        ...     while (await bg.value(x)) > 1:        # each await is one batched step
+        ...         x, steps = double(x, 0.5), steps + 1
+        ...     return steps
+        >>> bg.run_all([countdown(n) for n in (1, 4, 16)])
+        [0, 2, 4]
+    """
+    items = list(coroutines)
+    for i, c in enumerate(items):
+        if not inspect.iscoroutine(c):
+            for other in items:  # run_all owns them: no "never awaited" warnings
+                if inspect.iscoroutine(other):
+                    other.close()
+            raise TypeError(
+                f"example {i} is {type(c).__name__}, not a coroutine: pass coroutine objects "
+                "(call the async function: [example(x) for x in batch])"
+            )
+    if not isinstance(groups, int) or groups < 1:
+        raise TypeError(f"groups must be a positive int, got {groups!r}")
+    examples = [Example(i, c) for i, c in enumerate(items)]
+    if not examples:
+        return []
+    factory = make_policy or BatchingPolicy
+    count = min(groups, len(examples))
+    bounds = [len(examples) * g // count for g in range(count + 1)]
+    try:
+        lanes = [
+            Lane(factory(), examples[bounds[g] : bounds[g + 1]], max_steps)
+            for g in range(count)
+        ]
+        with ExitStack() as stack:
+            for lane in lanes:
+                stack.enter_context(lane.policy)  # open for recording; closed at the end
+            if count == 1:
+                _drive_one(lanes[0], grad_mode())
+            else:
+                _drive_turns(lanes, grad_mode())
+    finally:
+        for ex in examples:  # only left unfinished when the driver itself was interrupted
+            ex.close()
+    return _results(examples, return_exceptions)
+
+
+def _drive_one(lane: Lane, mode: GradMode) -> None:
+    lane.start()
+    while lane.live:
+        lane.compute(lane.live, mode)
+        lane.resume()
+
+
+def _drive_turns(lanes: list[Lane], mode: GradMode) -> None:
+    # One executor thread: the device is one resource, the lanes take turns on it.
+    # The driver waits for lanes in the order they were submitted (first in, first
+    # out), so while it waits for one lane the next lane's step is already queued.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgraph-step") as pool:
+        inflight: deque[tuple[Lane, Future[None]]] = deque()
+        for lane in lanes:
+            lane.start()
+            if lane.live:
+                inflight.append((lane, pool.submit(lane.compute, lane.live, mode)))
+        while inflight:
+            lane, step = inflight.popleft()
+            step.result()  # per-example errors are kept on the examples; this re-raises bugs
+            lane.resume()
+            if lane.live:
+                inflight.append((lane, pool.submit(lane.compute, lane.live, mode)))
+
+
+def _results(examples: list[Example], return_exceptions: bool) -> list[Any]:
+    results: list[Any] = [ex.error if ex.error is not None else ex.result for ex in examples]
+    errors: dict[int, BaseException] = {
+        ex.index: ex.error for ex in examples if ex.error is not None
+    }
+    if errors and not return_exceptions:
+        first = min(errors)
+        err = errors[first]
+        others = sorted(errors)[1:]
+        more = f"; examples {', '.join(map(str, others[:10]))} failed too" if others else ""
+        raise ExampleError(
+            f"example {first} of {len(examples)} raised {type(err).__name__}: {err}{more}. "
+            "The other examples finished; their results are in .results (pass "
+            "return_exceptions=True to get them with each error in its slot).",
+            first,
+            errors,
+            results,
+        ) from err
+    return results

@@ -1,0 +1,227 @@
+"""Stepping coroutine examples: the machinery ``run_all`` and ``AsyncBatcher`` share.
+
+A *lane* is one ``BatchingPolicy`` and the examples that record into it. Its life is
+a loop of two halves that never overlap for the same lane::
+
+    step (driver thread)                       compute (driver or executor thread)
+    ────────────────────                       ───────────────────────────────────
+    resume each waiting example with its   ──▶ one policy.compute of every pending
+    value; it records until its next await     handle of the lane (one batched step)
+                                           ◀──
+
+Because a lane's examples are all suspended while its step computes, a lane's graph
+is only ever touched by one thread at a time; the recording ContextVar is set only on
+the driver thread, and computes run with no policy active (so a module that happens
+to be a ``BatchedModule`` runs its real forward instead of recording).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+
+from batchgraph.awaiting import (
+    DRIVING,
+    DeadlockError,
+    UnsupportedAwaitError,
+    Wait,
+    _pending,
+    resolve,
+)
+from batchgraph.errors import NotComputedError, PolicyMismatchError
+from batchgraph.handle import ResultHandle
+from batchgraph.policy import BatchingPolicy
+from batchgraph.recording import _ACTIVE
+
+__all__ = ["Example", "GradMode", "Lane"]
+
+GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
+
+
+def grad_mode() -> GradMode:
+    """The calling thread's autograd mode, to be reproduced on an executor thread."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+class Example:
+    """One coroutine example and where it stands."""
+
+    __slots__ = (
+        "coro", "done", "error", "final", "index", "ready", "result", "steps", "throw", "wait",
+    )
+
+    def __init__(self, index: int, coro: Coroutine[Any, Any, Any]) -> None:
+        self.index = index
+        self.coro = coro
+        self.wait: Wait | None = None  # what it waits for, while it waits
+        self.final = False  # the wait is for handles in its returned result
+        self.throw: BaseException | None = None  # to raise in it when it resumes
+        self.ready: Any = None  # the computed value to send it when it resumes
+        self.steps = 0
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def close(self) -> None:
+        """Close an unfinished coroutine (GeneratorExit inside it), quietly."""
+        if not self.done:
+            self.done = True
+            self.wait = None
+            try:
+                self.coro.close()
+            except Exception as err:  # a finally block that raised: that is its error
+                self.error = err
+
+
+class Lane:
+    """A policy and the examples recording into it (see the module docstring).
+
+    Args:
+        policy: the lane's own policy.
+        examples: its examples; not started yet.
+        max_steps: an example awaiting more often than this fails with
+            ``DeadlockError`` (it may never finish); ``None``: no limit.
+    """
+
+    def __init__(self, policy: BatchingPolicy, examples: list[Example],
+                 max_steps: int | None = None) -> None:
+        self.policy = policy
+        self.live = examples
+        self.max_steps = max_steps
+        self.steps = 0  # batched steps computed
+
+    # -- driver thread ---------------------------------------------------------------
+    def start(self, examples: list[Example] | None = None) -> None:
+        """Run new examples (default: the lane's own) up to their first await."""
+        fresh = self.live if examples is None else examples
+        if examples is not None:
+            self.live.extend(examples)
+        self._with_policy(fresh, initial=True)
+
+    def resume(self) -> None:
+        """Hand each waiting example its value (or error) and run it to its next await."""
+        self._with_policy(self.live, initial=False)
+
+    def _with_policy(self, examples: list[Example], initial: bool) -> None:
+        token = _ACTIVE.set(self.policy)
+        driving = DRIVING.set(True)
+        try:
+            for ex in examples:
+                if ex.done:
+                    continue
+                if initial:
+                    self._advance(ex, None, None)
+                else:
+                    self._wake(ex)
+        finally:
+            DRIVING.reset(driving)
+            _ACTIVE.reset(token)
+        self.live = [ex for ex in self.live if not ex.done]
+
+    def _wake(self, ex: Example) -> None:
+        ex.wait = None
+        error, ex.throw = ex.throw, None
+        if error is not None:
+            self._advance(ex, None, error)
+            return
+        value, ex.ready = ex.ready, None
+        if ex.final:
+            ex.result, ex.done = value, True
+        else:
+            self._advance(ex, value, None)
+
+    def _advance(self, ex: Example, send: Any, throw: BaseException | None) -> None:
+        coro = ex.coro
+        graph = self.policy.graph
+        while True:
+            try:
+                yielded = coro.send(send) if throw is None else coro.throw(throw)
+            except StopIteration as stop:
+                self._finish(ex, stop.value)
+                return
+            except Exception as err:
+                ex.done, ex.error = True, err
+                return
+            throw = None
+            if type(yielded) is not Wait:
+                throw = UnsupportedAwaitError(
+                    f"example {ex.index} awaited {yielded!r:.80} ({type(yielded).__name__}), "
+                    "which a batchgraph driver cannot resolve: every other example would "
+                    "wait for it forever. Inside a batched example await only bg.value(...) "
+                    "or handles; do other asynchronous work outside it (with AsyncBatcher, "
+                    "around batcher.run)."
+                )
+                continue
+            foreign = next((h for h in yielded.pending if h._graph is not graph), None)
+            if foreign is not None:
+                throw = PolicyMismatchError(
+                    f"example {ex.index} awaits {foreign!r}, recorded outside its own policy "
+                    f"{graph.name!r}; a driver computes only what its examples record. "
+                    "Create handles inside the example coroutine (or compute others first)."
+                )
+                continue
+            ex.steps += 1
+            if self.max_steps is not None and ex.steps > self.max_steps:
+                throw = DeadlockError(
+                    f"example {ex.index} is still running after {self.max_steps} awaits "
+                    "(max_steps); it may never finish. Raise max_steps if it needs more."
+                )
+                continue
+            ex.wait = yielded
+            return
+
+    def _finish(self, ex: Example, result: Any) -> None:
+        # A result may hold handles nobody awaited: compute them with the next step.
+        pending: list[ResultHandle] = []
+        _pending(result, pending)
+        graph = self.policy.graph
+        pending = [h for h in pending if h._graph is graph]
+        if pending:
+            ex.wait, ex.final = Wait(result, pending), True
+        else:  # computed handles (of any policy) become their values
+            try:
+                ex.result = resolve(result)
+            except NotComputedError as err:
+                ex.error = err
+            ex.done = True
+
+    # -- compute thread ----------------------------------------------------------------
+    def compute(self, examples: list[Example], mode: GradMode) -> None:
+        """One batched step for ``examples`` (all waiting); errors go to each ``ex.throw``.
+
+        If the joint step fails, each example's handles are computed on their own, so
+        only the examples whose calls fail get the error.
+        """
+        token = _ACTIVE.set(None)
+        try:
+            # Not inference_mode(False): that guard turns grad mode back on.
+            guard = torch.inference_mode() if mode[1] else torch.set_grad_enabled(mode[0])
+            with guard:
+                self._compute(examples)
+        finally:
+            _ACTIVE.reset(token)
+        self.steps += 1
+
+    def _compute(self, examples: list[Example]) -> None:
+        # policy.compute hands back each example's awaited structure with tensors in
+        # place of handles: exactly what the example is resumed with.
+        policy = self.policy
+        waits = [ex.wait.obj for ex in examples if ex.wait is not None]
+        assert len(waits) == len(examples), "only waiting examples are computed"
+        try:
+            values = policy.compute(waits)
+        except Exception:
+            values = None  # find out whose calls fail: one compute per example, below
+        if values is not None:
+            for ex, v in zip(examples, values):
+                ex.ready = v
+            return
+        for ex, obj in zip(examples, waits):
+            try:
+                ex.ready = policy.compute(obj)
+            except Exception as err:
+                if hasattr(err, "add_note"):
+                    err.add_note(f"(raised while computing example {ex.index}'s awaited values)")
+                ex.throw = err

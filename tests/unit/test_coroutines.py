@@ -1,0 +1,251 @@
+"""Coroutine examples: bg.value, await h, run_all, groups, error isolation, deadlocks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+import batchgraph as bg
+from batchgraph.recording import active_policy
+from tests.property.decoder_models import Decoder, make_decoder, run_eagerly
+
+STATES = [torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+          for i in range(7)]
+
+
+def test_value_of_a_tensor_finishes_at_once_so_examples_run_under_asyncio() -> None:
+    model = make_decoder(0)
+    eager = [run_eagerly(model.greedy(h, 3, 8)) for h in STATES]
+    assert [asyncio.run(model.greedy(h, 3, 8)) for h in STATES] == eager
+
+
+def test_run_all_equals_the_eager_run_and_takes_one_step_per_round() -> None:
+    model = make_decoder(1)
+    free = [run_eagerly(model.greedy(h, -1, 9)) for h in STATES]  # never stops early
+    stops = [seq[i % len(seq)] for i, seq in enumerate(free)]
+    eager = [run_eagerly(model.greedy(h, s, 9)) for h, s in zip(STATES, stops)]
+    assert len({len(t) for t in eager}) > 1, "examples should stop at different lengths"
+    policies: list[bg.BatchingPolicy] = []
+
+    def make() -> bg.BatchingPolicy:
+        policies.append(bg.BatchingPolicy())
+        return policies[0]
+
+    got = bg.run_all([model.greedy(h, s, 9) for h, s in zip(STATES, stops)], make_policy=make)
+    assert got == eager
+    # One compute per await of the longest example: all waiting examples share each step.
+    assert len(policies[0].schedules) == max(min(len(t) + 1, 9) for t in eager)
+    assert not policies[0].recording  # closed once run_all returns
+
+
+def test_await_handle_directly_and_returned_handles_are_computed() -> None:
+    lin = bg.batched_func(nn.Linear(3, 2).double())
+
+    async def example(x: torch.Tensor) -> tuple[float, Any]:
+        first = await lin(x)  # `await h` is `await bg.value(h)`
+        return float(first.detach().sum()), lin(x * 2)  # the second handle is never awaited
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    got = bg.run_all([example(x) for x in xs])
+    for x, (total, second) in zip(xs, got):
+        assert total == pytest.approx(float(lin(x).detach().sum()))
+        assert isinstance(second, torch.Tensor)
+        torch.testing.assert_close(second, lin(x * 2))
+
+
+def test_value_accepts_nested_structures() -> None:
+    lin = bg.batched_func(nn.Linear(2, 2).double())
+
+    async def example(x: torch.Tensor) -> dict[str, Any]:
+        pair = await bg.value({"a": lin(x), "b": [x, lin(x + 1)], "n": 3})
+        return pair
+
+    x = torch.ones(2, dtype=torch.float64)
+    [got] = bg.run_all([example(x)])
+    torch.testing.assert_close(got["b"][1], lin(x + 1))
+    assert got["n"] == 3 and got["b"][0] is x
+
+
+@pytest.mark.parametrize("groups", [2, 3, 7])
+def test_groups_give_identical_results(groups: int) -> None:
+    model = make_decoder(2)
+    stops = [seq[i % len(seq)] for i, seq in enumerate(
+        run_eagerly(model.greedy(h, -1, 10)) for h in STATES)]
+    one = bg.run_all([model.greedy(h, s, 10) for h, s in zip(STATES, stops)])
+    many = bg.run_all([model.greedy(h, s, 10) for h, s in zip(STATES, stops)], groups=groups)
+    assert many == one
+
+
+class _Probe(nn.Module):
+    """Notes the thread each batched call runs on and whether a policy was active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.seen: list[tuple[int, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_fake(x):  # recording runs the call once on fake tensors to infer shapes
+            self.seen.append((threading.get_ident(), active_policy() is not None))
+        return self.lin(x)
+
+
+def test_groups_compute_on_an_executor_thread_with_no_policy_active() -> None:
+    probe = _Probe()
+    f = bg.batched_func(probe)
+    recorded_on: set[int] = set()
+
+    async def example(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            recorded_on.add(threading.get_ident())
+            assert active_policy() is not None
+            x = await bg.value(f(x))
+        return x
+
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(6)]
+    bg.run_all([example(x) for x in xs], groups=2)
+    assert recorded_on == {threading.get_ident()}
+    assert all(not active for _, active in probe.seen)
+    assert {tid for tid, _ in probe.seen} != {threading.get_ident()}
+    assert len(probe.seen) == 6  # 2 lanes x 3 steps, one batched call each
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_gradients_flow_and_grad_mode_reaches_the_executor_thread(groups: int) -> None:
+    model = make_decoder(3)
+
+    async def loss(h: torch.Tensor) -> Any:
+        out = model.out(model.cell(model.embed(bg.batched_value(1)), h))
+        await bg.value(out)
+        return out.sum()
+
+    eager = torch.stack([run_eagerly(loss(h)) for h in STATES]).sum()
+    (want,) = torch.autograd.grad(eager, model.out.weight)
+    got = torch.stack(bg.run_all([loss(h) for h in STATES], groups=groups)).sum()
+    (have,) = torch.autograd.grad(got, model.out.weight)
+    torch.testing.assert_close(have, want)
+    with torch.no_grad():
+        values = bg.run_all([loss(h) for h in STATES], groups=groups)
+    assert not any(v.requires_grad for v in values)
+
+
+class _Oops(ValueError):
+    pass
+
+
+def test_an_example_that_raises_fails_alone() -> None:
+    model = make_decoder(4)
+
+    async def example(i: int) -> list[int]:
+        tokens = await model.greedy(STATES[i], 99, 5)
+        if i == 2:
+            raise _Oops(f"bad input {i}")
+        return tokens
+
+    want = [run_eagerly(model.greedy(STATES[i], 99, 5)) for i in range(5)]
+    got = bg.run_all([example(i) for i in range(5)], return_exceptions=True)
+    assert isinstance(got[2], _Oops)
+    assert [g for i, g in enumerate(got) if i != 2] == [w for i, w in enumerate(want) if i != 2]
+    with pytest.raises(bg.ExampleError, match=r"example 2 of 5 raised _Oops: bad input 2") as info:
+        bg.run_all([example(i) for i in range(5)])
+    assert info.value.index == 2 and isinstance(info.value.__cause__, _Oops)
+    assert info.value.results[4] == want[4]
+
+
+def test_a_failing_batched_call_fails_only_its_example() -> None:
+    embed = bg.batched_func(nn.Embedding(10, 3).double())
+
+    async def example(token: int) -> torch.Tensor:
+        first = await bg.value(embed(bg.batched_value(1)))
+        second = await bg.value(embed(bg.batched_value(token)))  # 50 is out of range
+        return first + second
+
+    got = bg.run_all([example(t) for t in (2, 50, 3)], return_exceptions=True)
+    assert isinstance(got[1], bg.BatchedCallError)
+    torch.testing.assert_close(got[0], embed(torch.tensor(1)) + embed(torch.tensor(2)))
+    torch.testing.assert_close(got[2], embed(torch.tensor(1)) + embed(torch.tensor(3)))
+
+
+class _Foreign:
+    def __await__(self) -> Generator[str, None, None]:
+        yield "a future from somewhere else"
+
+
+def test_awaiting_something_that_is_not_a_handle_is_reported_not_hung() -> None:
+    lin = bg.batched_func(nn.Linear(2, 2))
+
+    async def example(i: int) -> int:
+        await bg.value(lin(torch.ones(2)))
+        if i == 1:
+            await _Foreign()
+        if i == 2:
+            await asyncio.sleep(0)  # yields None to its driver
+        return i
+
+    got = bg.run_all([example(i) for i in range(4)], return_exceptions=True)
+    assert got[0] == 0 and got[3] == 3
+    assert isinstance(got[1], bg.UnsupportedAwaitError)
+    assert "example 1 awaited 'a future from somewhere else'" in str(got[1])
+    assert isinstance(got[2], TypeError) and "example 2 awaited None" in str(got[2])
+
+
+def test_awaiting_a_handle_the_driver_cannot_compute_names_the_example() -> None:
+    lin = bg.batched_func(nn.Linear(2, 2))
+    with bg.BatchingPolicy(name="outer"):
+        outside = lin(torch.ones(2))
+
+    async def example(i: int) -> Any:
+        return await bg.value(outside) if i == 1 else i
+
+    with pytest.raises(bg.ExampleError, match=r"example 1 of 2 raised PolicyMismatchError: "
+                       r"example 1 awaits .*outside its own policy"):
+        bg.run_all([example(i) for i in range(2)])
+
+
+def test_a_coroutine_that_never_finishes_hits_max_steps() -> None:
+    double = bg.batched_func(torch.mul)
+
+    async def forever(x: torch.Tensor) -> None:
+        while True:
+            x = await bg.value(double(x, 1.5))  # new values: never merged with old calls
+
+    async def short(x: torch.Tensor) -> float:
+        return float((await bg.value(double(x, 2.0))).sum())
+
+    got = bg.run_all([short(torch.ones(2)), forever(torch.ones(2))], return_exceptions=True,
+                     max_steps=50)
+    assert got[0] == 4.0
+    assert isinstance(got[1], bg.DeadlockError)
+    assert "example 1 is still running after 50 awaits" in str(got[1])
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match=r"example 1 is list, not a coroutine"):
+        bg.run_all([asyncio.sleep(0), [1]])  # type: ignore[list-item]
+    with pytest.raises(bg.UnsupportedAwaitError, match=r"got int"):
+        bg.value(3)
+    with bg.BatchingPolicy():
+        h = bg.batched_func(torch.tanh)(torch.zeros(2))
+    with pytest.raises(bg.NotComputedError, match=r"outside a batchgraph driver"):
+        run_eagerly(_await(h))
+    assert bg.run_all([]) == []
+
+
+async def _await(h: Any) -> Any:
+    return await bg.value(h)
+
+
+def test_decoder_state_handle_in_the_result() -> None:
+    model: Decoder = make_decoder(5)
+    got = bg.run_all([model.greedy_with_state(h, 2, 6) for h in STATES[:3]])
+    for h, (tokens, state) in zip(STATES, got):
+        want_tokens, want_state = run_eagerly(model.greedy_with_state(h, 2, 6))
+        assert tokens == want_tokens
+        torch.testing.assert_close(state, want_state)
