@@ -12,6 +12,7 @@ Write code for one example; run many together::
 from __future__ import annotations
 
 from batchgraph.awaiting import DeadlockError, ExampleError, UnsupportedAwaitError
+from batchgraph.bridge import AsyncBatcher
 from batchgraph.coroutines import run_all, value
 from batchgraph.errors import (
     BatchedCallError,
@@ -43,6 +44,7 @@ from batchgraph.specs import TensorSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncBatcher",
     "BatchKey",
     "BatchedCallError",
     "BatchedModule",

@@ -100,9 +100,20 @@ class Lane:
             self.live.extend(examples)
         self._with_policy(fresh, initial=True)
 
-    def resume(self) -> None:
-        """Hand each waiting example its value (or error) and run it to its next await."""
-        self._with_policy(self.live, initial=False)
+    def resume(self, examples: list[Example] | None = None) -> None:
+        """Hand each computed example (default: all live) its value or error and run it
+        to its next await."""
+        self._with_policy(self.live if examples is None else examples, initial=False)
+
+    def close(self, examples: list[Example]) -> None:
+        """Close examples (cancelled): ``finally`` blocks in them may still record."""
+        token = _ACTIVE.set(self.policy)
+        try:
+            for ex in examples:
+                ex.close()
+        finally:
+            _ACTIVE.reset(token)
+        self.live = [ex for ex in self.live if not ex.done]
 
     def _with_policy(self, examples: list[Example], initial: bool) -> None:
         token = _ACTIVE.set(self.policy)

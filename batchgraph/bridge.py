@@ -1,0 +1,310 @@
+"""``AsyncBatcher``: batch coroutine examples that arrive independently in an asyncio loop.
+
+A server handles each request in its own asyncio task. Each task hands its
+per-example coroutine (the same ``async def`` that ``run_all`` drives) to a shared
+batcher and awaits the result::
+
+    batcher = bg.AsyncBatcher(max_batch=64, max_latency=0.005)
+
+    async def handle(request):
+        src = await parse(request)                            # ordinary asyncio work
+        return await batcher.run(model.decode(src))           # batched with other requests
+
+How it works. One worker task owns every example; it runs on the event loop thread:
+
+1. *Admit*: a new example is started in a lane (a ``BatchingPolicy`` and its examples)
+   that is not computing, and runs until its first await.
+2. *Launch*: a lane whose examples all wait starts a step on the executor thread: the
+   oldest ``max_batch`` waiting examples, computed as one ``policy.compute``. It
+   launches at once if any of them has been computed before (a running decode does
+   not wait: newcomers join its next step), if the batch is full, or once the oldest
+   new example has waited ``max_latency`` for company.
+3. *Resume*: when the step is done, the worker resumes those examples with their
+   values; finished ones resolve their callers' futures.
+
+Rules that keep it correct:
+
+* A lane's graph is touched by one thread at a time: while it computes, nothing is
+  admitted to it, resumed or closed. Arrivals go to another idle lane (``groups``
+  lanes take turns on the executor, as in ``run_all``) or wait for the step to end.
+* Cancelling a caller's task cancels its future; the worker then closes that example
+  (at once, or when its lane's step ends) and never requests its handles again, so
+  its pending calls are pruned from later steps. Other examples are not disturbed:
+  a step they share still computes, and only the cancelled example's result is
+  dropped.
+* An example that raises fails only its own caller; a failing batched call is
+  retried per example so only the examples whose calls fail get the error.
+* Memory stays bounded: an empty lane is dropped, and a lane whose graph grows past
+  ``max_graph_nodes`` takes no new examples and is dropped once they finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from batchgraph.policy import BatchingPolicy
+from batchgraph.stepping import Example, Lane
+
+__all__ = ["AsyncBatcher"]
+
+
+class _Call:
+    """One ``run`` call: its example, its caller's future, and since when it waits."""
+
+    __slots__ = ("example", "future", "lane", "since", "stepped")
+
+    def __init__(self, example: Example, future: asyncio.Future[Any]) -> None:
+        self.example = example
+        self.future = future
+        self.since = time.monotonic()
+        self.stepped = False  # computed at least once (a running example)
+        self.lane: _LaneState | None = None
+
+
+class _LaneState:
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.calls: dict[int, _Call] = {}  # by example id
+        self.computing = False
+        self.sealed = False
+
+
+class AsyncBatcher:
+    """Batches coroutine examples from independent asyncio tasks (see the module docstring).
+
+    Args:
+        max_batch: most examples in one batched step.
+        max_latency: seconds a new example may wait for others before its first step.
+        groups: lanes that take turns: one computes while another records.
+        grad: build autograd graphs (default False: serving needs none).
+        max_steps: fail an example after this many awaits (``DeadlockError``).
+        max_graph_nodes: retire a lane once its graph holds this many nodes.
+        make_policy: builds each lane's ``BatchingPolicy``.
+
+    Example:
+        >>> import asyncio, batchgraph as bg, torch
+        >>> square = bg.batched_func(torch.square)
+        >>> async def example(x):
+        ...     return float(await bg.value(square(torch.tensor(x))))
+        >>> async def main():
+        ...     async with bg.AsyncBatcher(max_latency=0.01) as batcher:
+        ...         return await asyncio.gather(*(batcher.run(example(x)) for x in (1., 2.)))
+        >>> asyncio.run(main())
+        [1.0, 4.0]
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch: int = 64,
+        max_latency: float = 0.002,
+        groups: int = 1,
+        grad: bool = False,
+        max_steps: int | None = None,
+        max_graph_nodes: int = 200_000,
+        make_policy: Callable[[], BatchingPolicy] | None = None,
+    ) -> None:
+        if max_batch < 1 or groups < 1 or max_latency < 0:
+            raise ValueError(
+                f"need max_batch >= 1, groups >= 1 and max_latency >= 0; got "
+                f"max_batch={max_batch}, groups={groups}, max_latency={max_latency}"
+            )
+        self.max_batch = max_batch
+        self.max_latency = max_latency
+        self.groups = groups
+        self.max_steps = max_steps
+        self.max_graph_nodes = max_graph_nodes
+        self._mode = (grad, False)
+        self._make_policy = make_policy or BatchingPolicy
+        self._arrivals: list[_Call] = []
+        self._lanes: list[_LaneState] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._closing = False
+        self._count = 0
+        self.batch_sizes: Counter[int] = Counter()  # steps computed, by batch size
+
+    # -- public ----------------------------------------------------------------------
+    async def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run one coroutine example batched with the others; return its result.
+
+        Args:
+            coro: a coroutine example (it awaits ``bg.value(...)`` or handles only).
+
+        Returns:
+            Its return value, handles replaced by tensors.
+
+        Raises:
+            Whatever the example raised; ``asyncio.CancelledError`` if cancelled;
+            ``RuntimeError`` after ``aclose``.
+        """
+        if self._closing:
+            coro.close()
+            raise RuntimeError("this AsyncBatcher is closed; create a new one")
+        self._ensure_worker()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        call = _Call(Example(self._count, coro), future)
+        self._count += 1
+        self._arrivals.append(call)
+        future.add_done_callback(self._poke)  # a cancellation wakes the worker
+        self._poke()
+        return await future
+
+    async def aclose(self) -> None:
+        """Finish every example already submitted, then stop the worker and its thread."""
+        self._closing = True
+        if self._worker is not None:
+            self._poke()
+            await self._worker
+            self._worker = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    async def __aenter__(self) -> AsyncBatcher:
+        self._ensure_worker()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- worker (event loop thread) --------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._wakeup = asyncio.Event()
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgraph-async")
+            self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def _poke(self, *_: object) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _work(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                self._wakeup.clear()
+                self._reap()
+                self._admit()
+                delay = self._launch()
+                if self._closing and not self._arrivals and not self._lanes:
+                    return
+                with contextlib.suppress(asyncio.TimeoutError):  # a deadline passed
+                    await asyncio.wait_for(self._wakeup.wait(), delay)
+        except BaseException as err:  # a bug or loop shutdown: no caller may hang
+            for call in [*self._arrivals, *(c for s in self._lanes for c in s.calls.values())]:
+                if not call.future.done():
+                    call.future.set_exception(
+                        err if isinstance(err, Exception) else RuntimeError("batcher stopped")
+                    )
+            raise
+
+    def _reap(self) -> None:
+        """Drop cancelled calls, resolve finished ones, and retire empty lanes."""
+        self._arrivals = [c for c in self._arrivals if not self._dropped(c)]
+        for state in self._lanes:
+            if state.computing:
+                continue  # its examples are the executor's until the step ends
+            cancelled = [c.example for c in state.calls.values() if c.future.cancelled()]
+            if cancelled:
+                state.lane.close(cancelled)
+            for key, call in list(state.calls.items()):
+                ex = call.example
+                if ex.done:
+                    del state.calls[key]
+                    if not call.future.done():
+                        if ex.error is not None:
+                            call.future.set_exception(ex.error)
+                        else:
+                            call.future.set_result(ex.result)
+            if len(state.lane.policy.graph) > self.max_graph_nodes:
+                state.sealed = True
+        for state in self._lanes:
+            if not state.calls and not state.computing:
+                state.lane.policy.graph.open = False  # dropped: its handles are done
+        self._lanes = [s for s in self._lanes if s.calls or s.computing]
+
+    @staticmethod
+    def _dropped(call: _Call) -> bool:
+        if call.future.cancelled():
+            call.example.close()
+            return True
+        return False
+
+    def _admit(self) -> None:
+        """Start arrivals in an idle lane (or a new one, up to ``groups`` open lanes)."""
+        if not self._arrivals:
+            return
+        open_lanes = [s for s in self._lanes if not s.sealed]
+        idle = [s for s in open_lanes if not s.computing]
+        if idle:
+            state = max(idle, key=lambda s: len(s.calls))
+        elif len(open_lanes) < self.groups:
+            state = _LaneState(Lane(self._make_policy(), [], self.max_steps))
+            state.lane.policy.graph.open = True  # recording only happens inside steps
+            self._lanes.append(state)
+        else:
+            return  # every lane computes: the arrivals join when one is done
+        arrivals, self._arrivals = self._arrivals, []
+        for call in arrivals:
+            call.lane = state
+            state.calls[id(call.example)] = call
+            call.since = time.monotonic()
+        state.lane.start([c.example for c in arrivals])
+        self._reap()  # examples that finished without awaiting anything
+
+    def _launch(self) -> float | None:
+        """Start steps for lanes that are ready; return how long until one may be."""
+        now = time.monotonic()
+        wait: float | None = None
+        for state in self._lanes:
+            if state.computing or not state.calls:
+                continue
+            calls = sorted(
+                (c for c in state.calls.values() if c.example.wait is not None),
+                key=lambda c: c.since,
+            )
+            if not calls:
+                continue
+            batch = calls[: self.max_batch]
+            due = batch[0].since + self.max_latency
+            if (len(batch) == self.max_batch or self._closing or now >= due
+                    or any(c.stepped for c in batch)):
+                self._start_step(state, batch)
+            else:
+                wait = due - now if wait is None else min(wait, due - now)
+        return wait
+
+    def _start_step(self, state: _LaneState, batch: list[_Call]) -> None:
+        assert self._pool is not None
+        state.computing = True
+        examples = [c.example for c in batch]
+        self.batch_sizes[len(examples)] += 1
+        loop = asyncio.get_running_loop()
+        step = loop.run_in_executor(self._pool, state.lane.compute, examples, self._mode)
+
+        def done(step: asyncio.Future[None]) -> None:
+            state.computing = False
+            error = step.exception() if not step.cancelled() else None
+            if error is not None:  # only a bug gets here: per-example errors are kept
+                for ex in examples:
+                    ex.throw = error
+            live = [ex for ex in examples if not ex.done]
+            cancelled = [c.example for c in batch if c.future.cancelled()]
+            if cancelled:
+                state.lane.close(cancelled)
+            state.lane.resume([ex for ex in live if not ex.done])
+            now = time.monotonic()
+            for call in batch:
+                call.stepped = True
+                call.since = now
+            self._poke()
+
+        step.add_done_callback(done)
