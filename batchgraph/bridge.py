@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -142,9 +143,16 @@ class AsyncBatcher:
             Its return value, handles replaced by tensors.
 
         Raises:
-            Whatever the example raised; ``asyncio.CancelledError`` if cancelled;
-            ``RuntimeError`` after ``aclose``.
+            Exception: whatever the example raised (only this caller sees it).
+            asyncio.CancelledError: if the calling task is cancelled.
+            RuntimeError: after ``aclose``.
+            TypeError: if ``coro`` is not a coroutine.
         """
+        if not inspect.iscoroutine(coro):
+            raise TypeError(
+                f"AsyncBatcher.run takes a coroutine object (call the async function: "
+                f"batcher.run(example(x))), got {type(coro).__name__}"
+            )
         if self._closing:
             coro.close()
             raise RuntimeError("this AsyncBatcher is closed; create a new one")

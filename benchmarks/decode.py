@@ -1,0 +1,218 @@
+"""Greedy GRU decoding: eager vs hand-batched vs batchgraph coroutines (1 and 2 groups).
+
+Each example starts from its own encoder state (random here) and decodes greedily
+until its own end token (value-dependent control flow) or ``--max-len``. Variants:
+
+* ``eager``: the per-example coroutine run eagerly, one example at a time;
+* ``hand``: hand-written batched decoding with padding and masks — the ceiling. One
+  embedding, GRU cell, linear and argmax per step for the whole batch; finished rows
+  are dropped from the batch (compaction) so no work is spent on them;
+* ``coro1`` / ``coro2``: the same per-example coroutine under ``bg.run_all`` with one
+  group, and with two groups taking turns on the executor thread.
+
+Before timing, all variants must produce identical token sequences in float64 (a
+logic check that float32 near-ties cannot upset); the float32 timed runs then report
+how many sequences agree. Repetitions are interleaved and medians reported. One
+intra-op thread. Writes ``benchmarks/results/decode.json``.
+
+Run: ``python benchmarks/decode.py`` (full) or ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import batchgraph as bg
+
+BOS = 0
+SIZES = {"tiny": (50, 64, 64), "realistic": (8000, 256, 512)}  # vocab, embed, hidden
+
+
+class Decoder(bg.BatchedModule):
+    def __init__(self, vocab: int, embed: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.cell = nn.GRUCell(embed, hidden)
+        self.out = nn.Linear(hidden, vocab)
+        self.eos = 1
+
+    async def greedy(self, h: Any, max_len: int) -> list[int]:
+        tok, out = BOS, []
+        for _ in range(max_len):
+            h = self.cell(self.embed(bg.batched_value(tok)), h)
+            tok = int((await bg.value(self.out(h))).argmax())
+            if tok == self.eos:
+                break
+            out.append(tok)
+        return out
+
+
+def run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("an eager example suspended")
+
+
+def hand_batched(model: Decoder, states: torch.Tensor, max_len: int) -> list[list[int]]:
+    """Padded batched greedy decoding; finished rows leave the batch."""
+    count = states.shape[0]
+    rows = torch.arange(count)  # which example each live row is
+    tokens = torch.full((count, max_len), -1, dtype=torch.long)  # -1: padding
+    tok = torch.full((count,), BOS, dtype=torch.long)
+    h = states
+    for t in range(max_len):
+        h = model.cell(model.embed(tok), h)
+        tok = model.out(h).argmax(-1)
+        tokens[rows, t] = tok
+        ended = tok == model.eos
+        if bool(ended.any()):
+            keep = ~ended
+            rows, tok, h = rows[keep], tok[keep], h[keep]
+            if rows.numel() == 0:
+                break
+    mask = tokens >= 0
+    ends = (tokens == model.eos) | ~mask
+    lengths = torch.where(ends.any(1), ends.int().argmax(1), torch.tensor(max_len))
+    return [row[:n].tolist() for row, n in zip(tokens, lengths.tolist())]
+
+
+@torch.no_grad()
+def calibrate(model: Decoder, states: list[torch.Tensor], max_len: int, rate: float) -> None:
+    """Bias the end token so that about ``rate`` of decode steps end (random weights
+    almost never predict it otherwise)."""
+    gaps = []
+    for h in states:
+        tok = BOS
+        for _ in range(max_len):
+            h = model.cell(model.embed(torch.tensor(tok)), h)
+            logits = model.out(h)
+            others = logits.clone()
+            others[model.eos] = -float("inf")
+            tok = int(others.argmax())
+            gaps.append(float(others[tok] - logits[model.eos]))
+    model.out.bias[model.eos] += torch.tensor(gaps).quantile(rate)
+
+
+def variants(model: Decoder, states: list[torch.Tensor], max_len: int
+             ) -> dict[str, Callable[[], list[list[int]]]]:
+    stacked = torch.stack(states)
+    return {
+        "eager": lambda: [run_eagerly(model.greedy(h, max_len)) for h in states],
+        "hand": lambda: hand_batched(model, stacked, max_len),
+        "coro1": lambda: bg.run_all([model.greedy(h, max_len) for h in states]),
+        "coro2": lambda: bg.run_all([model.greedy(h, max_len) for h in states], groups=2),
+    }
+
+
+@torch.no_grad()
+def check_identical(model: Decoder, states: list[torch.Tensor], max_len: int) -> int:
+    model64 = Decoder(*SIZES_OF[id(model)])
+    model64.load_state_dict(model.state_dict())
+    model64 = model64.double()
+    runs = {k: f() for k, f in variants(model64, [s.double() for s in states], max_len).items()}
+    for name, seqs in runs.items():
+        if seqs != runs["eager"]:
+            raise AssertionError(f"{name} token sequences differ from eager (float64)")
+    return sum(len(s) for s in runs["eager"])
+
+
+SIZES_OF: dict[int, tuple[int, int, int]] = {}
+
+
+@torch.no_grad()
+def bench(size: str, counts: list[int], reps: int, max_len: int, check: int) -> list[dict[str, Any]]:
+    vocab, embed, hidden = SIZES[size]
+    torch.manual_seed(0)
+    model = Decoder(vocab, embed, hidden).eval()
+    SIZES_OF[id(model)] = (vocab, embed, hidden)
+    gen = torch.Generator().manual_seed(1)
+    pool = [torch.randn(hidden, generator=gen) for _ in range(max(counts))]
+    calibrate(model, pool[:8], max_len, rate=0.1)
+    check_identical(model, pool[:check], max_len)
+    rows = []
+    for count in counts:
+        states = pool[:count]
+        runs = variants(model, states, max_len)
+        outputs = {k: f() for k, f in runs.items()}  # warm-up, and the float32 agreement
+        agree = min(sum(a == b for a, b in zip(outputs[k], outputs["eager"])) for k in runs)
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for rep in range(reps):
+            for name, fn in runs.items():
+                if name == "eager" and rep >= max(1, reps // 2) and size == "realistic":
+                    continue  # eager at realistic size is slow and steady: fewer repetitions
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        example_steps = sum(min(len(s) + 1, max_len) for s in outputs["eager"])
+        batched_steps = max(min(len(s) + 1, max_len) for s in outputs["eager"])
+        overhead = med["coro1"] - med["hand"]
+        rows.append({
+            "size": size, "concurrent": count, "agree_float32": f"{agree}/{count}",
+            "seconds": med, "seq_per_s": {k: count / v for k, v in med.items()},
+            "example_steps": example_steps, "batched_steps": batched_steps,
+            "overhead_us_per_example_step": overhead / example_steps * 1e6,
+            "overhead_us_per_batched_step": overhead / batched_steps * 1e6,
+            "coro1_vs_hand": med["hand"] / med["coro1"],
+            "coro2_vs_coro1": med["coro1"] / med["coro2"],
+            "hand_vs_eager": med["eager"] / med["hand"],
+            "coro1_vs_eager": med["eager"] / med["coro1"],
+        })
+        print(_row(rows[-1]), flush=True)
+    return rows
+
+
+def _row(r: dict[str, Any]) -> str:
+    s = r["seq_per_s"]
+    return (f"{r['size']:10} {r['concurrent']:5} {s['eager']:9.0f} {s['hand']:9.0f} "
+            f"{s['coro1']:9.0f} {s['coro2']:9.0f} {r['hand_vs_eager']:7.1f}x "
+            f"{r['coro1_vs_eager']:7.1f}x {r['coro1_vs_hand']:7.2f}x {r['coro2_vs_coro1']:7.2f}x "
+            f"{r['overhead_us_per_example_step']:8.1f} {r['agree_float32']:>8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="greedy decoding throughput")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--max-len", type=int, default=30)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    counts = [16, 64] if args.quick else [16, 64, 256]
+    reps = 2 if args.quick else args.reps
+    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus; "
+          f"torch {torch.__version__}; intra-op threads {torch.get_num_threads()}; "
+          f"max_len {args.max_len}; medians of {reps} interleaved repetitions")
+    print(f"{'size':10} {'conc':>5} {'eager/s':>9} {'hand/s':>9} {'coro1/s':>9} {'coro2/s':>9} "
+          f"{'hand/eg':>8} {'coro/eg':>8} {'coro/hd':>8} {'2g/1g':>8} {'ovh us':>8} "
+          f"{'agree':>8}")
+    rows = []
+    for size in SIZES:
+        rows += bench(size, counts, reps, args.max_len, check=8 if args.quick else 16)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": {"arch": platform.machine(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__, "threads": 1},
+        "max_len": args.max_len, "reps": reps, "rows": rows,
+    }, indent=2))
+    print(f"(sequences/s; coro/hd = coroutines vs hand-batched; 2g/1g = two groups vs one; "
+          f"ovh us = (coro1 - hand) time per example step; agree = float32 sequences equal "
+          f"to eager; all variants identical in float64)\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
