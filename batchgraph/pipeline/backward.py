@@ -217,7 +217,9 @@ class BackwardTape:
                 in length.
         """
         if self._input_done:
-            raise RuntimeError("backward_input was already called on this tape; record a new forward")
+            raise RuntimeError(
+                "backward_input was already called on this tape; record a new forward"
+            )
         if len(outputs) != len(grad_outputs):
             raise RuntimeError(
                 f"backward_input got {len(outputs)} outputs but {len(grad_outputs)} grad_outputs"
@@ -398,4 +400,3 @@ class TwoStageBackward:
         for i, y in zip(positions, linked):
             flat[i] = y
         return tree_unflatten(flat, spec)
-
