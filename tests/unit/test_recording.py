@@ -174,3 +174,15 @@ def test_batched_dropout_draws_a_mask_per_example() -> None:
         hs = [dropout(torch.ones(64)) for _ in range(8)]
     masks = torch.stack(bg.compute(hs)) > 0
     assert len({tuple(m.tolist()) for m in masks}) == 8
+
+
+def test_tensor_properties_are_recorded_and_data_attributes_refused() -> None:
+    xs = [torch.randn(2, 3, dtype=torch.float64) for _ in range(3)]
+    with bg.BatchingPolicy():
+        hs = [bg.batched_value(x) for x in xs]
+        transposed = [h.T for h in hs]
+        assert transposed[0].shape == torch.Size([3, 2])
+        with pytest.raises(AttributeError, match=r"'grad'.*only available on computed values"):
+            _ = hs[0].grad
+    for x, t in zip(xs, bg.compute(transposed)):
+        torch.testing.assert_close(t, x.T)
