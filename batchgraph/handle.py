@@ -266,6 +266,20 @@ class ResultHandle:
     def __rmatmul__(self, other: Any) -> Any:
         return _record(torch.matmul, (other, self), {})
 
+    # Comparisons record elementwise ops (masks); == and != keep identity semantics so
+    # handles stay hashable: use torch.eq / torch.ne for elementwise equality.
+    def __lt__(self, other: Any) -> Any:
+        return _record(torch.lt, (self, other), {})
+
+    def __le__(self, other: Any) -> Any:
+        return _record(torch.le, (self, other), {})
+
+    def __gt__(self, other: Any) -> Any:
+        return _record(torch.gt, (self, other), {})
+
+    def __ge__(self, other: Any) -> Any:
+        return _record(torch.ge, (self, other), {})
+
     def __neg__(self) -> Any:
         return _record(torch.neg, (self,), {})
 

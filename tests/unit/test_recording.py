@@ -74,7 +74,8 @@ def test_operators_methods_and_torch_functions_record_per_example_semantics() ->
         return [
             x + y, x * 2, 1 - x, x / 2, -x, x @ y, x[1], x[:, 0], x.sum(), x.mean(0),
             torch.tanh(x), torch.cat([x, x], dim=0), torch.cat([x, x], dim=-1),
-            x.t(), x ** 2, torch.softmax(x, dim=0), x.reshape(12),
+            x.t(), x ** 2, torch.softmax(x, dim=0), x.reshape(12), x > 0, x <= y,
+            torch.where(x > y, x, y),
         ]
 
     eager = [example(x, y) for x, y in zip(xs, ys)]
