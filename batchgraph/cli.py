@@ -94,7 +94,15 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every registered subcommand."""
+    """The argument parser with every registered subcommand.
+
+    Returns:
+        The parser; each subcommand sets ``func``, its handler.
+
+    Example:
+        >>> build_parser().parse_args(["schedule", "1f1b", "-p", "2"]).stages
+        2
+    """
     parser = argparse.ArgumentParser(prog="batchgraph", description="batchgraph tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _COMMANDS:

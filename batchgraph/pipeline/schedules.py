@@ -171,7 +171,7 @@ def one_f_one_b_schedule(stages: int, microbatches: int) -> PipelineSchedule:
 
 
 def zb_h1_schedule(stages: int, microbatches: int) -> PipelineSchedule:
-    """ZB-H1 (zero-bubble paper, handcrafted schedule 1): 1F1B with the backward split.
+    """ZB-H1 (after the zero-bubble paper's handcrafted schedule 1): 1F1B, backward split.
 
     Each backward ``B`` becomes ``I`` (input gradient, on the critical path) and ``W``
     (weight gradient, deferred). The F/I skeleton is exactly 1F1B's, so at most
@@ -188,6 +188,10 @@ def zb_h1_schedule(stages: int, microbatches: int) -> PipelineSchedule:
     F = 1, B = 2 (a third); for ``m < p`` the makespan is the lower bound
     ``2p-1 + 2m`` (the first I cannot start before ``2p-1``, then ``m`` I's and ``m``
     W's remain on the first stage).
+
+    Memory: what 1F1B bounds (F done, I not) is unchanged; microbatches waiting for
+    their W (F done, W not; they keep only what W needs) peak at ``min(m, p)`` on every
+    stage, which is 1F1B's peak on its first stage.
 
     Args:
         stages: number of devices p, >= 1.

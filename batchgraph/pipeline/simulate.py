@@ -91,6 +91,10 @@ class ActionCosts:
 
         Raises:
             ValueError: if ``text`` is not 4 or 5 non-negative numbers separated by commas.
+
+        Example:
+            >>> ActionCosts.parse("1,2,1,1,0.5").transfer
+            0.5
         """
         parts = [p.strip() for p in text.split(",")]
         try:
@@ -131,7 +135,17 @@ class SimulationResult:
         return self.bubble_time / total if total > 0 else 0.0
 
     def summary(self) -> str:
-        """A few lines: makespan, bubble, busy/idle per device, peak in flight per stage."""
+        """A few lines: makespan, bubble, busy/idle per device, peak in flight per stage.
+
+        Example:
+            >>> from batchgraph.pipeline.schedules import make_schedule
+            >>> print(simulate(make_schedule("gpipe", stages=1, microbatches=2)).summary())
+            makespan: 6
+            bubble: 0.0000 of device time (idle 0 over 1 devices)
+            busy per device: 0: 6
+            idle per device: 0: 0
+            peak in flight per stage (F done, B/I not): 0: 2
+        """
         lines = [
             f"makespan: {self.makespan:g}",
             f"bubble: {self.bubble_fraction:.4f} of device time (idle {self.bubble_time:g} "

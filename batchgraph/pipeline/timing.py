@@ -109,6 +109,13 @@ def run_engine(
 
     Returns:
         An :class:`EngineResult`; ``blocked`` is non-empty on deadlock.
+
+    Example:
+        >>> s = PipelineSchedule("x", 2, 2, 1, 1, {0: [Action.parse("0F0"), Action.parse("0B0")],
+        ...                                       1: [Action.parse("1F0"), Action.parse("1B0")]})
+        >>> r = run_engine(s, lambda a: 1.0, lambda a, b: 0.5)
+        >>> r.times[Action.parse("0B0")], r.blocked
+        ((4.0, 5.0), {})
     """
     split = _split_pairs(schedule)
     result = EngineResult()
