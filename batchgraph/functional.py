@@ -44,7 +44,7 @@ def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def batched_value(value: Any) -> Any:
+def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
     """A handle for a per-example constant (outside a policy: the tensor itself).
 
     Python scalars (``bool``, ``int``, ``float``) are kept as they are while recording
@@ -53,6 +53,9 @@ def batched_value(value: Any) -> Any:
 
     Args:
         value: a tensor, a Python scalar, or anything ``torch.as_tensor`` accepts.
+        device: where the constant lives. For Python scalars this costs nothing per
+            example: the batch's scalars become one tensor on ``device`` (one copy to
+            the GPU per batch instead of one per example).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -60,12 +63,14 @@ def batched_value(value: Any) -> Any:
         tensor(3)
     """
     policy = _ACTIVE.get()
+    where = torch.device(device) if device is not None else None
     if policy is None:
-        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        return torch.as_tensor(value, device=where)
     graph = policy.graph
-    if type(value) not in (bool, int, float) and not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value)
-    node = graph.add_constant(value)
+    if type(value) in (bool, int, float):
+        node = graph.add_constant(value, where)
+    else:
+        node = graph.add_constant(torch.as_tensor(value, device=where))
     return ResultHandle(graph, node, 0, graph.node_spec[node])
 
 

@@ -11,7 +11,8 @@ Node ``n`` is a call (or a constant). Its arrays:
 Node ids are assigned in recording order, which is a topological order: a node's
 inputs always exist before it. Values live in ``stores``: one entry per executed step,
 holding a batched tensor (or list of per-example tensors) per output leaf; node ``n``
-is row ``node_row[n]`` of store ``node_store[n]`` (``-1`` until computed).
+is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc[n]``
+(``-1`` until computed). One int per location keeps scheduling to integer sorting.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from batchgraph.specs import OutSpec, TensorSpec
 __all__ = ["Graph", "Ref"]
 
 Ref = tuple[int, int]  # (node, leaf)
+
+# A location packs (store, leaf, row) into one int; a node's location has leaf 0.
+STORE_SHIFT = 32
+LEAF_SHIFT = 24
+ROW_MASK = (1 << LEAF_SHIFT) - 1
 
 _CPU = torch.device("cpu")
 # Python scalars become 0-d constants of torch's default type for that scalar.
@@ -57,9 +63,10 @@ class Graph:
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
         self.merged = 0
-        self.node_store: list[int] = []
-        self.node_row: list[int] = []
+        self.node_loc: list[int] = []
         self.stores: list[list[Any]] = []
+        # Every node below this id is computed (advanced after each execution).
+        self.first_uncomputed = 0
 
     def __len__(self) -> int:
         return len(self.node_key)
@@ -78,16 +85,19 @@ class Graph:
         self.node_inputs.append(inputs)
         self.node_depth.append(depth)
         self.node_spec.append(spec)
-        self.node_store.append(-1)
-        self.node_row.append(-1)
+        self.node_loc.append(-1)
         return n
 
-    def add_constant(self, value: torch.Tensor | bool | int | float) -> int:
-        """Add a per-example constant: a tensor or a Python scalar."""
+    def add_constant(
+        self, value: torch.Tensor | bool | int | float, device: torch.device | None = None
+    ) -> int:
+        """Add a per-example constant: a tensor, or a Python scalar for ``device``."""
         if isinstance(value, torch.Tensor):
             spec = TensorSpec.of(value)
-        else:
+        elif device is None:
             spec = _SCALAR_SPECS[type(value)]
+        else:
+            spec = _SCALAR_SPECS[type(value)]._replace(device=device)
         kid = self._constant_kids.get(spec)
         if kid is None:
             kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))
@@ -107,12 +117,13 @@ class Graph:
         return n in self.constants
 
     def computed(self, n: int) -> bool:
-        return self.node_store[n] >= 0
+        return self.node_loc[n] >= 0
 
     def leaf_value(self, n: int, leaf: int) -> torch.Tensor:
         """The per-example value of one output leaf of a computed node."""
-        column = self.stores[self.node_store[n]][leaf]
-        value: torch.Tensor = column[self.node_row[n]]
+        loc = self.node_loc[n]
+        column = self.stores[loc >> STORE_SHIFT][leaf]
+        value: torch.Tensor = column[loc & ROW_MASK]
         return value
 
 

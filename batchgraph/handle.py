@@ -25,6 +25,26 @@ if TYPE_CHECKING:
 __all__ = ["ResultHandle"]
 
 
+# Tensor properties that are computations (recorded); other non-callable tensor
+# attributes (grad, requires_grad, ...) only exist on computed values.
+_TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_PROPERTY_GETTERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    # One function object per property, so its call-signature cache is shared.
+    getter = _PROPERTY_GETTERS.get(name)
+    if getter is None:
+
+        def getter(t: torch.Tensor) -> torch.Tensor:
+            value: torch.Tensor = getattr(t, name)
+            return value
+
+        getter.__qualname__ = f"Tensor.{name}"
+        _PROPERTY_GETTERS[name] = getter
+    return getter
+
+
 # Leaf offset of each child of a tuple spec (specs are few and reused: cache them).
 _CHILD_OFFSETS: dict[tuple[Any, ...], list[int]] = {}
 
@@ -75,7 +95,14 @@ class ResultHandle:
     def __iter__(self) -> Iterator[ResultHandle]:
         spec = self.spec
         if type(spec) is tuple:
-            return iter([self._child(i) for i in range(len(spec))])
+            offsets = _CHILD_OFFSETS.get(spec)
+            if offsets is None:
+                offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+            graph, node, leaf = self._graph, self.node, self.leaf
+            children = cast(tuple[OutSpec, ...], spec)
+            return iter(
+                [ResultHandle(graph, node, leaf + o, s) for o, s in zip(offsets, children)]
+            )
         if isinstance(spec, TensorSpec):
             if not spec.shape:
                 raise TypeError("iteration over a 0-d tensor handle")
@@ -189,9 +216,14 @@ class ResultHandle:
         return _record(func, tuple(args), kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
+        if name in _TENSOR_PROPERTIES:  # h.T and friends: recorded right away
+            return _record(_property_getter(name), (self,), {})
         method = getattr(torch.Tensor, name, None)
-        if method is None or name.startswith("_"):
-            raise AttributeError(f"ResultHandle has no attribute {name!r}")
+        if method is None or name.startswith("_") or not callable(method):
+            raise AttributeError(
+                f"ResultHandle has no attribute {name!r}"
+                + ("; it is only available on computed values (handle.value)" if method else "")
+            )
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
             return _record(method, (self, *args), kwargs)
@@ -233,6 +265,20 @@ class ResultHandle:
 
     def __rmatmul__(self, other: Any) -> Any:
         return _record(torch.matmul, (other, self), {})
+
+    # Comparisons record elementwise ops (masks); == and != keep identity semantics so
+    # handles stay hashable: use torch.eq / torch.ne for elementwise equality.
+    def __lt__(self, other: Any) -> Any:
+        return _record(torch.lt, (self, other), {})
+
+    def __le__(self, other: Any) -> Any:
+        return _record(torch.le, (self, other), {})
+
+    def __gt__(self, other: Any) -> Any:
+        return _record(torch.gt, (self, other), {})
+
+    def __ge__(self, other: Any) -> Any:
+        return _record(torch.ge, (self, other), {})
 
     def __neg__(self) -> Any:
         return _record(torch.neg, (self,), {})

@@ -138,8 +138,23 @@ class BatchedModule(nn.Module):
     """
 
     def __getattr__(self, name: str) -> Any:
-        # Submodules first: this runs on every `self.cell` of per-example code.
-        module = self.__dict__["_modules"].get(name)
+        # Submodules first: this runs on every `self.cell` of per-example code, so the
+        # stub is cached per attribute (and checked against the current submodule).
+        d = self.__dict__
+        module = d["_modules"].get(name)
         if module is not None:
-            return module if _ACTIVE.get() is None else _stub(module)
+            if _ACTIVE.get() is None:
+                return module
+            cached = d["_batchgraph_stubs"].get(name) if "_batchgraph_stubs" in d else None
+            if cached is not None and cached[0] is module:
+                return cached[1]
+            stub = _stub(module)
+            d.setdefault("_batchgraph_stubs", {})[name] = (module, stub)
+            return stub
         return super().__getattr__(name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Stubs are a per-process cache: never pickle or deep-copy them.
+        state = dict(self.__dict__)
+        state.pop("_batchgraph_stubs", None)
+        return state

@@ -97,14 +97,27 @@ class CallSite:
     def record(self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Add one call to ``policy``'s graph and return its handle."""
         graph = policy.graph
+        node_depth = graph.node_depth
         inputs: list[Ref] = []
-        depth = [0]
+        deepest = 0
         sig: list[Any] = []
         for a in args:
-            sig.append(_encode(a, graph, inputs, depth))
+            if type(a) is ResultHandle and type(a.spec) is TensorSpec and a._graph is graph:
+                # The common case, inlined: a handle for one tensor of this graph.
+                inputs.append((a.node, a.leaf))
+                sig.append(a.spec)
+                d = node_depth[a.node]
+                if d > deepest:
+                    deepest = d
+            else:
+                box = [deepest]
+                sig.append(_encode(a, graph, inputs, box))
+                deepest = box[0]
         key_sig: Any = tuple(sig)
         if kwargs:
-            key_sig = (key_sig, tuple((k, _encode(v, graph, inputs, depth)) for k, v in kwargs.items()))
+            box = [deepest]
+            key_sig = (key_sig, tuple((k, _encode(v, graph, inputs, box)) for k, v in kwargs.items()))
+            deepest = box[0]
         try:
             entry = self.cache.get(key_sig)
         except TypeError:  # an unhashable static argument: key on its identity instead
@@ -123,12 +136,12 @@ class CallSite:
             signature = (entry.kid, refs)
             node = graph.dedupe_table.get(signature)
             if node is None:
-                node = graph.add_node(entry.kid, refs, depth[0] + 1, entry.spec)
+                node = graph.add_node(entry.kid, refs, deepest + 1, entry.spec)
                 graph.dedupe_table[signature] = node
             else:
                 graph.merged += 1
         else:
-            node = graph.add_node(entry.kid, refs, depth[0] + 1, entry.spec)
+            node = graph.add_node(entry.kid, refs, deepest + 1, entry.spec)
         return ResultHandle(graph, node, 0, entry.spec)
 
     def _resolve(
