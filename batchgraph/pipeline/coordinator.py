@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -54,22 +53,9 @@ from batchgraph.pipeline.microbatch import (
 )
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.trace import TimelineEvent
 
-__all__ = ["Coordinator", "MeasuredEvent"]
-
-
-@dataclass(frozen=True)
-class MeasuredEvent:
-    """One action that ran on ``device`` from ``start`` to ``end`` (``perf_counter`` seconds)."""
-
-    device: int
-    action: Action
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+__all__ = ["Coordinator"]
 
 
 class Coordinator:
@@ -141,7 +127,7 @@ class Coordinator:
             for d in range(schedule.devices)
         }
         self._checked: set[tuple[object, ...]] = set()
-        self._events: list[MeasuredEvent] = []
+        self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
         self._closed = False
 
@@ -180,7 +166,7 @@ class Coordinator:
         return self._stats
 
     @property
-    def timeline(self) -> list[MeasuredEvent]:
+    def timeline(self) -> list[TimelineEvent]:
         """Measured events of the last step, times relative to its first action's start."""
         return list(self._events)
 
@@ -271,7 +257,7 @@ class Coordinator:
             d: [a for a in actions if train or a.kind is ActionKind.FORWARD]
             for d, actions in self.schedule.order.items()
         }
-        events: dict[int, list[MeasuredEvent]] = {d: [] for d in plan}
+        events: dict[int, list[TimelineEvent]] = {d: [] for d in plan}
         futures: list[Future[None]] = [
             self._workers[d].submit(self._device_job, d, actions, train, events[d])
             for d, actions in plan.items()
@@ -310,11 +296,11 @@ class Coordinator:
         self.comm.wait_sends()
         flat = [e for d in sorted(events) for e in events[d]]
         t0 = min((e.start for e in flat), default=0.0)
-        self._events = [MeasuredEvent(e.device, e.action, e.start - t0, e.end - t0) for e in flat]
+        self._events = [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in flat]
         self._stats = PipelineStats.from_events(self._events, devices=self.schedule.devices)
 
     def _device_job(
-        self, device: int, actions: list[Action], train: bool, events: list[MeasuredEvent]
+        self, device: int, actions: list[Action], train: bool, events: list[TimelineEvent]
     ) -> None:
         with torch.set_grad_enabled(train):
             for action in actions:
@@ -325,4 +311,4 @@ class Coordinator:
                 except BaseException as exc:
                     self.comm.abort(exc)
                     raise
-                events.append(MeasuredEvent(device, action, start, end))
+                events.append(TimelineEvent(device, action, start, end))
