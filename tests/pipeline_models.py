@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ def mlp(layers: int = 8, width: int = 6, inputs: int = 5, outputs: int = 3) -> n
     """A float64 MLP with ``layers`` Linear layers (each followed by tanh but the last)."""
     mods: list[nn.Module] = []
     sizes = [inputs] + [width] * (layers - 1) + [outputs]
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         mods.append(nn.Linear(a, b))
         if i < layers - 1:
             mods.append(nn.Tanh())

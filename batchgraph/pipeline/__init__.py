@@ -60,8 +60,8 @@ from batchgraph.pipeline.trace import (
 from batchgraph.pipeline.validate import ScheduleError, validate_schedule
 
 __all__: list[str] = [
-    "COORDINATOR",
     # schedules as data and the runtime
+    "COORDINATOR",
     "SCHEDULE_NAMES",
     "Action",
     "ActionCosts",

@@ -28,8 +28,13 @@ def test_gradients_and_outputs_equal_single_device(schedule: str, p: int, m: int
     loss_fn = nn.MSELoss()
     want_loss, want_grads = reference(model, x, y, loss_fn)
     with Pipeline(
-        model, stages=p, microbatches=m, schedule=schedule, loss_fn=loss_fn,
-        chunks=_chunks(schedule), timeout=30,
+        model,
+        stages=p,
+        microbatches=m,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        chunks=_chunks(schedule),
+        timeout=30,
     ) as pipe:
         assert pipe.schedule.stages == p * _chunks(schedule)
         loss = pipe.train_step(x, y)
@@ -70,7 +75,9 @@ def test_sum_reduction_and_tuple_inputs(schedule: str) -> None:
     loss_fn(second(*first(x, z)), y).backward()
     want = [p.grad.clone() for p in whole.parameters()]  # type: ignore[union-attr]
     whole.zero_grad(set_to_none=True)
-    with Pipeline([first, second], microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30) as pipe:
+    with Pipeline(
+        [first, second], microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30
+    ) as pipe:
         pipe.train_step((x, z), y)
     assert_grads_equal(whole, want)  # type: ignore[arg-type]
 
@@ -94,7 +101,9 @@ def test_graph_split_module_trains_exactly() -> None:
     x = torch.randn(9, 4, dtype=torch.float64)
     y = torch.randn(9, 2, dtype=torch.float64)
     want_loss, want = reference(model, x, y, nn.MSELoss())
-    with Pipeline(model, stages=3, microbatches=4, schedule="zb-h1", loss_fn=nn.MSELoss(), timeout=30) as pipe:
+    with Pipeline(
+        model, stages=3, microbatches=4, schedule="zb-h1", loss_fn=nn.MSELoss(), timeout=30
+    ) as pipe:
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want)
@@ -105,7 +114,9 @@ def test_gradients_accumulate_across_steps_and_reset_works() -> None:
     x = torch.randn(6, 5, dtype=torch.float64)
     y = torch.randn(6, 3, dtype=torch.float64)
     _, want = reference(model, x, y, nn.MSELoss())
-    with Pipeline(model, stages=2, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=30) as pipe:
+    with Pipeline(
+        model, stages=2, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=30
+    ) as pipe:
         pipe.train_step(x, y)
         pipe.reset()
         assert pipe.timeline == [] and pipe.stats.makespan == 0.0
@@ -134,8 +145,14 @@ def test_property_grid_equals_single_device(
     loss_fn = nn.MSELoss(reduction=reduction)
     want_loss, want = reference(model, x, y, loss_fn)
     with Pipeline(
-        model, stages=p, microbatches=m, schedule=schedule, loss_fn=loss_fn,
-        chunks=_chunks(schedule), cost="uniform", timeout=30,
+        model,
+        stages=p,
+        microbatches=m,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        chunks=_chunks(schedule),
+        cost="uniform",
+        timeout=30,
     ) as pipe:
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
