@@ -34,7 +34,7 @@ from torch import Tensor, nn
 # Runnable from a checkout without installing the package (the Makefile installs it).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchgraph.pipeline import (  # noqa: E402
+from batchgraph.pipeline import (
     SCHEDULE_NAMES,
     ActionCosts,
     Pipeline,
@@ -243,7 +243,7 @@ def main() -> None:
     print(
         f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, torch {machine['torch']}"
     )
-    print(f"intra-op threads: 1; stage threads: one per pipeline device\n")
+    print("intra-op threads: 1; stage threads: one per pipeline device\n")
 
     configs = [(4, 8)] if args.quick else [(4, 8), (8, 32)]
     print(

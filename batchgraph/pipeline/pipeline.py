@@ -93,9 +93,12 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
         ValueError: if ``name`` is taken and ``replace`` is false.
 
     Example:
-        >>> register_backend("threads-again", _threads_backend)
-        >>> "threads-again" in available_backends()
-        True
+        >>> def my_backend(request: BackendRequest) -> PipelineRuntime:
+        ...     return _threads_backend(request)   # e.g. wrap the built-in one
+        >>> register_backend("threads", my_backend)
+        Traceback (most recent call last):
+        ...
+        ValueError: backend 'threads' is already registered; pass replace=True
     """
     if name in _BACKENDS and not replace:
         raise ValueError(f"backend {name!r} is already registered; pass replace=True")

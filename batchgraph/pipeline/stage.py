@@ -240,8 +240,8 @@ class Stage:
                     key = MessageKey(MessageKind.GRADIENT, self.index, self.index - 1, mb)
                     comm.send(key, grad_inputs)
             return start, time.perf_counter()
-        except PipelineAbortedError:
-            raise
+        except (PipelineAbortedError, StageError):
+            raise  # already names where it failed (e.g. the loss, run from this thread)
         except Exception as exc:
             raise StageError(
                 f"stage {self.index} failed in action {action} ({_KIND_WORDS[action.kind]} "
