@@ -69,7 +69,6 @@ class Stage:
 
     Example:
         >>> import torch
-        >>> from batchgraph.pipeline.comm import ThreadCommunicator
         >>> stage = Stage(torch.nn.Linear(2, 3), index=0, num_stages=1)
         >>> outputs = stage.forward(0, (torch.ones(4, 2),), train=True)
         >>> outputs[0].shape

@@ -157,3 +157,27 @@ def test_property_grid_equals_single_device(
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b"])
+def test_weight_tied_across_stages(schedule: str) -> None:
+    # The first and last stages share one weight; both threads add to its .grad.
+    first = nn.Linear(4, 4)
+    last = nn.Linear(4, 4)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), last).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    y = torch.randn(8, 4, dtype=torch.float64)
+    want_loss, want = reference(model, x, y, nn.MSELoss())
+    chunks = _chunks(schedule)
+    with Pipeline(
+        list(model) if chunks == 1 else [model[0], model[1:3], model[3], model[4]],
+        microbatches=4,
+        schedule=schedule,
+        loss_fn=nn.MSELoss(),
+        chunks=chunks,
+        timeout=30,
+    ) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want)
