@@ -17,6 +17,7 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from batchgraph.specs import OutSpec, TensorSpec
 __all__ = ["Graph", "Ref"]
 
 Ref = tuple[int, int]  # (node, leaf)
+
+_graph_uids = itertools.count()
 
 # A location packs (store, leaf, row) into one int; a node's location has leaf 0.
 STORE_SHIFT = 32
@@ -47,6 +50,7 @@ class Graph:
 
     def __init__(self, name: str = "graph") -> None:
         self.name = name
+        self.uid = next(_graph_uids)  # never reused, unlike id()
         self.open = True
         self.policy: Any = None  # the BatchingPolicy recording into this graph
         self.dedupe_table: dict[Any, int] = {}

@@ -69,15 +69,16 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("graph_ref", "key", "kid", "n_leaves", "rules_token", "spec")
+    __slots__ = ("key", "memo", "n_leaves", "rules_token", "spec")
 
     def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int) -> None:
         self.key = key
         self.spec = spec
         self.n_leaves = count_leaves(spec)
         self.rules_token = rules_token
-        self.graph_ref: Graph | None = None
-        self.kid = -1
+        # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
+        # and a uid rather than the graph, so the cache keeps no batch alive.
+        self.memo: tuple[int, int] = (-1, -1)
 
 
 class CallSite:
@@ -120,28 +121,36 @@ class CallSite:
             deepest = box[0]
         try:
             entry = self.cache.get(key_sig)
-        except TypeError:  # an unhashable static argument: key on its identity instead
+            cacheable = True
+        except TypeError:
+            # An unhashable static argument: key on its identity, and do not cache
+            # (the cache would keep the object alive forever).
             key_sig = _identity_signature(key_sig)
-            entry = self.cache.get(key_sig)
+            entry = None
+            cacheable = False
         if entry is None or entry.rules_token != policy.rules_token:
             entry = self._resolve(policy, args, kwargs, key_sig)
-            self.cache[key_sig] = entry
-        if entry.graph_ref is not graph:
-            entry.graph_ref = graph
-            entry.kid = graph.key_id(entry.key)
+            if cacheable:
+                self.cache[key_sig] = entry
+        memo = entry.memo
+        if memo[0] == graph.uid:
+            kid = memo[1]
+        else:
+            kid = graph.key_id(entry.key)
+            entry.memo = (graph.uid, kid)
         policy.calls_recorded += 1
         refs = tuple(inputs)
         if graph.dedupe and entry.key.deterministic:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
-            signature = (entry.kid, refs)
+            signature = (kid, refs)
             node = graph.dedupe_table.get(signature)
             if node is None:
-                node = graph.add_node(entry.kid, refs, deepest + 1, entry.spec)
+                node = graph.add_node(kid, refs, deepest + 1, entry.spec)
                 graph.dedupe_table[signature] = node
             else:
                 graph.merged += 1
         else:
-            node = graph.add_node(entry.kid, refs, deepest + 1, entry.spec)
+            node = graph.add_node(kid, refs, deepest + 1, entry.spec)
         return ResultHandle(graph, node, 0, entry.spec)
 
     def _resolve(
