@@ -1,6 +1,8 @@
 """Pipeline runtime benchmark: measured vs simulated makespan, and I + W vs one backward.
 
-Run:  python benchmarks/pipeline.py            (about a minute; --quick for a smoke run)
+Run:  python benchmarks/pipeline.py            (2-3 minutes; --quick: p=4 only, ~1 minute)
+      python benchmarks/pipeline.py --unit-ms 50 (longer actions: the fixed per-action
+                                                  cost weighs less)
 
 (a) "Virtual device" stages: each stage's F, I and W sleep a fixed time inside custom
     autograd functions (a full B sleeps I + W). ``time.sleep`` releases the GIL, so 4-8
@@ -8,6 +10,8 @@ Run:  python benchmarks/pipeline.py            (about a minute; --quick for a sm
     schedule at p=4, m=8 and p=8, m=32 the measured makespan (first action start to last
     action end) is compared with the simulator's for the same costs; the difference is
     the runtime's own overhead (thread hand-offs, autograd bookkeeping, sleep overshoot).
+    A "replay" column feeds the simulator the measured duration of every action, which
+    isolates the hand-off (coordination) overhead from the per-action overhead.
     With F = I = W the ZB-H1 bubble is compared with 1F1B's.
 (b) Two-stage backprop on an MLP (8 x Linear(1024) + ReLU, batch 256, 1 intra-op
     thread): I + W time vs one full ``backward()``, plus the naive split (``autograd.grad``
@@ -110,6 +114,16 @@ class VirtualStage(nn.Module):
         return _SleepInput.apply(self.unit(x), self.f, self.i)
 
 
+def _sleep_overshoot(seconds: float, n: int = 20) -> float:
+    """Mean extra time ``time.sleep(seconds)`` takes on this machine right now."""
+    extra = []
+    for _ in range(n):
+        start = time.perf_counter()
+        time.sleep(seconds)
+        extra.append(time.perf_counter() - start - seconds)
+    return statistics.mean(extra)
+
+
 def _replay(schedule: PipelineSchedule, events: list[TimelineEvent]) -> float:
     """The simulator's makespan with each action's *measured* duration.
 
@@ -129,6 +143,7 @@ def _virtual_run(schedule: str, p: int, m: int, unit: float, repeat: int) -> dic
     costs = ActionCosts(forward=unit, backward=2 * unit, backward_input=unit, backward_weight=unit)
     sim = simulate(make_schedule(schedule, stages=p, microbatches=m, chunks=chunks), costs)
     makespans, walls, bubbles, utils, replayed = [], [], [], [], []
+    durations: dict[str, list[float]] = {}
     with Pipeline(
         stages, microbatches=m, schedule=schedule, loss_fn=nn.MSELoss(), chunks=chunks, timeout=120
     ) as pipe:
@@ -139,6 +154,8 @@ def _virtual_run(schedule: str, p: int, m: int, unit: float, repeat: int) -> dic
             walls.append(time.perf_counter() - start)
             makespans.append(pipe.stats.makespan)
             replayed.append(_replay(pipe.schedule, pipe.timeline))
+            for e in pipe.timeline:
+                durations.setdefault(e.action.kind.value, []).append(e.end - e.start)
             bubbles.append(pipe.stats.bubble_time)
             utils.append(pipe.stats.utilization)
     makespan = statistics.median(makespans)
@@ -157,6 +174,7 @@ def _virtual_run(schedule: str, p: int, m: int, unit: float, repeat: int) -> dic
         "measured_bubble_s": statistics.median(bubbles),
         "simulated_bubble_fraction": sim.bubble_fraction,
         "measured_utilization": statistics.median(utils),
+        "mean_action_s": {k: statistics.mean(v) for k, v in sorted(durations.items())},
     }
 
 
@@ -297,6 +315,20 @@ def main() -> None:
         )
     worst = max(abs(r["makespan_ratio"] - 1) for r in virtual)
     coord = max(abs(r["coordination_ratio"] - 1) for r in virtual)
+    kinds: dict[str, list[float]] = {}
+    for r in virtual:
+        for k, v in r["mean_action_s"].items():
+            kinds.setdefault(k, []).append(v)
+    nominal = {"F": unit, "B": 2 * unit, "I": unit, "W": unit}
+    overshoot = _sleep_overshoot(unit)
+    print(
+        "mean measured action time vs nominal: "
+        + ", ".join(
+            f"{k} {statistics.mean(v) * 1e3:.2f}/{nominal[k] * 1e3:g} ms"
+            for k, v in sorted(kinds.items())
+        )
+        + f"; a bare time.sleep({args.unit_ms:g} ms) overshoots by {overshoot * 1e3:.3f} ms here"
+    )
     print(f"largest |measured / simulated - 1|: {worst:.2%} (target <= 5%)")
     print(
         f"largest |measured / replay - 1|: {coord:.2%} (replay: the simulator fed the "
@@ -334,6 +366,7 @@ def main() -> None:
                 "zb_h1_over_1f1b_bubble": zb_vs_1f1b,
                 "worst_makespan_error": worst,
                 "worst_coordination_error": coord,
+                "sleep_overshoot_s": overshoot,
                 "two_stage_backward": b,
             },
             indent=2,
