@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from batchgraph.data.sst import SST_MAX_LEAVES, SST_MEAN_LEAVES, sst_like_trees
-from batchgraph.data.stdlib import TreeDataset, ast_token, stdlib_function_trees
+from batchgraph.data.stdlib import TreeDataset, ast_token, ast_tree, stdlib_function_trees
 from batchgraph.data.trees import InvalidTreeError, Nested, Tree, Vocab
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "TreeDataset",
     "Vocab",
     "ast_token",
+    "ast_tree",
     "sst_like_trees",
     "stdlib_function_trees",
 ]

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from batchgraph.data.trees import Tree, Vocab
 
-__all__ = ["TreeDataset", "ast_token", "stdlib_function_trees"]
+__all__ = ["TreeDataset", "ast_token", "ast_tree", "stdlib_function_trees"]
 
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
                         "__pycache__"})
@@ -106,6 +106,30 @@ def ast_token(node: ast.AST) -> str:
     return name
 
 
+def ast_tree(node: ast.AST, vocab: Vocab, add: bool = False) -> Tree:
+    """The binary tree of one AST node, with the data set's token mapping and binarization.
+
+    Args:
+        node: any AST node, e.g. a parsed ``FunctionDef``.
+        vocab: maps token strings to ids.
+        add: add unseen tokens to ``vocab`` (else they become ``<unk>``, id 0).
+
+    Returns:
+        The left-branching binary tree; its ``tokens()`` are the AST's tokens in
+        pre-order (each node's type token comes before its children's).
+
+    Example:
+        >>> vocab = Vocab()
+        >>> fn = ast.parse("def f(x): return x + 1").body[0]
+        >>> [vocab.token(t) for t in ast_tree(fn, vocab, add=True).tokens()]
+        ['FunctionDef', 'arguments', 'arg', 'Return', 'BinOp', 'Name:Load', 'Add', 'Constant:int']
+    """
+    ids: dict[str, int] = {}
+    raw, _ = _convert(node, ids, [])
+    remap = [vocab.add(tok) if add else vocab.index(tok) for tok in ids]
+    return _build(raw, remap)
+
+
 def stdlib_function_trees(
     limit: int | None = None,
     max_nodes: int = 255,
@@ -115,8 +139,8 @@ def stdlib_function_trees(
 ) -> TreeDataset:
     """Binary trees of the stdlib's function definitions, labelled by stdlib package.
 
-    The parse is cached in-process per ``(max_nodes, classes)``, so later calls (other
-    seeds, limits) cost only a shuffle.
+    The parse is cached in-process per ``classes`` and the trees per ``(max_nodes,
+    classes)``, so later calls (other seeds, limits) cost only a shuffle.
 
     Args:
         limit: keep at most this many functions (after the seeded shuffle), or all.
@@ -178,6 +202,31 @@ def _source_files(root: str) -> list[tuple[str, str]]:
 
 @functools.lru_cache(maxsize=8)
 def _load(max_nodes: int, classes: int) -> tuple[tuple[Tree, ...], Vocab, tuple[str, ...]]:
+    functions, tokens, names = _parse(classes)
+    raw: list[tuple[_Raw, int]] = []
+    seen: set[tuple[_Raw, int]] = set()
+    for fn_raw, count, label in functions:
+        if 2 * count - 1 > max_nodes:
+            continue
+        item = (fn_raw, label)
+        if item not in seen:
+            seen.add(item)
+            raw.append(item)
+    # The vocabulary holds every token of the parsed files (skipped functions' too), and
+    # ids follow sorted token strings, so it depends neither on the order of the files
+    # nor on ``max_nodes``.
+    vocab = Vocab(sorted(tokens))
+    remap = [vocab.index(tok) for tok in tokens]
+    trees = tuple(_build(r, remap).with_label(label) for r, label in raw)
+    return trees, vocab, names
+
+
+@functools.lru_cache(maxsize=2)
+def _parse(classes: int) -> tuple[list[tuple[_Raw, int, int]], list[str], tuple[str, ...]]:
+    """Every function of the ``classes`` biggest packages as ``(raw, AST nodes, label)``.
+
+    Cached apart from ``_load`` so that other ``max_nodes`` do not parse again.
+    """
     files = _source_files(stdlib_dir())
     sources: dict[str, bytes] = {}
     counts: Counter[str] = Counter()
@@ -191,10 +240,8 @@ def _load(max_nodes: int, classes: int) -> tuple[tuple[Tree, ...], Vocab, tuple[
     # most_common breaks ties by first occurrence, and files are in sorted order.
     names = tuple(name for name, _ in counts.most_common(classes))
     class_of = {name: i for i, name in enumerate(names)}
-
-    vocab_ids: dict[str, int] = {}
-    raw: list[tuple[_Raw, int]] = []
-    seen: set[tuple[_Raw, int]] = set()
+    token_ids: dict[str, int] = {}
+    functions: list[tuple[_Raw, int, int]] = []
     for label, path in files:
         if label not in class_of or path not in sources:
             continue
@@ -202,19 +249,11 @@ def _load(max_nodes: int, classes: int) -> tuple[tuple[Tree, ...], Vocab, tuple[
             module = ast.parse(sources[path], filename=path)
         except (SyntaxError, ValueError):
             continue
-        for fn_raw, count in _module_functions(module, vocab_ids):
-            if 2 * count - 1 > max_nodes:
-                continue
-            item = (fn_raw, class_of[label])
-            if item not in seen:
-                seen.add(item)
-                raw.append(item)
-    # The vocabulary holds every token of the parsed files (skipped functions' too), and
-    # ids follow sorted token strings, so it does not depend on the order of the files.
-    vocab = Vocab(sorted(vocab_ids))
-    remap = [vocab.index(tok) for tok in vocab_ids]
-    trees = tuple(_build(r, remap).with_label(label) for r, label in raw)
-    return trees, vocab, names
+        functions.extend(
+            (fn_raw, count, class_of[label])
+            for fn_raw, count in _module_functions(module, token_ids)
+        )
+    return functions, list(token_ids), names
 
 
 # An AST in compact form: (provisional token id, children...). Hashable, for dedupe.

@@ -211,10 +211,16 @@ class Tree:
             return True
         if (self.size, self.depth, self.label) != (other.size, other.depth, other.label):
             return False
-        return self.to_nested() == other.to_nested()
+        return self._flat() == other._flat()
 
     def __hash__(self) -> int:
-        return hash((self.to_nested(), self.label))
+        return hash((self._flat(), self.label))
+
+    def _flat(self) -> tuple[int | None, ...]:
+        # Post-order tokens with None for internal nodes determine the tree, and flat
+        # tuples compare and hash without recursion (nested ones would overflow the
+        # stack on deep trees).
+        return tuple(n.token for n in self.nodes())
 
     def __repr__(self) -> str:
         if self.size > 63:
