@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchgraph.data import Tree
+from batchgraph.data import Nested, Tree
 from batchgraph.models import (
     BinaryTreeLSTMCell,
     HandBatchedTreeLSTM,
@@ -53,8 +53,9 @@ def test_hand_batched_equals_eager_float64(batch: list[Tree], dedupe: bool) -> N
 
 def test_plan_counts_one_call_per_level_and_dedupes() -> None:
     model = TreeLSTMClassifier(VOCAB, CLASSES, hidden=4)
-    shared = (1, (2, 3))
-    batch = [Tree.from_nested(n) for n in [(shared, shared), shared, 4, ((1, 1), (1, 1))]]
+    shared: Nested = (1, (2, 3))
+    nested: list[Nested] = [(shared, shared), shared, 4, ((1, 1), (1, 1))]
+    batch = [Tree.from_nested(n) for n in nested]
     plain = HandBatchedTreeLSTM(model, dedupe=False).plan(batch)
     assert plain.cells == sum(t.size - t.num_leaves for t in batch) == 5 + 2 + 0 + 3
     assert plain.leaf_tokens.tolist() == [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1, 1, 1, 1]

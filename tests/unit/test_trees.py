@@ -11,6 +11,7 @@ from hypothesis import given
 from batchgraph.data import (
     SST_MAX_LEAVES,
     InvalidTreeError,
+    Nested,
     Tree,
     Vocab,
     ast_tree,
@@ -45,10 +46,10 @@ def test_tree_equality_sees_label_and_shape() -> None:
 
 
 def test_deep_trees_do_not_recurse() -> None:
-    nested: object = 0
+    nested: Nested = 0
     for i in range(5000):
         nested = (nested, i)
-    t = Tree.from_nested(nested)  # type: ignore[arg-type]
+    t = Tree.from_nested(nested)
     assert t.depth == 5000 and t.tokens() == [0, *range(5000)]
     assert t == Tree.from_nested(t.to_nested()) and hash(t) == hash(Tree.from_nested(nested))
 
