@@ -33,8 +33,8 @@ from batchgraph.keys import (
     VmapKey,
 )
 from batchgraph.module import BatchedModule
-from batchgraph.policy import BatchingPolicy, ScheduleStats
-from batchgraph.scheduling import Schedule
+from batchgraph.policy import BatchingPolicy
+from batchgraph.scheduling import Schedule, ScheduleStats
 from batchgraph.sequence import PackedSequenceKey
 from batchgraph.specs import TensorSpec
 

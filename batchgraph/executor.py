@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from batchgraph.errors import BatchedCallError, NotATensorError
-from batchgraph.graph import Graph
+from batchgraph.graph import STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.scheduling import GatherPlan, Schedule, Step
 from batchgraph.specs import flatten_output
@@ -34,10 +34,11 @@ class Executor:
 
     Example:
         >>> import batchgraph as bg, torch
+        >>> from batchgraph.passes import prune
         >>> from batchgraph.scheduling import build_schedule
         >>> with bg.BatchingPolicy() as p:
         ...     h = bg.batched_func(torch.tanh)(torch.zeros(2))
-        >>> Executor(p.graph).run(build_schedule(p.graph, [h.node]))
+        >>> Executor(p.graph).run(build_schedule(p.graph, prune(p.graph, [h.node])))
         >>> h.value
         tensor([0., 0.])
     """
@@ -70,13 +71,15 @@ class Executor:
         except BaseException:
             del graph.stores[len(graph.stores) - added :]
             raise
-        node_store = graph.node_store
-        node_row = graph.node_row
+        node_loc = graph.node_loc
         for step in schedule.steps:
-            sid = step.store
+            base = step.store << STORE_SHIFT
             for row, n in enumerate(step.nodes):
-                node_store[n] = sid
-                node_row[n] = row
+                node_loc[n] = base | row
+        first = graph.first_uncomputed
+        while first < len(node_loc) and node_loc[first] >= 0:
+            first += 1
+        graph.first_uncomputed = first
 
     def _run_step(self, step: Step) -> list[Any]:
         graph = self.graph
@@ -94,7 +97,7 @@ class Executor:
                 if len(plan.positions) == 1:
                     inputs[plan.positions[0]] = gathered
                 else:
-                    for p, chunk in zip(plan.positions, gathered.split(size)):
+                    for p, chunk in zip(plan.positions, torch.split(gathered, size)):
                         inputs[p] = chunk
         try:
             out = key.run(key.fn, inputs, size)

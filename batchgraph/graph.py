@@ -11,11 +11,13 @@ Node ``n`` is a call (or a constant). Its arrays:
 Node ids are assigned in recording order, which is a topological order: a node's
 inputs always exist before it. Values live in ``stores``: one entry per executed step,
 holding a batched tensor (or list of per-example tensors) per output leaf; node ``n``
-is row ``node_row[n]`` of store ``node_store[n]`` (``-1`` until computed).
+is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc[n]``
+(``-1`` until computed). One int per location keeps scheduling to integer sorting.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -26,6 +28,13 @@ from batchgraph.specs import OutSpec, TensorSpec
 __all__ = ["Graph", "Ref"]
 
 Ref = tuple[int, int]  # (node, leaf)
+
+_graph_uids = itertools.count()
+
+# A location packs (store, leaf, row) into one int; a node's location has leaf 0.
+STORE_SHIFT = 32
+LEAF_SHIFT = 24
+ROW_MASK = (1 << LEAF_SHIFT) - 1
 
 _CPU = torch.device("cpu")
 # Python scalars become 0-d constants of torch's default type for that scalar.
@@ -41,6 +50,7 @@ class Graph:
 
     def __init__(self, name: str = "graph") -> None:
         self.name = name
+        self.uid = next(_graph_uids)  # never reused, unlike id()
         self.open = True
         self.policy: Any = None  # the BatchingPolicy recording into this graph
         self.dedupe_table: dict[Any, int] = {}
@@ -53,13 +63,15 @@ class Graph:
         # Constant values: tensors, or Python scalars (stacked with one torch.tensor call).
         self.constants: dict[int, Any] = {}
         self._constant_kids: dict[TensorSpec, int] = {}
+        self._scalar_kids: dict[type, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
         self.merged = 0
-        self.node_store: list[int] = []
-        self.node_row: list[int] = []
+        self.node_loc: list[int] = []
         self.stores: list[list[Any]] = []
+        # Every node below this id is computed (advanced after each execution).
+        self.first_uncomputed = 0
 
     def __len__(self) -> int:
         return len(self.node_key)
@@ -78,16 +90,21 @@ class Graph:
         self.node_inputs.append(inputs)
         self.node_depth.append(depth)
         self.node_spec.append(spec)
-        self.node_store.append(-1)
-        self.node_row.append(-1)
+        self.node_loc.append(-1)
         return n
 
-    def add_constant(self, value: torch.Tensor | bool | int | float) -> int:
-        """Add a per-example constant: a tensor or a Python scalar."""
+    def add_constant(
+        self, value: torch.Tensor | bool | int | float, device: torch.device | None = None
+    ) -> int:
+        """Add a per-example constant: a tensor, or a Python scalar for ``device``."""
+        if not isinstance(value, torch.Tensor) and device is None:
+            return self.add_scalar(value)
         if isinstance(value, torch.Tensor):
             spec = TensorSpec.of(value)
-        else:
+        elif device is None:
             spec = _SCALAR_SPECS[type(value)]
+        else:
+            spec = _SCALAR_SPECS[type(value)]._replace(device=device)
         kid = self._constant_kids.get(spec)
         if kid is None:
             kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))
@@ -103,16 +120,33 @@ class Graph:
         self.constants[n] = value
         return n
 
+    def add_scalar(self, value: bool | int | float) -> int:
+        """``add_constant`` for a Python scalar on the CPU: the per-token fast path."""
+        kind = type(value)
+        kid = self._scalar_kids.get(kind)
+        if kid is None:
+            kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
+        if self.dedupe:
+            existing = self.dedupe_table.get((kid, value))
+            if existing is not None:
+                self.merged += 1
+                return existing
+            self.dedupe_table[(kid, value)] = len(self.node_key)
+        n = self.add_node(kid, (), 0, _SCALAR_SPECS[kind])
+        self.constants[n] = value
+        return n
+
     def is_constant(self, n: int) -> bool:
         return n in self.constants
 
     def computed(self, n: int) -> bool:
-        return self.node_store[n] >= 0
+        return self.node_loc[n] >= 0
 
     def leaf_value(self, n: int, leaf: int) -> torch.Tensor:
         """The per-example value of one output leaf of a computed node."""
-        column = self.stores[self.node_store[n]][leaf]
-        value: torch.Tensor = column[self.node_row[n]]
+        loc = self.node_loc[n]
+        column = self.stores[loc >> STORE_SHIFT][leaf]
+        value: torch.Tensor = column[loc & ROW_MASK]
         return value
 
 

@@ -25,50 +25,61 @@ __all__ = ["LiveGraph", "prune"]
 class LiveGraph:
     """The nodes to run, in recording order, with their dependency counts.
 
-    ``pending[n]`` is how many of ``n``'s inputs are not computed yet (an input used
-    twice counts twice); ``consumers[n]`` lists the live nodes using ``n`` (as often).
+    Indexed by node id: ``pending[n]`` is how many of ``n``'s inputs are not computed
+    yet (an input used twice counts twice); ``consumers[n]`` lists the live nodes that
+    use ``n`` (as often), or is None.
     """
 
     nodes: list[int]
-    pending: dict[int, int]
-    consumers: dict[int, list[int]]
+    pending: list[int]
+    consumers: list[list[int] | None]
 
 
 def prune(graph: Graph, roots: Iterable[int]) -> LiveGraph:
     """The not-yet-computed nodes ``roots`` need, with their dependencies.
+
+    Node ids are a topological order, so one sweep from the highest root down marks
+    everything needed and, on the way, counts each needed node's pending inputs and
+    lists its consumers: one linear pass over flat arrays, no per-node objects.
 
     Example:
         >>> import batchgraph as bg, torch
         >>> with bg.BatchingPolicy() as p:
         ...     used = bg.batched_value(torch.ones(2)) * 2
         ...     unused = bg.batched_value(torch.zeros(2)) + 1
-        >>> len(prune(p.graph, [used.node]).nodes)   # the constant and the product
-        2
+        >>> prune(p.graph, [used.node]).nodes   # the constant and the product
+        [0, 1]
     """
-    store = graph.node_store
+    loc = graph.node_loc
     inputs = graph.node_inputs
-    seen = bytearray(len(store))
-    stack = []
+    size = len(loc)
+    needed = bytearray(size)
+    top = -1
     for r in roots:
-        if store[r] < 0 and not seen[r]:
-            seen[r] = 1
-            stack.append(r)
-    pending: dict[int, int] = {}
-    consumers: dict[int, list[int]] = {}
-    while stack:
-        n = stack.pop()
-        waiting = 0
-        for s, _ in inputs[n]:
-            if store[s] < 0:
-                waiting += 1
-                users = consumers.get(s)
-                if users is None:
-                    consumers[s] = [n]
-                else:
-                    users.append(n)
-                if not seen[s]:
-                    seen[s] = 1
-                    stack.append(s)
-        pending[n] = waiting
-    nodes = sorted(pending)
+        if loc[r] < 0:
+            needed[r] = 1
+            if r > top:
+                top = r
+    pending = [0] * size
+    consumers: list[list[int] | None] = [None] * size
+    # Nodes below the graph's first uncomputed one are all computed: stop there.
+    floor = graph.first_uncomputed
+    for n in range(top, floor - 1, -1):
+        if needed[n]:
+            waiting = 0
+            for s, _ in inputs[n]:
+                if loc[s] < 0:
+                    waiting += 1
+                    needed[s] = 1
+                    users = consumers[s]
+                    if users is None:
+                        consumers[s] = [n]
+                    else:
+                        users.append(n)
+            pending[n] = waiting
+    count = needed.count(1)
+    if count == top + 1 - floor:  # the usual case: everything recorded is needed
+        nodes = list(range(floor, top + 1))
+    else:
+        nodes = [n for n in range(floor, top + 1) if needed[n]]
     return LiveGraph(nodes, pending, consumers)

@@ -22,24 +22,28 @@ nodes of that key on one dependency path, summed, plus one per unbatchable node.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgraph.graph import Graph
+from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.passes import LiveGraph
 
 __all__ = [
     "GatherPlan",
     "Schedule",
+    "ScheduleStats",
     "Step",
     "agenda_order",
     "build_schedule",
     "depth_order",
     "launch_lower_bound",
 ]
+
+LEAF_MASK = (1 << (STORE_SHIFT - LEAF_SHIFT)) - 1
 
 # rows: a range (a slice of the source) or an explicit list of rows.
 Part = tuple[int, int, Any]  # (store id, leaf, rows)
@@ -71,12 +75,61 @@ class Step:
 
 
 @dataclass
+class ScheduleStats:
+    """What one ``compute`` did.
+
+    Attributes:
+        nodes: calls computed (constants and merged duplicates not counted).
+        launches: batched calls made; a call that cannot batch counts once per example.
+        lower_bound: the launch lower bound (see ``launch_lower_bound``); computed on
+            first access (it costs a pass per key), and before pickling.
+        mean_batch_size: calls per batched launch.
+        merged: identical calls merged by deduplication.
+        unbatched_calls: calls that ran one at a time, and ``unbatched_callables`` names them.
+        record_seconds: time from entering the policy (or the last compute) to this compute.
+        schedule_seconds: passes plus scheduling; ``execute_seconds``: running the steps.
+    """
+
+    nodes: int
+    launches: int
+    mean_batch_size: float
+    merged: int
+    unbatched_calls: int
+    unbatched_callables: tuple[str, ...]
+    record_seconds: float
+    schedule_seconds: float
+    execute_seconds: float
+    scheduler: str
+    calls_recorded: int = field(default=0)
+    # What the lazy lower bound needs: the graph and the live nodes (dropped once used).
+    _bound_source: tuple[Graph, list[int]] | None = field(default=None, repr=False)
+    _lower_bound: int | None = field(default=None, repr=False)
+
+    @property
+    def lower_bound(self) -> int:
+        if self._lower_bound is None:
+            assert self._bound_source is not None
+            self._lower_bound = launch_lower_bound(*self._bound_source)
+            self._bound_source = None
+        return self._lower_bound
+
+    def __getstate__(self) -> dict[str, Any]:
+        _ = self.lower_bound  # resolve it: the graph does not travel
+        return {k: v for k, v in self.__dict__.items() if k != "_bound_source"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bound_source = None
+
+
+@dataclass
 class Schedule:
-    """A whole run: steps in order, and where each requested value ends up."""
+    """A whole run: its steps in order. ``stats`` is filled in once it has run."""
 
     steps: list[Step]
     base_store: int
     scheduler: str
+    stats: ScheduleStats | None = None
 
 
 def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
@@ -84,7 +137,7 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
     node_key = graph.node_key
     node_depth = graph.node_depth
     keys = graph.keys
-    pending = dict(live.pending)  # consumed as steps are taken
+    pending = live.pending[:]  # consumed as steps are taken
     consumers = live.consumers
     depth_sum: dict[int, float] = defaultdict(float)
     count: dict[int, int] = defaultdict(int)
@@ -109,7 +162,10 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
         nodes = ready.pop(k)
         steps.append((k, nodes))
         for n in nodes:
-            for c in consumers.get(n, ()):
+            users = consumers[n]
+            if users is None:
+                continue
+            for c in users:
                 left = pending[c] - 1
                 pending[c] = left
                 if not left:
@@ -147,44 +203,47 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
     order = order_fn(graph, live)
     base = len(graph.stores)
-    # Locations are planned on copies: the graph only changes once execution succeeds.
-    loc_store = graph.node_store[:]
-    loc_row = graph.node_row[:]
+    # Locations are planned on a copy: the graph only changes once execution succeeds.
+    loc = graph.node_loc[:]
+    keys = graph.keys
+    inputs = graph.node_inputs
+    # Rows per store (earlier computes' stores, then this schedule's steps); -1 for
+    # stores of per-example lists, which may be ragged and are never taken whole.
+    sizes = [-1 if not store or type(store[0]) is list else len(store[0]) for store in graph.stores]
     steps = []
     for i, (k, nodes) in enumerate(order):
         sid = base + i
         step = Step(k, nodes, sid)
-        key = graph.keys[k]
-        if not isinstance(key, ConstantKey) and graph.node_inputs[nodes[0]]:
-            _plan_inputs(graph, key, step, loc_store, loc_row)
+        key = keys[k]
+        sizes.append(len(nodes) if key.combine == "stack" else -1)
+        if inputs[nodes[0]] and not isinstance(key, ConstantKey):
+            _plan_inputs(graph, key, step, loc, sizes)
+        code = sid << STORE_SHIFT
         for row, n in enumerate(nodes):
-            loc_store[n] = sid
-            loc_row[n] = row
+            loc[n] = code | row
         steps.append(step)
     return Schedule(steps, base, scheduler)
 
 
 def _plan_inputs(
-    graph: Graph, key: BatchKey, step: Step, loc_store: list[int], loc_row: list[int]
+    graph: Graph, key: BatchKey, step: Step, loc: list[int], sizes: list[int]
 ) -> None:
     inputs = graph.node_inputs
     nodes = step.nodes
     num = len(inputs[nodes[0]])
     if key.combine != "stack":
         for p in range(num):
-            refs = [inputs[n][p] for n in nodes]
-            step.refs.append([(loc_store[s], leaf, loc_row[s]) for s, leaf in refs])
+            column = [inputs[n][p] for n in nodes]
+            step.refs.append(
+                [(loc[s] >> STORE_SHIFT, leaf, loc[s] & ROW_MASK) for s, leaf in column]
+            )
         return
     for positions in _position_groups(key, num):
-        sources: list[int] = []
-        leaves: list[int] = []
+        codes: list[int] = []
         for p in positions:
             column = [inputs[n][p] for n in nodes]
-            sources.extend([s for s, _ in column])
-            leaves.extend([leaf for _, leaf in column])
-        stores = [loc_store[c] for c in sources]
-        rows = [loc_row[c] for c in sources]
-        step.gathers.append(_plan_gather(positions, stores, leaves, rows))
+            codes.extend([loc[s] | (leaf << LEAF_SHIFT) for s, leaf in column])
+        step.gathers.append(_plan_gather(positions, codes, sizes))
 
 
 def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
@@ -199,37 +258,49 @@ def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
     return groups
 
 
-def _plan_gather(
-    positions: list[int], stores: list[int], leaves: list[int], rows: list[int]
-) -> GatherPlan:
-    first = (stores[0], leaves[0])
-    if all(s == first[0] for s in stores) and all(lf == first[1] for lf in leaves):
-        lo = rows[0]
-        if rows == list(range(lo, lo + len(rows))):
-            return GatherPlan(positions, [(first[0], first[1], range(lo, lo + len(rows)))], None)
-        return GatherPlan(positions, [(first[0], first[1], rows)], None)
-    # Several sources: per source, its needed rows (sorted, unique); then one
-    # permutation back to node order.
-    by_source: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for s, lf, r in zip(stores, leaves, rows):
-        by_source[(s, lf)].add(r)
+def _plan_gather(positions: list[int], codes: list[int], sizes: list[int]) -> GatherPlan:
+    """Plan one gather from location codes (store, leaf, row packed in one int).
+
+    Sorting the distinct codes groups them by (store, leaf) and orders rows within
+    each group. Each group becomes one part: a slice when its rows are contiguous;
+    the whole source (a free view; the permutation picks rows) when it uses at least
+    half of it; else an ``index_select`` of its rows. A permutation restores the
+    requested order unless it already holds.
+    """
+    distinct = sorted(set(codes))
     parts: list[Part] = []
-    offset: dict[tuple[int, int, int], int] = {}
-    total = 0
-    for (s, lf), wanted in sorted(by_source.items()):
-        ordered = sorted(wanted)
-        lo = ordered[0]
-        if ordered[-1] - lo + 1 == len(ordered):
-            parts.append((s, lf, range(lo, lo + len(ordered))))
+    where: dict[int, int] = {}
+    offset = 0
+    start = 0
+    total = len(distinct)
+    exact = True  # parts hold exactly the distinct codes, in order
+    while start < total:
+        column = distinct[start] >> LEAF_SHIFT
+        stop = bisect_left(distinct, (column + 1) << LEAF_SHIFT, start)
+        first = distinct[start] & ROW_MASK
+        last = distinct[stop - 1] & ROW_MASK
+        store, leaf = column >> (STORE_SHIFT - LEAF_SHIFT), column & LEAF_MASK
+        used = stop - start
+        if last - first + 1 == used:  # distinct and sorted: contiguous
+            parts.append((store, leaf, range(first, last + 1)))
+            for c in distinct[start:stop]:
+                where[c] = offset + (c & ROW_MASK) - first
+            offset += used
+        elif sizes[store] > 0 and 2 * used >= sizes[store]:
+            parts.append((store, leaf, range(0, sizes[store])))
+            for c in distinct[start:stop]:
+                where[c] = offset + (c & ROW_MASK)
+            offset += sizes[store]
+            exact = False
         else:
-            parts.append((s, lf, ordered))
-        for j, r in enumerate(ordered):
-            offset[(s, lf, r)] = total + j
-        total += len(ordered)
-    perm = [offset[t] for t in zip(stores, leaves, rows)]
-    if perm == list(range(len(perm))) and total == len(perm):
+            parts.append((store, leaf, [c & ROW_MASK for c in distinct[start:stop]]))
+            for j, c in enumerate(distinct[start:stop]):
+                where[c] = offset + j
+            offset += used
+        start = stop
+    if exact and codes == distinct:
         return GatherPlan(positions, parts, None)
-    return GatherPlan(positions, parts, perm)
+    return GatherPlan(positions, parts, [where[c] for c in codes])
 
 
 def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:

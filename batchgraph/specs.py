@@ -73,9 +73,9 @@ def flatten_output(value: Any, out: list[torch.Tensor]) -> None:
 
 
 class InputSlot(NamedTuple):
-    """Placeholder in an argument template: the ``index``-th tensor input."""
+    """Placeholder in an argument template: the ``slot``-th tensor input."""
 
-    index: int
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class _Seq:
 
 def _fill(template: Any, inputs: Sequence[Any]) -> Any:
     if type(template) is InputSlot:
-        return inputs[template.index]
+        return inputs[template.slot]
     if type(template) is _Seq:
         return template.kind(_fill(t, inputs) for t in template.items)
     return template

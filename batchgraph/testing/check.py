@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgraph.policy import BatchingPolicy, ScheduleStats
+from batchgraph.policy import BatchingPolicy
+from batchgraph.scheduling import ScheduleStats
 
 __all__ = ["BatchedCheckReport", "assert_batched_matches_eager"]
 
@@ -128,16 +129,18 @@ def assert_batched_matches_eager(
             f"{[p for p, _ in eager_flat][:5]} vs batched {[p for p, _ in batched_flat][:5]}"
         )
     max_out = 0.0
-    for (path, e), (_, b) in zip(eager_flat, batched_flat):
-        if e.shape != b.shape:
-            raise AssertionError(f"{path}: eager shape {tuple(e.shape)}, batched {tuple(b.shape)}")
-        diff = (e.detach().double() - b.detach().double()).abs().max().item() if e.numel() else 0.0
+    for (path, eo), (_, bo) in zip(eager_flat, batched_flat):
+        if eo.shape != bo.shape:
+            raise AssertionError(f"{path}: eager shape {tuple(eo.shape)}, batched {tuple(bo.shape)}")
+        diff = (eo.detach().double() - bo.detach().double()).abs().max().item() if eo.numel() else 0.0
         max_out = max(max_out, diff)
-        if not torch.allclose(b.detach(), e.detach(), rtol=rtol, atol=atol):
+        if not torch.allclose(bo.detach(), eo.detach(), rtol=rtol, atol=atol):
             raise AssertionError(f"{path} differs: max abs diff {diff:.3g} (rtol={rtol}, atol={atol})")
 
     max_grad = 0.0
     compared = 0
+    e: torch.Tensor | None
+    b: torch.Tensor | None
     if check_gradients and params:
         tensors = [p for _, p in params]
         eager_grads = torch.autograd.grad(
