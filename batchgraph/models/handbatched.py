@@ -148,79 +148,77 @@ def _submodule(model: TreeLSTMClassifier, name: str, kind: type[_M]) -> _M:
 
 def _plan(trees: Sequence[Tree], dedupe: bool) -> TreeBatchPlan:
     # 1. Entries: one per distinct computation (with dedupe) or per node (without).
-    #    Leaves get entries 0..U-1 in a first pass so they sit first, in pool order.
-    leaf_entry: dict[int, int] = {}
+    #    While visiting, leaf entries are negative (~0, ~1, ...) and internal ones count
+    #    up from 0; afterwards leaf ~k becomes pool row k and internal i row U + i, so
+    #    the U leaves come first, then internal nodes in creation order.
     tokens: list[int] = []
+    pending: list[tuple[int, int]] = []  # (left, right) per internal entry
+    heights: list[int] = []
+    leaf_entry: dict[int, int] = {}
     node_entry: dict[tuple[int, int], int] = {}
-    kids: list[tuple[int, int]] = []  # per internal entry; its entry id is U + index
-    root_entries: list[int] = []
-    pending: list[tuple[int, int, int]] = []  # internal nodes as (left, right, height)
-    for tree in trees:
-        stack: list[tuple[int, int]] = []  # (entry, height) of finished subtrees
-        for node in tree.nodes():
-            if node.token is not None:
-                e = leaf_entry.get(node.token, -1) if dedupe else -1
-                if e < 0:
-                    e = len(tokens)
-                    tokens.append(node.token)
-                    if dedupe:
-                        leaf_entry[node.token] = e
-                stack.append((~e, 0))  # ~e marks "leaf entry e" until leaves are final
-            else:
-                (r, hr), (left, hl) = stack.pop(), stack.pop()
-                height = 1 + (hl if hl > hr else hr)
-                e = node_entry.get((left, r), -1) if dedupe else -1
-                if e < 0:
-                    e = len(pending)
-                    pending.append((left, r, height))
-                    if dedupe:
-                        node_entry[(left, r)] = e
-                stack.append((e, height))
-        root_entries.append(stack[0][0])
+    leaf_get, node_get = leaf_entry.get, node_entry.get
 
-    # 2. Final entry ids: leaves 0..U-1, internal nodes U.. (in creation order).
-    n_leaves = len(tokens)
+    def visit(node: Tree) -> int:
+        # Recursion (depth = tree height) is the cheapest traversal in CPython here.
+        token = node.token
+        if token is not None:
+            e = leaf_get(token) if dedupe else None
+            if e is None:
+                e = ~len(tokens)
+                tokens.append(token)
+                if dedupe:
+                    leaf_entry[token] = e
+            return e
+        assert node.left is not None and node.right is not None
+        key = (visit(node.left), visit(node.right))
+        e = node_get(key) if dedupe else None
+        if e is None:
+            e = len(pending)
+            pending.append(key)
+            heights.append(node.depth)
+            if dedupe:
+                node_entry[key] = e
+        return e
 
-    def final(e: int) -> int:
-        return ~e if e < 0 else n_leaves + e
+    root_entries = [visit(t) for t in trees]
+    u = len(tokens)
+    total = u + len(pending)
 
-    total = n_leaves + len(pending)
+    # 2. Uses (how many reads each row still awaits) and the nodes of each height.
     uses = [0] * total
-    by_height: list[list[int]] = []
-    for i, (left, r, height) in enumerate(pending):
-        left, r = final(left), final(r)
-        kids.append((left, r))
+    by_height: list[list[int]] = [[] for _ in range(max(heights, default=0))]
+    kids: list[tuple[int, int]] = []
+    for i, (left, right) in enumerate(pending):
+        left = left + u if left >= 0 else ~left
+        right = right + u if right >= 0 else ~right
+        kids.append((left, right))
         uses[left] += 1
-        uses[r] += 1
-        while len(by_height) < height:
-            by_height.append([])
-        by_height[height - 1].append(n_leaves + i)
-    roots = [final(e) for e in root_entries]
+        uses[right] += 1
+        by_height[heights[i] - 1].append(u + i)
+    roots = [e + u if e >= 0 else ~e for e in root_entries]
     for e in roots:
         uses[e] += 1
 
     # 3. Simulate the pool level by level to get each level's gather index.
-    pos = [0] * total
-    pool = list(range(n_leaves))
-    for p, e in enumerate(pool):
-        pos[e] = p
+    pos = list(range(total))  # leaves start at rows 0..U-1, where pos[e] == e
+    pool = list(range(u))
     flat: list[int] = []
     sizes: list[int] = []
     for level in by_height:
         first = len(flat)
-        pairs = [kids[e - n_leaves] for e in level]
-        flat.extend([pos[left] for left, _ in pairs])
-        flat.extend([pos[r] for _, r in pairs])
-        for left, r in pairs:
+        pairs = [kids[e - u] for e in level]
+        flat += [pos[left] for left, _ in pairs]
+        flat += [pos[right] for _, right in pairs]
+        for left, right in pairs:
             uses[left] -= 1
-            uses[r] -= 1
-        pool = [e for e in pool if uses[e] > 0]
-        flat.extend([pos[e] for e in pool])
-        pool.extend(level)
+            uses[right] -= 1
+        pool = [e for e in pool if uses[e]]
+        flat += [pos[e] for e in pool]
+        pool += level
         for p, e in enumerate(pool):
             pos[e] = p
         sizes.append(len(flat) - first)
-    flat.extend([pos[e] for e in roots])
+    flat += [pos[e] for e in roots]
 
     # 4. One tensor for all indices; each level's index is a view into it.
     index = torch.tensor(flat, dtype=torch.long)
