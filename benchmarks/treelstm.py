@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -76,14 +76,17 @@ class Variant:
     overhead_s: float = 0.0
     nodes: int = 0
     calls: int = 0
-    stats: list[bg.ScheduleStats] = field(default_factory=list)
+    last: bg.ScheduleStats | None = None  # only the last: stats keep their graph alive
 
-    def logits(self, batch: Sequence[Tree], lower_bound: bool = False) -> torch.Tensor:
+    def reset(self) -> None:
+        self.overhead_s, self.nodes, self.calls, self.last = 0.0, 0, 0, None
+
+    def logits(self, batch: Sequence[Tree]) -> torch.Tensor:
         if self.name == "eager":
             return torch.stack([self.model.logits(t) for t in batch])
         if self.name == "hand":
             return self.hand(batch)
-        with bg.BatchingPolicy(scheduler=self.name, lower_bound=lower_bound) as policy:
+        with bg.BatchingPolicy(scheduler=self.name) as policy:
             handles = [self.model.logits(t) for t in batch]
         out = torch.stack(bg.compute(handles))
         stats = policy.stats
@@ -91,7 +94,7 @@ class Variant:
         self.overhead_s += stats.record_seconds + stats.schedule_seconds
         self.nodes += stats.nodes
         self.calls += stats.calls_recorded
-        self.stats.append(stats)
+        self.last = stats
         return out
 
     def loss(self, batch: Sequence[Tree]) -> torch.Tensor:
@@ -136,9 +139,7 @@ def check_losses(variants: list[Variant], batch: Sequence[Tree], tol: float) -> 
             )
         worst = max(worst, err)
     for v in variants:
-        v.stats.clear()
-        v.overhead_s = 0.0
-        v.nodes = v.calls = 0
+        v.reset()
     return worst
 
 
@@ -180,17 +181,17 @@ def bench_dataset(name: str, pool: list[Tree], vocab: int, classes: int,
             for v in variants:
                 row = Row(name, mode, size, v.name, med[v.name], speeds[v.name],
                           med[v.name] / med["eager"], med[v.name] / med["hand"])
-                if v.stats:
+                if v.last is not None:
                     row.record_schedule_us_per_node = 1e6 * v.overhead_s / max(1, v.nodes)
                     row.record_schedule_us_per_call = 1e6 * v.overhead_s / max(1, v.calls)
-                    # Launch counts depend on the batch only: one untimed run for the bound.
+                    # Launches depend on the batch only: read them (and the lazily computed
+                    # bound) from one untimed run of the first batch.
                     with torch.no_grad():
-                        v.logits(batches[0], lower_bound=True)
-                    stats = v.stats[-1]
+                        v.logits(batches[0])
+                    assert v.last is not None
                     row.launches, row.lower_bound, row.nodes = (
-                        stats.launches, stats.lower_bound, stats.nodes)
-                    v.stats.clear()
-                    v.overhead_s, v.nodes, v.calls = 0.0, 0, 0
+                        v.last.launches, v.last.lower_bound, v.last.nodes)
+                    v.reset()
                 rows.append(row)
             print(f"  {name:8s} {mode:9s} batch {size:4d}: "
                   + "  ".join(f"{v} {med[v]:7.1f}/s" for v in VARIANTS)

@@ -62,7 +62,7 @@ def labels_of(batch: Sequence[Tree]) -> torch.Tensor:
 def batched_logits(model: TreeLSTMClassifier, batch: Sequence[Tree], scheduler: str
                    ) -> torch.Tensor:
     """The batch's logits ``(B, classes)``, computed by batchgraph."""
-    with bg.BatchingPolicy(scheduler=scheduler, lower_bound=False):
+    with bg.BatchingPolicy(scheduler=scheduler):
         handles = [model.logits(t) for t in batch]
     return torch.stack(bg.compute(handles))
 
