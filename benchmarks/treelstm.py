@@ -148,6 +148,9 @@ def measure(variants: list[Variant], batches: list[list[Tree]], mode: str, round
     """Trees/s per variant per round; variants alternate within each round."""
     trees = sum(len(b) for b in batches)
     speeds: dict[str, list[float]] = {v.name: [] for v in variants}
+    for v in variants:  # untimed warm-up on a few trees: first calls pay one-off costs
+        (v.train_step if mode == "training" else v.infer)(batches[0][:16])
+        v.reset()
     for r in range(rounds):
         # Rotate the order each round so no variant always runs first (cache, clocks).
         order = variants[r % len(variants):] + variants[: r % len(variants)]
