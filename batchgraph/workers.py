@@ -137,7 +137,8 @@ class GraphCollate:
                 assert self._factory is not None
                 model = self._factory()
             # Each process gets its own cache (a forked copy would start shared-looking).
-            cache = ScheduleCache(self._cache_template.max_entries) if self._cache_template else None
+            template = self._cache_template
+            cache = ScheduleCache(template.max_entries) if template is not None else None
             state = self._state = (pid, model, Exporter(model, cache))
         return state[1], state[2]
 
