@@ -35,10 +35,10 @@ from batchgraph.keys import (
     VmapKey,
 )
 from batchgraph.module import BatchedModule
-from batchgraph.policy import BatchingPolicy, ScheduleStats
+from batchgraph.policy import BatchingPolicy
 from batchgraph.portable import PortableBatch, export
 from batchgraph.schedule_cache import ScheduleCache
-from batchgraph.scheduling import Schedule
+from batchgraph.scheduling import Schedule, ScheduleStats
 from batchgraph.sequence import PackedSequenceKey
 from batchgraph.specs import TensorSpec
 from batchgraph.workers import ExampleError, GraphCollate, GraphDataset, graph_loader

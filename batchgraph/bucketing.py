@@ -112,8 +112,8 @@ def padding_waste(batches: Sequence[Sequence[int]], sizes: Sequence[int]) -> flo
         ``1 - sum(sizes) / sum(len(batch) * max size in batch)``, in ``[0, 1)``.
 
     Example:
-        >>> padding_waste([[0, 1]], [1, 3])
-        0.3333333333333333
+        >>> round(padding_waste([[0, 1]], [1, 3]), 3)
+        0.333
     """
     used = 0
     slots = 0

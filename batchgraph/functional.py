@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from batchgraph.errors import PolicyClosedError
 from batchgraph.handle import ResultHandle
 from batchgraph.policy import BatchingPolicy, _collect
-from batchgraph.recording import _ACTIVE, CallSite, function_site, module_site
+from batchgraph.recording import _ACTIVE, function_site, module_site
 
 __all__ = ["batched_func", "batched_value", "compute"]
 
@@ -32,19 +31,14 @@ def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
         >>> bg.compute(h)
         tensor([2., 2.])
     """
-    site: CallSite = module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        policy = _ACTIVE.get()
-        if policy is None:
-            return fn(*args, **kwargs)
-        return site.record(policy, args, kwargs)
-
-    return wrapper
+    # The call site itself is the wrapper: one Python call level per recorded call.
+    return module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
 
 
-def batched_value(value: Any) -> Any:
+_SCALARS = (int, float, bool)
+
+
+def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
     """A handle for a per-example constant (outside a policy: the tensor itself).
 
     Python scalars (``bool``, ``int``, ``float``) are kept as they are while recording
@@ -53,6 +47,9 @@ def batched_value(value: Any) -> Any:
 
     Args:
         value: a tensor, a Python scalar, or anything ``torch.as_tensor`` accepts.
+        device: where the constant lives. For Python scalars this costs nothing per
+            example: the batch's scalars become one tensor on ``device`` (one copy to
+            the GPU per batch instead of one per example).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -60,12 +57,18 @@ def batched_value(value: Any) -> Any:
         tensor(3)
     """
     policy = _ACTIVE.get()
+    if policy is not None and device is None and type(value) in _SCALARS:
+        graph = policy.graph  # the per-token fast path
+        node = graph.add_scalar(value)
+        return ResultHandle(graph, node, 0, graph.node_spec[node])
+    where = torch.device(device) if device is not None else None
     if policy is None:
-        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        return torch.as_tensor(value, device=where)
     graph = policy.graph
-    if type(value) not in (bool, int, float) and not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value)
-    node = graph.add_constant(value)
+    if type(value) in _SCALARS:
+        node = graph.add_constant(value, where)
+    else:
+        node = graph.add_constant(torch.as_tensor(value, device=where))
     return ResultHandle(graph, node, 0, graph.node_spec[node])
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from batchgraph.errors import PolicyMismatchError
@@ -23,40 +22,17 @@ from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
 from batchgraph.recording import _ACTIVE
 from batchgraph.rules import KeyFactory
-from batchgraph.scheduling import SCHEDULERS, Schedule, build_schedule, launch_lower_bound
+from batchgraph.scheduling import (
+    SCHEDULERS,
+    Schedule,
+    ScheduleStats,
+    build_schedule,
+)
 
-__all__ = ["BatchingPolicy", "ScheduleStats"]
+__all__ = ["BatchingPolicy"]
 
 _policy_ids = itertools.count()
-
-
-@dataclass
-class ScheduleStats:
-    """What one ``compute`` did.
-
-    Attributes:
-        nodes: calls computed (constants and merged duplicates not counted).
-        launches: batched calls made; a call that cannot batch counts once per example.
-        lower_bound: the launch lower bound (see ``scheduling.launch_lower_bound``).
-        mean_batch_size: calls per batched launch.
-        merged: identical calls merged by deduplication.
-        unbatched_calls: calls that ran one at a time, and ``unbatched_callables`` names them.
-        record_seconds: time from entering the policy (or the last compute) to this compute.
-        schedule_seconds: passes plus scheduling; ``execute_seconds``: running the steps.
-    """
-
-    nodes: int
-    launches: int
-    lower_bound: int
-    mean_batch_size: float
-    merged: int
-    unbatched_calls: int
-    unbatched_callables: tuple[str, ...]
-    record_seconds: float
-    schedule_seconds: float
-    execute_seconds: float
-    scheduler: str
-    calls_recorded: int = field(default=0)
+_rules_tokens = itertools.count(1)
 
 
 class BatchingPolicy:
@@ -66,7 +42,6 @@ class BatchingPolicy:
         scheduler: ``"agenda"`` (default) or ``"depth"``.
         dedupe: merge identical calls (same callable, same inputs) before running.
         rules: extra batching rules: ``{ModuleType or function: BatchKey subclass}``.
-        lower_bound: compute the launch lower bound in ``stats`` (costs a pass per key).
         name: shown in error messages.
 
     Example:
@@ -86,7 +61,6 @@ class BatchingPolicy:
         scheduler: str = "agenda",
         dedupe: bool = True,
         rules: Mapping[Any, KeyFactory] | None = None,
-        lower_bound: bool = True,
         name: str | None = None,
     ) -> None:
         if scheduler not in SCHEDULERS:
@@ -96,9 +70,9 @@ class BatchingPolicy:
         self.scheduler = scheduler
         self.dedupe = dedupe
         self.rules: dict[Any, KeyFactory] = dict(rules or {})
-        # Signature caches are shared across policies with the same (empty) rules.
-        self.rules_token = 0 if not self.rules else id(self.rules)
-        self.collect_lower_bound = lower_bound
+        # Signature caches are shared across policies with no custom rules; a policy
+        # with rules gets a fresh token (never reused, unlike id()).
+        self.rules_token = 0 if not self.rules else next(_rules_tokens)
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
@@ -163,6 +137,7 @@ class BatchingPolicy:
         executed = time.perf_counter()
         self.schedules.append(schedule)
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
+        schedule.stats = self.stats
         result = _rebuild(obj)
         self._mark = time.perf_counter()
         return result
@@ -193,11 +168,9 @@ class BatchingPolicy:
                 launches += len(step.nodes)
                 unbatched += len(step.nodes)
                 names.add(callable_name(key.fn))
-        bound = launch_lower_bound(self.graph, live) if self.collect_lower_bound else 0
         return ScheduleStats(
             nodes=nodes,
             launches=launches,
-            lower_bound=bound,
             mean_batch_size=nodes / launches if launches else 0.0,
             merged=merged,
             unbatched_calls=unbatched,
@@ -207,6 +180,7 @@ class BatchingPolicy:
             execute_seconds=executed - scheduled,
             scheduler=self.scheduler,
             calls_recorded=self.calls_recorded,
+            _bound_source=(self.graph, live),
         )
 
 

@@ -242,7 +242,7 @@ class Exporter:
             constants=constants,
             schedule=schedule,
             outputs=portable_outputs,
-            output_plan=_output_plan(outputs, schedule),
+            output_plan=_output_plan(outputs, schedule, graph),
             example_ends=example_ends if example_ends is not None else [len(graph)] * count,
             indices=indices if indices is not None else list(range(count)),
             cache_hit=hit,
@@ -339,7 +339,7 @@ def _portable_constant(value: Any, node: int) -> Any:
     return value
 
 
-def _output_plan(outputs: Any, schedule: Schedule) -> GatherPlan | None:
+def _output_plan(outputs: Any, schedule: Schedule, graph: Graph) -> GatherPlan | None:
     """A gather of all outputs into one batched tensor, when they are alike."""
     if not isinstance(outputs, (list, tuple)) or not outputs:
         return None
@@ -357,4 +357,7 @@ def _output_plan(outputs: Any, schedule: Schedule) -> GatherPlan | None:
             if n in wanted:
                 where[n] = base | row
     codes = [where[h.node] | (h.leaf << LEAF_SHIFT) for h in outputs]
-    return _plan_gather([0], codes)
+    # Rows per store, as build_schedule counts them (-1: per-example lists).
+    keys = graph.keys
+    sizes = [len(s.nodes) if keys[s.key].combine == "stack" else -1 for s in schedule.steps]
+    return _plan_gather([0], codes, sizes)

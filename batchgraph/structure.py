@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from batchgraph.functional import batched_func
+from batchgraph.recording import CallSite
 
 __all__ = ["load_structure", "model_structure"]
 
@@ -43,19 +44,15 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) ->
     return nn.Parameter(tensor, requires_grad=False) if parameter else tensor
 
 
-# Every ``batched_func`` wrapper shares its code object: that identifies them.
-_WRAPPER_CODE = getattr(batched_func(abs), "__code__", None)
-
-
 class _StructurePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return _placeholder, (tuple(obj.shape), obj.dtype, isinstance(obj, nn.Parameter))
-        if getattr(obj, "__code__", None) is _WRAPPER_CODE and _WRAPPER_CODE is not None:
-            # A batched_func wrapper kept as a model attribute is a closure, which
-            # pickle cannot store; wrapping the same function again in the worker
-            # gives an equivalent one.
-            return batched_func, (obj.__wrapped__,)
+        if isinstance(obj, CallSite):
+            # A batched_func result kept as a model attribute is a call site whose
+            # signature cache holds keys and closures; wrapping the same callable again
+            # in the worker gives an equivalent, empty one.
+            return batched_func, (obj.fn,)
         return NotImplemented
 
 

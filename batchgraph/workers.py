@@ -83,7 +83,7 @@ class GraphCollate:
         ...     def score(self, x):
         ...         return self.lin(bg.batched_value(torch.full((2,), float(x))))
         >>> model = M()
-        >>> collate = GraphCollate(model, "score")
+        >>> collate = GraphCollate(M, "score")   # a class made here does not pickle: a factory
         >>> loader = torch.utils.data.DataLoader(range(8), batch_size=4, collate_fn=collate)
         >>> [bg.bind(batch, model, stack=True).shape for batch in loader]
         [torch.Size([4, 3]), torch.Size([4, 3])]
@@ -237,7 +237,7 @@ class GraphDataset(Dataset[PortableBatch]):
         ...         self.lin = torch.nn.Linear(1, 1)
         ...     def f(self, x):
         ...         return self.lin(bg.batched_value(torch.tensor([float(x)])))
-        >>> len(GraphDataset(list(range(5)), GraphCollate(M(), "f"))[[0, 3]])
+        >>> len(GraphDataset(list(range(5)), GraphCollate(M, "f"))[[0, 3]])
         2
     """
 

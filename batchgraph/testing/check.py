@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgraph.policy import BatchingPolicy, ScheduleStats
+from batchgraph.policy import BatchingPolicy
+from batchgraph.scheduling import ScheduleStats
 
 __all__ = ["BatchedCheckReport", "assert_batched_matches_eager"]
 
