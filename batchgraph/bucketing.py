@@ -32,7 +32,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         pool: batches per sorting pool (``1``: no bucketing; ``None``: the whole epoch).
         shuffle: shuffle examples before pooling and batches after; False keeps the
             order deterministic without a seed (pools in order, batches in order).
-        seed: the base seed; epoch ``e`` uses ``seed + e``.
+        seed: the base seed; epoch ``e`` (see ``set_epoch``) uses ``seed + e``.
         drop_last: drop the one batch shorter than ``batch_size``, if any.
 
     Raises:
@@ -68,7 +68,12 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s order next (e.g. when resuming from a checkpoint)."""
+        """Use ``epoch``'s order from now on; call it at the start of every epoch.
+
+        As with ``DistributedSampler``, iterating does not advance the epoch by itself:
+        a ``DataLoader`` calls ``iter(sampler)`` more than once per epoch, so only an
+        explicit epoch keeps the order (and a resumed run's order) reproducible.
+        """
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -96,9 +101,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self.epoch
-        self.epoch += 1  # the next iteration is the next epoch unless set_epoch says else
-        return iter(self.batches(epoch))
+        return iter(self.batches(self.epoch))
 
 
 def padding_waste(batches: Sequence[Sequence[int]], sizes: Sequence[int]) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -256,7 +256,7 @@ class GraphDataset(Dataset[PortableBatch]):
 def graph_loader(
     dataset: Any,
     collate: GraphCollate,
-    batch_sampler: Sampler[list[int]] | Sequence[list[int]],
+    batch_sampler: Sampler[list[int]] | Iterable[list[int]],
     *,
     num_workers: int = 1,
     **kwargs: Any,

@@ -115,8 +115,10 @@ def test_repeated_structures_hit_the_worker_cache_across_epochs() -> None:
     )
     binder = bg.Binder(model)
     hits = []
-    for _ in range(2):
-        for batch in loader:
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for batch, indices in zip(loader, sampler.batches(epoch), strict=True):
+            assert batch.indices == indices  # the loader yields the sampler's epoch
             binder.run(batch)
             hits.append(batch.cache_hit)
     assert hits == [False] * 4 + [True] * 4
