@@ -216,15 +216,14 @@ class Exporter:
         start = time.perf_counter()
         roots: list[int] = []
         portable_outputs = _encode_outputs(outputs, graph, roots)
-        live = prune(graph, roots)
         schedule = None
         signature = None
         if self.cache is not None:
             signature = self.cache.signature(graph, roots, policy.scheduler)
             schedule = self.cache.lookup(signature)
         hit = schedule is not None
-        if schedule is None:
-            schedule = build_schedule(graph, live, policy.scheduler)
+        if schedule is None:  # a hit needs no pruning either: the schedule holds the result
+            schedule = build_schedule(graph, prune(graph, roots), policy.scheduler)
             if self.cache is not None and signature is not None:
                 self.cache.store(signature, schedule)
         keys: list[PortableKey | None] = [None] * len(graph.keys)

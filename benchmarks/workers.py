@@ -147,6 +147,7 @@ class Workers(Variant):
         self.binder = bg.Binder(model)
         self.launches: list[int] = []
         self.hits: list[bool] = []
+        self.worker_split: dict[str, float] = {}
         self.worker_schedule: dict[bool, list[float]] = {True: [], False: []}
 
     def train(self, batches: list[Batch], timed: bool) -> None:
@@ -166,6 +167,9 @@ class Workers(Variant):
                 self.add("bind", stats.bind_seconds - bind_before)
                 self.add("execute", stats.execute_seconds - exec_before)
                 self.add("backward+step", time.perf_counter() - t2)
+                for part, sec in (("record", batch.record_seconds),
+                                  ("prune+schedule+export", batch.schedule_seconds)):
+                    self.worker_split[part] = self.worker_split.get(part, 0.0) + sec
                 self.launches.append(batch.launches)
                 self.hits.append(batch.cache_hit)
                 self.worker_schedule[batch.cache_hit].append(batch.schedule_seconds)
@@ -211,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", type=int, default=12, help="batches per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default="benchmarks/results/workers.json")
+    parser.add_argument("--skip-extras", action="store_true", help="throughput table only")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -244,7 +249,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ["variant", "trees_per_s", "vs_hand", "vs_in_process", "split"])
     losses = [v.losses[-1] for v in variants]
     print(f"final losses: {', '.join(f'{x:.6f}' for x in losses)}")
+    worker = variants[2]
+    assert isinstance(worker, Workers)
+    rows[2]["worker_ms_per_batch"] = {
+        k: round(1e3 * s / worker.batches, 2) for k, s in worker.worker_split.items()
+    }
+    print(f"worker ms per batch (in the worker process): {rows[2]['worker_ms_per_batch']}")
 
+    result: dict[str, Any] = {
+        "machine": {"processor": platform.processor(), "cores": os.cpu_count(),
+                    "torch": torch.__version__, "threads": 1},
+        "sizes": {"batch": size, "hidden": args.hidden, "workers": args.workers,
+                  "rounds": args.rounds, "batches_per_round": per_round},
+        "throughput": rows,
+    }
+    if not args.skip_extras:
+        result.update(extras(args, data, make, warmup, rounds, total))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def extras(args: argparse.Namespace, data: list[Any], make: Callable[[], TreeLSTM],
+           warmup: list[Batch], rounds: list[list[Batch]], total: int) -> dict[str, Any]:
+    """Bucketing's effect on launches and throughput; the schedule cache's hit rate."""
+    size, per_round = args.batch_size, args.batches
     # Bucketing: same examples, pools of increasing strictness, workers variant.
     sizes = [leaves_of(t) for t, _ in data[:total]]
     bucket_rows = []
@@ -276,17 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "worker_schedule_ms_hit": round(1e3 * statistics.mean(hit), 2) if hit else None,
     }
     print(f"\nschedule cache: {cache}")
-    result = {
-        "machine": {"processor": platform.processor(), "cores": os.cpu_count(),
-                    "torch": torch.__version__, "threads": 1},
-        "sizes": {"batch": size, "hidden": args.hidden, "workers": args.workers,
-                  "rounds": args.rounds, "batches_per_round": per_round},
-        "throughput": rows, "bucketing": bucket_rows, "cache": cache,
-    }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return {"bucketing": bucket_rows, "cache": cache}
 
 
 if __name__ == "__main__":
