@@ -11,6 +11,8 @@ Write code for one example; run many together::
 
 from __future__ import annotations
 
+from batchgraph.binding import Binder, ScheduleMismatchError, bind
+from batchgraph.bucketing import BucketBatchSampler
 from batchgraph.errors import (
     BatchedCallError,
     BatchgraphError,
@@ -34,9 +36,12 @@ from batchgraph.keys import (
 )
 from batchgraph.module import BatchedModule
 from batchgraph.policy import BatchingPolicy
+from batchgraph.portable import PortableBatch, export
+from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, ScheduleStats
 from batchgraph.sequence import PackedSequenceKey
 from batchgraph.specs import TensorSpec
+from batchgraph.workers import ExampleError, GraphCollate, GraphDataset, graph_loader
 
 __version__ = "0.1.0"
 
@@ -46,17 +51,25 @@ __all__ = [
     "BatchedModule",
     "BatchgraphError",
     "BatchingPolicy",
+    "Binder",
+    "BucketBatchSampler",
     "DimArgKey",
     "ElementwiseKey",
+    "ExampleError",
     "Executor",
+    "GraphCollate",
+    "GraphDataset",
     "IndexKey",
     "NotATensorError",
     "NotComputedError",
     "PackedSequenceKey",
     "PolicyClosedError",
     "PolicyMismatchError",
+    "PortableBatch",
     "ResultHandle",
     "Schedule",
+    "ScheduleCache",
+    "ScheduleMismatchError",
     "ScheduleStats",
     "ShapeMismatchError",
     "StackKey",
@@ -66,5 +79,8 @@ __all__ = [
     "__version__",
     "batched_func",
     "batched_value",
+    "bind",
     "compute",
+    "export",
+    "graph_loader",
 ]
