@@ -41,6 +41,9 @@ class LeafCell(nn.Module):
         ([torch.Size([4]), torch.Size([4])], [torch.Size([2, 4]), torch.Size([2, 4])])
     """
 
+    # Written for a leading batch dimension: batched calls are one plain call.
+    batch_key = bg.StackKey
+
     def __init__(self, in_dim: int, hidden: int | None = None) -> None:
         super().__init__()
         self.hidden = in_dim if hidden is None else hidden
@@ -70,6 +73,9 @@ class BinaryTreeLSTMCell(nn.Module):
         >>> h.shape, c.shape
         (torch.Size([3]), torch.Size([3]))
     """
+
+    # Written for a leading batch dimension: batched calls are one plain call.
+    batch_key = bg.StackKey
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
