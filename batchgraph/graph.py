@@ -67,7 +67,8 @@ class Graph:
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
-        self.merged = 0
+        self.merged = 0  # constants and calls merged so far
+        self.merged_calls = 0  # of which calls
         self.node_loc: list[int] = []
         self.stores: list[list[Any]] = []
         # Every node below this id is computed (advanced after each execution).
@@ -85,6 +86,7 @@ class Graph:
         return kid
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:
+        # CallSite.record inlines this for speed: keep the two in step.
         n = len(self.node_key)
         self.node_key.append(kid)
         self.node_inputs.append(inputs)
@@ -135,6 +137,11 @@ class Graph:
         n = self.add_node(kid, (), 0, _SCALAR_SPECS[kind])
         self.constants[n] = value
         return n
+
+    @property
+    def calls_recorded(self) -> int:
+        """Calls recorded so far, merged ones included (constants excluded)."""
+        return len(self.node_key) - len(self.constants) + self.merged_calls
 
     def is_constant(self, n: int) -> bool:
         return n in self.constants

@@ -79,11 +79,15 @@ class BatchingPolicy:
         self.graph.open = False
         self.graph.dedupe = dedupe
         self._merged_before = 0
-        self.calls_recorded = 0
         self.stats: ScheduleStats | None = None
         self.schedules: list[Schedule] = []
         self._token: Any = None
         self._mark = time.perf_counter()
+
+    @property
+    def calls_recorded(self) -> int:
+        """Calls recorded by this policy so far (merged duplicates included)."""
+        return self.graph.calls_recorded
 
     # -- recording context -----------------------------------------------------------
     def __enter__(self) -> BatchingPolicy:
@@ -179,7 +183,7 @@ class BatchingPolicy:
             schedule_seconds=scheduled - start,
             execute_seconds=executed - scheduled,
             scheduler=self.scheduler,
-            calls_recorded=self.calls_recorded,
+            calls_recorded=self.graph.calls_recorded,
             _bound_source=(self.graph, live),
         )
 

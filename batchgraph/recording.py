@@ -152,20 +152,25 @@ class CallSite:
         else:
             kid = graph.key_id(entry.key)
             entry.memo = (graph.uid, kid)
-        policy.calls_recorded += 1
         refs = tuple(inputs)
+        spec = entry.spec
         if graph.dedupe and entry.key.deterministic:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
             signature = (kid, refs)
             node = graph.dedupe_table.get(signature)
-            if node is None:
-                node = graph.add_node(kid, refs, deepest + 1, entry.spec)
-                graph.dedupe_table[signature] = node
-            else:
+            if node is not None:
                 graph.merged += 1
-        else:
-            node = graph.add_node(kid, refs, deepest + 1, entry.spec)
-        return ResultHandle(graph, node, 0, entry.spec)
+                graph.merged_calls += 1
+                return ResultHandle(graph, node, 0, spec)
+            graph.dedupe_table[signature] = len(graph.node_key)
+        # Graph.add_node, inlined: this line runs once per recorded call.
+        node = len(graph.node_key)
+        graph.node_key.append(kid)
+        graph.node_inputs.append(refs)
+        graph.node_depth.append(deepest + 1)
+        graph.node_spec.append(spec)
+        graph.node_loc.append(-1)
+        return ResultHandle(graph, node, 0, spec)
 
     def _resolve(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
