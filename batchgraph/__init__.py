@@ -11,8 +11,10 @@ Write code for one example; run many together::
 
 from __future__ import annotations
 
-from batchgraph.awaiting import DeadlockError, ExampleError, UnsupportedAwaitError
+from batchgraph.awaiting import CoroutineExampleError, DeadlockError, UnsupportedAwaitError
+from batchgraph.binding import Binder, ScheduleMismatchError, bind
 from batchgraph.bridge import AsyncBatcher
+from batchgraph.bucketing import BucketBatchSampler
 from batchgraph.coroutines import run_all, value
 from batchgraph.errors import (
     BatchedCallError,
@@ -37,9 +39,12 @@ from batchgraph.keys import (
 )
 from batchgraph.module import BatchedModule
 from batchgraph.policy import BatchingPolicy
+from batchgraph.portable import PortableBatch, export
+from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, ScheduleStats
 from batchgraph.sequence import PackedSequenceKey
 from batchgraph.specs import TensorSpec
+from batchgraph.workers import ExampleError, GraphCollate, GraphDataset, graph_loader
 
 __version__ = "0.1.0"
 
@@ -50,19 +55,27 @@ __all__ = [
     "BatchedModule",
     "BatchgraphError",
     "BatchingPolicy",
+    "Binder",
+    "BucketBatchSampler",
+    "CoroutineExampleError",
     "DeadlockError",
     "DimArgKey",
     "ElementwiseKey",
     "ExampleError",
     "Executor",
+    "GraphCollate",
+    "GraphDataset",
     "IndexKey",
     "NotATensorError",
     "NotComputedError",
     "PackedSequenceKey",
     "PolicyClosedError",
     "PolicyMismatchError",
+    "PortableBatch",
     "ResultHandle",
     "Schedule",
+    "ScheduleCache",
+    "ScheduleMismatchError",
     "ScheduleStats",
     "ShapeMismatchError",
     "StackKey",
@@ -73,7 +86,10 @@ __all__ = [
     "__version__",
     "batched_func",
     "batched_value",
+    "bind",
     "compute",
+    "export",
+    "graph_loader",
     "run_all",
     "value",
 ]

@@ -30,8 +30,8 @@ from batchgraph.errors import BatchgraphError, NotComputedError
 from batchgraph.handle import ResultHandle
 
 __all__ = [
+    "CoroutineExampleError",
     "DeadlockError",
-    "ExampleError",
     "UnsupportedAwaitError",
     "Wait",
     "value",
@@ -43,7 +43,7 @@ __all__ = [
 DRIVING: ContextVar[bool] = ContextVar("batchgraph_driving", default=False)
 
 
-class ExampleError(BatchgraphError, RuntimeError):
+class CoroutineExampleError(BatchgraphError, RuntimeError):
     """An example coroutine raised (``bg.run_all`` with ``return_exceptions=False``).
 
     Attributes:

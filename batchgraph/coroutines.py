@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-from batchgraph.awaiting import ExampleError, value
+from batchgraph.awaiting import CoroutineExampleError, value
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, GradMode, Lane, grad_mode
 
@@ -65,7 +65,7 @@ def run_all(
         The examples' return values (handles in them replaced by tensors), in order.
 
     Raises:
-        ExampleError: when an example raised and ``return_exceptions`` is False; it
+        CoroutineExampleError: when an example raised and ``return_exceptions`` is False; it
             names the first failing example, chains its exception and carries every
             result (``.results``) and error (``.errors``).
         TypeError: if an item is not a coroutine, or ``groups`` is not positive.
@@ -153,7 +153,7 @@ def _results(examples: list[Example], return_exceptions: bool) -> list[Any]:
         err = errors[first]
         others = sorted(errors)[1:]
         more = f"; examples {', '.join(map(str, others[:10]))} failed too" if others else ""
-        raise ExampleError(
+        raise CoroutineExampleError(
             f"example {first} of {len(examples)} raised {type(err).__name__}: {err}{more}. "
             "The other examples finished; their results are in .results (pass "
             "return_exceptions=True to get them with each error in its slot).",

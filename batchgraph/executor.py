@@ -34,10 +34,11 @@ class Executor:
 
     Example:
         >>> import batchgraph as bg, torch
+        >>> from batchgraph.passes import prune
         >>> from batchgraph.scheduling import build_schedule
         >>> with bg.BatchingPolicy() as p:
         ...     h = bg.batched_func(torch.tanh)(torch.zeros(2))
-        >>> Executor(p.graph).run(build_schedule(p.graph, [h.node]))
+        >>> Executor(p.graph).run(build_schedule(p.graph, prune(p.graph, [h.node])))
         >>> h.value
         tensor([0., 0.])
     """

@@ -17,6 +17,7 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from batchgraph.specs import OutSpec, TensorSpec
 __all__ = ["Graph", "Ref"]
 
 Ref = tuple[int, int]  # (node, leaf)
+
+_graph_uids = itertools.count()
 
 # A location packs (store, leaf, row) into one int; a node's location has leaf 0.
 STORE_SHIFT = 32
@@ -47,6 +50,7 @@ class Graph:
 
     def __init__(self, name: str = "graph") -> None:
         self.name = name
+        self.uid = next(_graph_uids)  # never reused, unlike id()
         self.open = True
         self.policy: Any = None  # the BatchingPolicy recording into this graph
         self.dedupe_table: dict[Any, int] = {}
@@ -59,10 +63,12 @@ class Graph:
         # Constant values: tensors, or Python scalars (stacked with one torch.tensor call).
         self.constants: dict[int, Any] = {}
         self._constant_kids: dict[TensorSpec, int] = {}
+        self._scalar_kids: dict[type, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
-        self.merged = 0
+        self.merged = 0  # constants and calls merged so far
+        self.merged_calls = 0  # of which calls
         self.node_loc: list[int] = []
         self.stores: list[list[Any]] = []
         # Every node below this id is computed (advanced after each execution).
@@ -80,6 +86,7 @@ class Graph:
         return kid
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:
+        # CallSite.record inlines this for speed: keep the two in step.
         n = len(self.node_key)
         self.node_key.append(kid)
         self.node_inputs.append(inputs)
@@ -92,6 +99,8 @@ class Graph:
         self, value: torch.Tensor | bool | int | float, device: torch.device | None = None
     ) -> int:
         """Add a per-example constant: a tensor, or a Python scalar for ``device``."""
+        if not isinstance(value, torch.Tensor) and device is None:
+            return self.add_scalar(value)
         if isinstance(value, torch.Tensor):
             spec = TensorSpec.of(value)
         elif device is None:
@@ -112,6 +121,27 @@ class Graph:
         n = self.add_node(kid, (), 0, spec)
         self.constants[n] = value
         return n
+
+    def add_scalar(self, value: bool | int | float) -> int:
+        """``add_constant`` for a Python scalar on the CPU: the per-token fast path."""
+        kind = type(value)
+        kid = self._scalar_kids.get(kind)
+        if kid is None:
+            kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
+        if self.dedupe:
+            existing = self.dedupe_table.get((kid, value))
+            if existing is not None:
+                self.merged += 1
+                return existing
+            self.dedupe_table[(kid, value)] = len(self.node_key)
+        n = self.add_node(kid, (), 0, _SCALAR_SPECS[kind])
+        self.constants[n] = value
+        return n
+
+    @property
+    def calls_recorded(self) -> int:
+        """Calls recorded so far, merged ones included (constants excluded)."""
+        return len(self.node_key) - len(self.constants) + self.merged_calls
 
     def is_constant(self, n: int) -> bool:
         return n in self.constants

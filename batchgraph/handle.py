@@ -25,16 +25,42 @@ if TYPE_CHECKING:
 __all__ = ["ResultHandle"]
 
 
-# Leaf offset of each child of a tuple spec (specs are few and reused: cache them).
-_CHILD_OFFSETS: dict[tuple[Any, ...], list[int]] = {}
+# Tensor properties that are computations (recorded); other non-callable tensor
+# attributes (grad, requires_grad, ...) only exist on computed values.
+_TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_PROPERTY_GETTERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
 
-def _offsets(spec: tuple[Any, ...]) -> list[int]:
+def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    # One function object per property, so its call-signature cache is shared.
+    getter = _PROPERTY_GETTERS.get(name)
+    if getter is None:
+
+        def getter(t: torch.Tensor) -> torch.Tensor:
+            value: torch.Tensor = getattr(t, name)
+            return value
+
+        getter.__qualname__ = f"Tensor.{name}"
+        _PROPERTY_GETTERS[name] = getter
+    return getter
+
+
+# Leaf offset of each child of a tuple spec, keyed by the spec object's id (hashing
+# the spec itself costs more than the lookup saves); the spec is kept alive beside
+# its offsets so the id cannot be reused. Specs are few: one per call signature.
+_CHILD_OFFSETS: dict[int, tuple[Any, list[int]]] = {}
+
+
+def _child_offsets(spec: tuple[Any, ...]) -> list[int]:
+    cached = _CHILD_OFFSETS.get(id(spec))
+    if cached is not None:
+        return cached[1]
     offsets = []
     total = 0
     for s in spec:
         offsets.append(total)
         total += count_leaves(s)
+    _CHILD_OFFSETS[id(spec)] = (spec, offsets)
     return offsets
 
 
@@ -66,18 +92,15 @@ class ResultHandle:
             index += len(spec)
         if not 0 <= index < len(spec):
             raise IndexError(f"index {index} out of range for a result of {len(spec)} items")
-        offsets = _CHILD_OFFSETS.get(spec)
-        if offsets is None:
-            offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+        offsets = _child_offsets(spec)
         child = cast(OutSpec, spec[index])
         return ResultHandle(self._graph, self.node, self.leaf + offsets[index], child)
 
     def __iter__(self) -> Iterator[ResultHandle]:
         spec = self.spec
         if type(spec) is tuple:
-            offsets = _CHILD_OFFSETS.get(spec)
-            if offsets is None:
-                offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+            cached = _CHILD_OFFSETS.get(id(spec))
+            offsets = cached[1] if cached is not None else _child_offsets(spec)
             graph, node, leaf = self._graph, self.node, self.leaf
             children = cast(tuple[OutSpec, ...], spec)
             return iter(
@@ -203,9 +226,14 @@ class ResultHandle:
         return _record(func, tuple(args), kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
+        if name in _TENSOR_PROPERTIES:  # h.T and friends: recorded right away
+            return _record(_property_getter(name), (self,), {})
         method = getattr(torch.Tensor, name, None)
-        if method is None or name.startswith("_"):
-            raise AttributeError(f"ResultHandle has no attribute {name!r}")
+        if method is None or name.startswith("_") or not callable(method):
+            raise AttributeError(
+                f"ResultHandle has no attribute {name!r}"
+                + ("; it is only available on computed values (handle.value)" if method else "")
+            )
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
             return _record(method, (self, *args), kwargs)
@@ -247,6 +275,20 @@ class ResultHandle:
 
     def __rmatmul__(self, other: Any) -> Any:
         return _record(torch.matmul, (other, self), {})
+
+    # Comparisons record elementwise ops (masks); == and != keep identity semantics so
+    # handles stay hashable: use torch.eq / torch.ne for elementwise equality.
+    def __lt__(self, other: Any) -> Any:
+        return _record(torch.lt, (self, other), {})
+
+    def __le__(self, other: Any) -> Any:
+        return _record(torch.le, (self, other), {})
+
+    def __gt__(self, other: Any) -> Any:
+        return _record(torch.gt, (self, other), {})
+
+    def __ge__(self, other: Any) -> Any:
+        return _record(torch.ge, (self, other), {})
 
     def __neg__(self) -> Any:
         return _record(torch.neg, (self,), {})

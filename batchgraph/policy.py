@@ -32,6 +32,7 @@ from batchgraph.scheduling import (
 __all__ = ["BatchingPolicy"]
 
 _policy_ids = itertools.count()
+_rules_tokens = itertools.count(1)
 
 
 class BatchingPolicy:
@@ -69,19 +70,24 @@ class BatchingPolicy:
         self.scheduler = scheduler
         self.dedupe = dedupe
         self.rules: dict[Any, KeyFactory] = dict(rules or {})
-        # Signature caches are shared across policies with the same (empty) rules.
-        self.rules_token = 0 if not self.rules else id(self.rules)
+        # Signature caches are shared across policies with no custom rules; a policy
+        # with rules gets a fresh token (never reused, unlike id()).
+        self.rules_token = 0 if not self.rules else next(_rules_tokens)
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
         self.graph.open = False
         self.graph.dedupe = dedupe
         self._merged_before = 0
-        self.calls_recorded = 0
         self.stats: ScheduleStats | None = None
         self.schedules: list[Schedule] = []
         self._token: Any = None
         self._mark = time.perf_counter()
+
+    @property
+    def calls_recorded(self) -> int:
+        """Calls recorded by this policy so far (merged duplicates included)."""
+        return self.graph.calls_recorded
 
     # -- recording context -----------------------------------------------------------
     def __enter__(self) -> BatchingPolicy:
@@ -177,7 +183,7 @@ class BatchingPolicy:
             schedule_seconds=scheduled - start,
             execute_seconds=executed - scheduled,
             scheduler=self.scheduler,
-            calls_recorded=self.calls_recorded,
+            calls_recorded=self.graph.calls_recorded,
             _bound_source=(self.graph, live),
         )
 

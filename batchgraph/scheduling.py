@@ -207,13 +207,17 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
     loc = graph.node_loc[:]
     keys = graph.keys
     inputs = graph.node_inputs
+    # Rows per store (earlier computes' stores, then this schedule's steps); -1 for
+    # stores of per-example lists, which may be ragged and are never taken whole.
+    sizes = [-1 if not store or type(store[0]) is list else len(store[0]) for store in graph.stores]
     steps = []
     for i, (k, nodes) in enumerate(order):
         sid = base + i
         step = Step(k, nodes, sid)
         key = keys[k]
+        sizes.append(len(nodes) if key.combine == "stack" else -1)
         if inputs[nodes[0]] and not isinstance(key, ConstantKey):
-            _plan_inputs(graph, key, step, loc)
+            _plan_inputs(graph, key, step, loc, sizes)
         code = sid << STORE_SHIFT
         for row, n in enumerate(nodes):
             loc[n] = code | row
@@ -221,7 +225,9 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
     return Schedule(steps, base, scheduler)
 
 
-def _plan_inputs(graph: Graph, key: BatchKey, step: Step, loc: list[int]) -> None:
+def _plan_inputs(
+    graph: Graph, key: BatchKey, step: Step, loc: list[int], sizes: list[int]
+) -> None:
     inputs = graph.node_inputs
     nodes = step.nodes
     num = len(inputs[nodes[0]])
@@ -237,7 +243,7 @@ def _plan_inputs(graph: Graph, key: BatchKey, step: Step, loc: list[int]) -> Non
         for p in positions:
             column = [inputs[n][p] for n in nodes]
             codes.extend([loc[s] | (leaf << LEAF_SHIFT) for s, leaf in column])
-        step.gathers.append(_plan_gather(positions, codes))
+        step.gathers.append(_plan_gather(positions, codes, sizes))
 
 
 def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
@@ -252,31 +258,48 @@ def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
     return groups
 
 
-def _plan_gather(positions: list[int], codes: list[int]) -> GatherPlan:
+def _plan_gather(positions: list[int], codes: list[int], sizes: list[int]) -> GatherPlan:
     """Plan one gather from location codes (store, leaf, row packed in one int).
 
     Sorting the distinct codes groups them by (store, leaf) and orders rows within
-    each group; each group becomes one part (a slice when its rows are contiguous),
-    and a permutation restores the requested order unless it already holds.
+    each group. Each group becomes one part: a slice when its rows are contiguous;
+    the whole source (a free view; the permutation picks rows) when it uses at least
+    half of it; else an ``index_select`` of its rows. A permutation restores the
+    requested order unless it already holds.
     """
     distinct = sorted(set(codes))
     parts: list[Part] = []
+    where: dict[int, int] = {}
+    offset = 0
     start = 0
     total = len(distinct)
+    exact = True  # parts hold exactly the distinct codes, in order
     while start < total:
         column = distinct[start] >> LEAF_SHIFT
         stop = bisect_left(distinct, (column + 1) << LEAF_SHIFT, start)
         first = distinct[start] & ROW_MASK
         last = distinct[stop - 1] & ROW_MASK
         store, leaf = column >> (STORE_SHIFT - LEAF_SHIFT), column & LEAF_MASK
-        if last - first + 1 == stop - start:  # distinct and sorted: contiguous
+        used = stop - start
+        if last - first + 1 == used:  # distinct and sorted: contiguous
             parts.append((store, leaf, range(first, last + 1)))
+            for c in distinct[start:stop]:
+                where[c] = offset + (c & ROW_MASK) - first
+            offset += used
+        elif sizes[store] > 0 and 2 * used >= sizes[store]:
+            parts.append((store, leaf, range(0, sizes[store])))
+            for c in distinct[start:stop]:
+                where[c] = offset + (c & ROW_MASK)
+            offset += sizes[store]
+            exact = False
         else:
             parts.append((store, leaf, [c & ROW_MASK for c in distinct[start:stop]]))
+            for j, c in enumerate(distinct[start:stop]):
+                where[c] = offset + j
+            offset += used
         start = stop
-    if codes == distinct:
+    if exact and codes == distinct:
         return GatherPlan(positions, parts, None)
-    where = {c: i for i, c in enumerate(distinct)}
     return GatherPlan(positions, parts, [where[c] for c in codes])
 
 

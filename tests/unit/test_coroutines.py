@@ -153,7 +153,7 @@ def test_an_example_that_raises_fails_alone() -> None:
     got = bg.run_all([example(i) for i in range(5)], return_exceptions=True)
     assert isinstance(got[2], _Oops)
     assert [g for i, g in enumerate(got) if i != 2] == [w for i, w in enumerate(want) if i != 2]
-    with pytest.raises(bg.ExampleError, match=r"example 2 of 5 raised _Oops: bad input 2") as info:
+    with pytest.raises(bg.CoroutineExampleError, match=r"example 2 of 5 raised _Oops: bad input 2") as info:
         bg.run_all([example(i) for i in range(5)])
     assert info.value.index == 2 and isinstance(info.value.__cause__, _Oops)
     assert info.value.results[4] == want[4]
@@ -204,7 +204,7 @@ def test_awaiting_a_handle_the_driver_cannot_compute_names_the_example() -> None
     async def example(i: int) -> Any:
         return await bg.value(outside) if i == 1 else i
 
-    with pytest.raises(bg.ExampleError, match=r"example 1 of 2 raised PolicyMismatchError: "
+    with pytest.raises(bg.CoroutineExampleError, match=r"example 1 of 2 raised PolicyMismatchError: "
                        r"example 1 awaits .*outside its own policy"):
         bg.run_all([example(i) for i in range(2)])
 

@@ -74,7 +74,8 @@ def test_operators_methods_and_torch_functions_record_per_example_semantics() ->
         return [
             x + y, x * 2, 1 - x, x / 2, -x, x @ y, x[1], x[:, 0], x.sum(), x.mean(0),
             torch.tanh(x), torch.cat([x, x], dim=0), torch.cat([x, x], dim=-1),
-            x.t(), x ** 2, torch.softmax(x, dim=0), x.reshape(12),
+            x.t(), x ** 2, torch.softmax(x, dim=0), x.reshape(12), x > 0, x <= y,
+            torch.where(x > y, x, y),
         ]
 
     eager = [example(x, y) for x, y in zip(xs, ys)]
@@ -174,3 +175,41 @@ def test_batched_dropout_draws_a_mask_per_example() -> None:
         hs = [dropout(torch.ones(64)) for _ in range(8)]
     masks = torch.stack(bg.compute(hs)) > 0
     assert len({tuple(m.tolist()) for m in masks}) == 8
+
+
+def test_tensor_properties_are_recorded_and_data_attributes_refused() -> None:
+    xs = [torch.randn(2, 3, dtype=torch.float64) for _ in range(3)]
+    with bg.BatchingPolicy():
+        hs = [bg.batched_value(x) for x in xs]
+        transposed = [h.T for h in hs]
+        assert transposed[0].shape == torch.Size([3, 2])
+        with pytest.raises(AttributeError, match=r"'grad'.*only available on computed values"):
+            _ = hs[0].grad
+    for x, t in zip(xs, bg.compute(transposed)):
+        torch.testing.assert_close(t, x.T)
+
+
+def test_signature_caches_keep_no_graph_alive() -> None:
+    import gc
+    import weakref
+
+    lin = bg.batched_func(nn.Linear(2, 2))
+    with bg.BatchingPolicy() as policy:
+        hs = [lin(torch.full((2,), float(i))) for i in range(3)]
+    out = bg.compute(hs)
+    graph = weakref.ref(policy.graph)
+    del policy, hs, out
+    gc.collect()
+    assert graph() is None  # the batch's values can be freed once the user drops them
+
+
+def test_rules_of_one_policy_do_not_leak_into_another() -> None:
+    lin = nn.Linear(2, 2)
+    f = bg.batched_func(lin)
+    for _ in range(3):
+        with bg.BatchingPolicy(rules={nn.Linear: bg.VmapKey}) as custom:
+            h = f(torch.ones(2))
+        assert type(custom.graph.keys[custom.graph.node_key[h.node]]) is bg.VmapKey
+        with bg.BatchingPolicy() as plain:
+            g = f(torch.ones(2))
+        assert type(plain.graph.keys[plain.graph.node_key[g.node]]) is bg.StackKey

@@ -85,3 +85,17 @@ def test_a_user_key_through_the_policy_registry() -> None:
     assert SumRowsKey.runs == [3]
     for x, o in zip(xs, out):
         torch.testing.assert_close(o, x.sum(0))
+
+
+def test_ragged_outputs_feed_stacked_consumers_by_length() -> None:
+    """Per-example outputs of different lengths reach a Linear grouped by shape."""
+    layer = nn.LSTM(2, 3).double()
+    lstm = bg.batched_func(layer)
+    head = bg.batched_func(nn.Linear(3, 1).double())
+    xs = [torch.randn(n, 2, dtype=torch.float64) for n in (2, 3, 2, 3, 2)]
+    eager = [head(lstm(x)[0]) for x in xs]
+    with bg.BatchingPolicy() as policy:
+        hs = [head(lstm(x)[0]) for x in xs]
+    for e, b in zip(eager, bg.compute(hs)):
+        torch.testing.assert_close(b, e, rtol=0, atol=1e-12)
+    assert policy.stats is not None and policy.stats.launches == 3  # lstm, head x2 shapes

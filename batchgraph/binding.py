@@ -1,0 +1,319 @@
+"""Running a ``PortableBatch`` against the live model: names to modules, then execute.
+
+``Binder.run`` first resolves every key of the batch (and checks it) and only then
+executes, so a schedule built for another model is refused before any computation:
+
+1. the target resolves: a submodule path of the live model, or an importable function;
+2. a module target has the class it had when recorded;
+3. the key class resolves to a ``BatchKey`` subclass, and the live model's rules give
+   that class for the call (or the worker fell back to ``UnbatchedKey``), with the same
+   randomness (dropout in training mode is not merged; a mismatch would change results);
+4. the live callable, run on fake tensors of the recorded per-example input specs,
+   returns the recorded output spec (so weights of another shape are caught).
+
+A checked key is cached per ``Binder``, so steady-state batches only look keys up.
+Execution builds a ``Graph`` holding just what the ``Executor`` reads (keys, constants,
+locations) and runs the batch's schedule: the real parameters are used, and autograd
+connects the outputs to them.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from bisect import bisect_right
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgraph.errors import BatchgraphError, ShapeMismatchError
+from batchgraph.executor import Executor
+from batchgraph.graph import Graph
+from batchgraph.handle import ResultHandle
+from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey
+from batchgraph.naming import qualified_name, resolve_function
+from batchgraph.portable import OutputRef, PortableBatch, PortableKey
+from batchgraph.recording import CallSite
+from batchgraph.rules import KeyFactory, choose_key
+from batchgraph.specs import TensorSpec
+
+__all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
+
+# Key ids no step uses need some entry: the executor never reads them.
+_UNUSED = ConstantKey(TensorSpec((), torch.float32, torch.device("cpu")))
+
+
+class ScheduleMismatchError(BatchgraphError, ValueError):
+    """A portable batch does not fit the live model (names, classes or shapes)."""
+
+
+@dataclass
+class BindStats:
+    """Counters of one ``Binder``: batches and examples run, keys checked, time spent.
+
+    Attributes:
+        batches, examples: batches run and examples in them.
+        skipped: examples the workers skipped (``skip_errors=True``).
+        cache_hits: batches whose schedule came from a worker's schedule cache.
+        keys_checked: distinct keys resolved and checked (each once per binder).
+        bind_seconds: resolving and checking; ``execute_seconds``: running the steps.
+    """
+
+    batches: int = 0
+    examples: int = 0
+    skipped: int = 0
+    cache_hits: int = 0
+    keys_checked: int = 0
+    bind_seconds: float = 0.0
+    execute_seconds: float = 0.0
+
+
+class Binder:
+    """Runs portable batches against one live model; checks each distinct key once.
+
+    Args:
+        model: the live model (with the weights) the batches were recorded against.
+        rules: the ``rules`` the workers' ``BatchingPolicy`` used, if any.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class M(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 3)
+        >>> m = M()
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [m.lin(torch.ones(2)) for _ in range(4)]
+        >>> batch = bg.export(p, hs, m)              # in a worker, in real use
+        >>> Binder(m).run(batch, stack=True).shape
+        torch.Size([4, 3])
+    """
+
+    def __init__(self, model: nn.Module, rules: Mapping[Any, KeyFactory] | None = None) -> None:
+        self.model = model
+        self.rules: dict[Any, KeyFactory] = dict(rules or {})
+        self.stats = BindStats()
+        self._checked: dict[PortableKey, BatchKey] = {}
+        self._modules: dict[str, nn.Module] | None = None
+
+    def keys(self, batch: PortableBatch) -> list[BatchKey]:
+        """Resolve and check every key of ``batch`` (see the module docstring).
+
+        Raises:
+            ScheduleMismatchError: naming the key, the module and the mismatch.
+        """
+        out: list[BatchKey] = []
+        for pk in batch.keys:
+            if pk is None:
+                out.append(_UNUSED)
+                continue
+            try:
+                key = self._checked.get(pk)
+            except TypeError:  # an unhashable static argument: check it every time
+                out.append(self._check(pk))
+                continue
+            if key is None:
+                key = self._checked[pk] = self._check(pk)
+            out.append(key)
+        return out
+
+    def run(self, batch: PortableBatch, *, stack: bool = False) -> Any:
+        """Check ``batch`` against the live model, execute it, return its outputs.
+
+        Args:
+            batch: a ``PortableBatch`` (from a worker, or ``bg.export``).
+            stack: return the outputs as one batched tensor (needs every example's
+                output to be one tensor of the same shape) instead of a list.
+
+        Returns:
+            ``batch.outputs`` with every reference replaced by its per-example tensor
+            (or tuple), connected by autograd to the model's parameters; with
+            ``stack=True``, one tensor whose row ``i`` is example ``i``'s output.
+
+        Raises:
+            ScheduleMismatchError: before any computation, if the batch does not fit.
+            ValueError: ``stack=True`` for outputs that do not stack.
+            BatchedCallError: if a batched call raises (names the dataset index).
+        """
+        start = time.perf_counter()
+        if stack and batch.output_plan is None:
+            raise ValueError(
+                "stack=True needs every example's output to be one tensor of the same "
+                "per-example shape; this batch's outputs are not (use stack=False)"
+            )
+        graph = Graph("portable")
+        graph.keys = self.keys(batch)
+        graph.constants = batch.constants
+        graph.node_loc = [-1] * batch.num_nodes
+        checked = time.perf_counter()
+        executor = Executor(graph, example_of=_ExampleOf(batch))
+        executor.run(batch.schedule)
+        if stack:
+            assert batch.output_plan is not None
+            # The executor's own gather: a view when outputs are contiguous and in order.
+            result: Any = executor._gather(batch.output_plan)
+        else:
+            result = _values(batch.outputs, graph)
+        done = time.perf_counter()
+        stats = self.stats
+        stats.batches += 1
+        stats.examples += len(batch)
+        stats.skipped += len(batch.skipped)
+        stats.cache_hits += batch.cache_hit
+        stats.bind_seconds += checked - start
+        stats.execute_seconds += done - checked
+        return result
+
+    # -- checking one key ---------------------------------------------------------------
+    def _module(self, pk: PortableKey) -> nn.Module:
+        if self._modules is None or pk.target not in self._modules:
+            self._modules = dict(self.model.named_modules())  # submodules may have changed
+        module = self._modules.get(pk.target)
+        if module is None:
+            shown = ", ".join(repr(n) for n in list(self._modules)[1:12])
+            raise ScheduleMismatchError(
+                f"the batch calls submodule {pk.target!r} ({pk.describe()}), but "
+                f"{type(self.model).__name__} has no submodule of that name (it has "
+                f"{shown or 'none'}). Was the batch recorded for another model?"
+            )
+        return module
+
+    def _check(self, pk: PortableKey) -> BatchKey:
+        self.stats.keys_checked += 1
+        try:
+            cls = resolve_function(pk.kind)
+        except LookupError as err:
+            raise ScheduleMismatchError(f"key class of {pk.describe()}: {err}") from err
+        if not (isinstance(cls, type) and issubclass(cls, BatchKey)):
+            raise ScheduleMismatchError(f"{pk.kind!r} ({pk.describe()}) is not a BatchKey class")
+        if cls is ConstantKey:
+            assert isinstance(pk.out_spec, TensorSpec)
+            return ConstantKey(pk.out_spec)
+        fn: Any
+        if pk.is_module:
+            fn = self._module(pk)
+            if qualified_name(fn) != pk.module_type:
+                raise ScheduleMismatchError(
+                    f"submodule {pk.target!r} is a {qualified_name(fn)} in the live model, "
+                    f"but the batch was recorded with a {pk.module_type}. Was the batch "
+                    "recorded for another model?"
+                )
+        else:
+            try:
+                fn = resolve_function(pk.target)
+            except LookupError as err:
+                raise ScheduleMismatchError(f"{pk.describe()}: {err}") from err
+        live = choose_key(fn, pk.call, self.rules)
+        if type(live) is not cls and cls is not UnbatchedKey:
+            raise ScheduleMismatchError(
+                f"{pk.target!r} was recorded with key class {pk.kind}, but the live model's "
+                f"rules give {qualified_name(live)}; pass the workers' rules to the Binder "
+                "(Binder(model, rules=...)) or record against the same model"
+            )
+        if live.deterministic != pk.deterministic:
+            raise ScheduleMismatchError(
+                f"{pk.describe()} was recorded with deterministic={pk.deterministic} but is "
+                f"deterministic={live.deterministic} now (dropout in train vs eval mode?); "
+                "record with the model in the mode it runs in"
+            )
+        key = live if type(live) is cls else UnbatchedKey(fn, pk.call)
+        self._check_shapes(pk, fn)
+        return key
+
+    def _check_shapes(self, pk: PortableKey, fn: Any) -> None:
+        # The recording path's own inference: the call on fake tensors, no real compute.
+        site = CallSite(fn)
+        try:
+            spec = site._infer_spec(pk.call)
+        except (ShapeMismatchError, TypeError, RuntimeError) as err:
+            raise ScheduleMismatchError(
+                f"{pk.describe()} does not accept the recorded per-example inputs in the live "
+                f"model: {err}. Was the batch recorded for another model?"
+            ) from err
+        if pk.out_spec is not None and spec != pk.out_spec:
+            raise ScheduleMismatchError(
+                f"{pk.describe()} returns {_show(spec)} per example in the live model, but "
+                f"{_show(pk.out_spec)} when the batch was recorded. Was the batch recorded "
+                "for another model (different sizes)?"
+            )
+
+
+def _show(spec: Any) -> str:
+    if isinstance(spec, TensorSpec):
+        return spec.describe()
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(_show(s) for s in spec) + ")"
+    return "an unknown structure"
+
+
+class _ExampleOf:
+    """Maps a node to the dataset index of the first example that needed it."""
+
+    def __init__(self, batch: PortableBatch) -> None:
+        self.ends = batch.example_ends
+        self.indices = batch.indices
+
+    def __call__(self, node: int) -> int | None:
+        i = bisect_right(self.ends, node)
+        return self.indices[i] if i < len(self.indices) else None
+
+
+def _values(obj: Any, graph: Graph) -> Any:
+    if type(obj) is OutputRef:
+        # A handle on the bound graph reads values exactly as compute() does.
+        return ResultHandle(graph, obj.node, obj.leaf, obj.spec).value
+    if isinstance(obj, list):
+        return [_values(x, graph) for x in obj]
+    if isinstance(obj, tuple):
+        values = [_values(x, graph) for x in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    if isinstance(obj, dict):
+        return type(obj)((k, _values(v, graph)) for k, v in obj.items())
+    return obj
+
+
+_BINDERS: weakref.WeakKeyDictionary[nn.Module, Binder] = weakref.WeakKeyDictionary()
+
+
+def bind(
+    batch: PortableBatch,
+    model: nn.Module,
+    *,
+    rules: Mapping[Any, KeyFactory] | None = None,
+    stack: bool = False,
+) -> Any:
+    """Run a portable batch on ``model``'s live parameters; see ``Binder.run``.
+
+    Uses one ``Binder`` per model (per rules), so keys are checked once per model.
+
+    Args:
+        batch: the batch recorded and scheduled elsewhere.
+        model: the live model.
+        rules: the workers' policy rules, if any.
+        stack: return one batched tensor instead of a list of per-example outputs.
+
+    Returns:
+        The outputs, autograd intact.
+
+    Raises:
+        ScheduleMismatchError: if the batch does not fit ``model`` (nothing computed).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class M(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 3)
+        >>> m = M()
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [m.lin(torch.ones(2)) for _ in range(2)]
+        >>> len(bg.bind(bg.export(p, hs, m), m))
+        2
+    """
+    binder = _BINDERS.get(model)
+    if binder is None or binder.rules != dict(rules or {}):
+        binder = _BINDERS[model] = Binder(model, rules)
+    return binder.run(batch, stack=stack)

@@ -1,0 +1,134 @@
+"""The ``batchgraph`` command.
+
+Each subcommand lives in its own ``_add_<name>`` function that registers its arguments
+and its handler (``func``), so adding a subcommand touches only this registry::
+
+    batchgraph schedule 1f1b --stages 4 --microbatches 8 --png out.png
+    python -m batchgraph schedule zb-h1 -p 4 -m 8 --costs 1,1,1,1 --trace out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["build_parser", "main"]
+
+_Handler = Callable[[argparse.Namespace], int]
+
+
+def _run_schedule(args: argparse.Namespace) -> int:
+    # Imported here so `batchgraph --help` and other subcommands do not pay for the
+    # pipeline imports.
+    from batchgraph.pipeline import (
+        ActionCosts,
+        draw_timeline,
+        format_schedule,
+        make_schedule,
+        simulate,
+        write_chrome_trace,
+    )
+
+    try:
+        costs = ActionCosts.parse(args.costs) if args.costs else ActionCosts()
+        schedule = make_schedule(
+            args.name, stages=args.stages, microbatches=args.microbatches, chunks=args.chunks
+        )
+    except ValueError as exc:
+        print(f"batchgraph schedule: error: {exc}", file=sys.stderr)
+        return 2
+    result = simulate(schedule, costs)
+    print(format_schedule(schedule))
+    print()
+    print(
+        f"simulated with costs F={costs.forward} B={costs.backward} I={costs.backward_input} "
+        f"W={costs.backward_weight} transfer={costs.transfer}"
+    )
+    print(result.summary())
+    if args.trace:
+        path = write_chrome_trace(args.trace, result.events, scale=1e3, name=schedule.name)
+        print(f"wrote Chrome/Perfetto trace to {path} (1 cost unit shows as 1 ms)")
+    if args.png:
+        title = f"{schedule.name}: p={schedule.devices}, m={schedule.microbatches}"
+        if schedule.chunks > 1:
+            title += f", v={schedule.chunks}"
+        try:
+            path = draw_timeline(result.events, args.png, title=title, time_unit="cost units")
+        except ImportError as exc:
+            print(f"batchgraph schedule: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote timeline to {path}")
+    return 0
+
+
+def _add_schedule(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from batchgraph.pipeline.schedules import SCHEDULE_NAMES
+
+    p = sub.add_parser(
+        "schedule",
+        help="print a pipeline schedule's grid and simulated stats",
+        description="Build a pipeline schedule, print its step x device grid, simulate it "
+        "and print makespan, bubble and peak in-flight microbatches per stage.",
+    )
+    p.add_argument("name", choices=SCHEDULE_NAMES, help="the schedule")
+    p.add_argument("-p", "--stages", type=int, default=4, help="devices (default 4)")
+    p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches (default 8)")
+    p.add_argument(
+        "-v", "--chunks", type=int, default=1, help="stages per device (interleaved-1f1b only)"
+    )
+    p.add_argument(
+        "--costs",
+        metavar="F,B,I,W[,T]",
+        help="action costs, T the transfer cost (default 1,2,1,1,0)",
+    )
+    p.add_argument("--png", metavar="PATH", help="also draw the timeline to this PNG")
+    p.add_argument("--trace", metavar="PATH", help="also write a Chrome/Perfetto trace JSON")
+    p.set_defaults(func=_run_schedule)
+
+
+# The registry: one entry per subcommand.
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
+    _add_schedule,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered subcommand.
+
+    Returns:
+        The parser; each subcommand sets ``func``, its handler.
+
+    Example:
+        >>> build_parser().parse_args(["schedule", "1f1b", "-p", "2"]).stages
+        2
+    """
+    parser = argparse.ArgumentParser(prog="batchgraph", description="batchgraph tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``batchgraph`` command.
+
+    Args:
+        argv: the arguments (without the program name); ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit status: 0 on success, 2 for bad arguments, 1 when an optional extra
+        is missing.
+
+    Example:
+        >>> main(["schedule", "gpipe", "--stages", "2", "--microbatches", "1"])  # doctest: +ELLIPSIS
+        gpipe: 2 devices, 2 stages, 1 microbatches ...
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: _Handler | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return func(args)

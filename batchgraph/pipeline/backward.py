@@ -1,0 +1,402 @@
+"""Two-stage backprop: the input-gradient half (``I``) now, the weight-gradient half (``W``) later.
+
+Seed 003's idea: during the backward pass a layer needs only ``dL/dz`` (the gradient at
+its output) to pass ``dL/d(input)`` down the chain; its parameter gradients can wait. A
+pipeline stage that sends ``dL/d(input)`` upstream first lets the previous stage start
+sooner, and the deferred ``W`` fills the pipeline bubbles (ZB-H1).
+
+How it is done here, without recomputing the chain
+--------------------------------------------------
+A *unit* is a module that owns trainable parameters directly (``Linear``, ``Conv2d``,
+``BatchNorm``, ``LayerNorm``, ``Embedding``, ...); modules without direct parameters are
+looked into, and parameterless layers (``ReLU``, ``Dropout``) run as usual. While a tape
+records (``with split.record() as tape``), each unit call is rewired::
+
+    chain:   x ──────────────────────► Junction ──► y ──► (rest of the stage)
+                                          │ (backward of the junction)
+    local:   x_det (leaf) ──► unit(x_det; params) ──► y_local
+
+* the unit runs once, on a detached copy ``x_det`` of its input, so its autograd graph
+  (the *local graph*) starts at ``x_det`` and the parameters and is *not* linked to the
+  rest of the stage;
+* a ``Junction`` node links ``x`` to ``y`` in the stage's graph (the *chain*). Its
+  backward stores ``dL/dy`` on the tape and asks the local graph for ``dL/dx_det`` only.
+  Autograd then skips the weight-gradient kernels of the unit, because only the edges
+  that lead to the requested inputs are executed;
+* ``I`` (:meth:`BackwardTape.backward_input`) runs the chain backward once, which fires
+  every junction: it costs the input-gradient half of a normal backward;
+* ``W`` (:meth:`BackwardTape.backward_weight`) asks every local graph, in one autograd
+  call, for the parameter gradients from the stored ``dL/dy``. Each local graph covers one
+  layer, so this costs the weight-gradient half and nothing is recomputed.
+
+Gradients are exact (the same kernels as a normal backward, fed the same values) and are
+*accumulated* into ``.grad`` like ``Tensor.backward`` does. A parameter used by several
+units (shared weights) gets the sum of its uses, once each. A parameter used *outside*
+any unit's forward (``x @ self.other.weight`` inside a parameterless container) is found
+by ``I`` (it asks the chain for every stage parameter too; unit parameters are not
+reachable from the chain, so they come back empty); its gradient is held and added in
+``W``, so ``.grad`` is only ever written in ``W``.
+
+Costs
+-----
+* Memory: until ``W`` runs, the tape holds ``dL/dy`` at every unit output, on top of what
+  the local graphs hold (the same saved tensors a normal backward keeps). For a linear
+  layer ``dL/dy`` is batch x out_features; for a convolution it is batch x channels x
+  H x W, often much larger than the weight gradient (seed 003's warning), so a stage full
+  of convolutions holds noticeably more memory between ``I`` and ``W``.
+* A unit with internal structure (a module owning parameters *and* children, e.g.
+  ``MultiheadAttention``) is one local graph: ``W`` re-traverses that unit's internals
+  to reach its deeper parameters. Gradients stay exact; only that unit costs more.
+  Stages built from standard layers pay nothing extra.
+* The junctions make ``I`` call autograd re-entrantly once per unit (tens of
+  microseconds each), which is noise next to the layers' kernels.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> x = torch.randn(5, 3, requires_grad=True)
+    >>> with TwoStageBackward(net) as split:
+    ...     with split.record() as tape:
+    ...         y = net(x)
+    ...     (dx,) = tape.backward_input([y], [torch.ones_like(y)], [x])   # I
+    ...     tape.backward_weight()                                        # W
+    >>> net[0].weight.grad.shape
+    torch.Size([4, 3])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["BackwardTape", "TwoStageBackward", "find_units"]
+
+# Several stages may share a parameter (tied weights across stages) and run their W on
+# different threads; ``p.grad += g`` on one tensor from two threads is a data race, so
+# accumulation is serialised. It is one add per parameter: the lock is never contended long.
+_ACCUMULATE_LOCK = threading.Lock()
+
+
+def find_units(module: nn.Module) -> list[nn.Module]:
+    """The modules whose calls get their own local graph: owners of trainable parameters.
+
+    A module owning a trainable parameter directly is a unit as a whole (its children are
+    part of it); otherwise its children are searched. Each module appears once.
+
+    Args:
+        module: the stage module.
+
+    Returns:
+        The units, in registration order.
+
+    Example:
+        >>> from torch import nn
+        >>> [type(u).__name__ for u in find_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
+        ['Linear']
+    """
+    units: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        if any(p.requires_grad for p in mod.parameters(recurse=False)):
+            units.append(mod)
+            return
+        for child in mod.children():
+            visit(child)
+
+    visit(module)
+    return units
+
+
+@dataclass(eq=False)
+class _UnitCall:
+    """One call of a unit: its local graph's ends, and dL/dy once ``I`` has run."""
+
+    unit: nn.Module
+    outputs: tuple[Tensor, ...]
+    leaves: tuple[Tensor, ...]
+    grads: tuple[Tensor | None, ...] | None = None
+
+
+@dataclass(eq=False)
+class _Frame:
+    """What the pre-hook of one unit call hands to its post-hook."""
+
+    capture: bool
+    originals: tuple[Tensor, ...] = ()
+    leaves: tuple[Tensor, ...] = ()
+
+
+class _Junction(torch.autograd.Function):
+    """Links a unit's input to its output in the chain; its backward is the unit's ``I``."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, call: _UnitCall, *inputs: Tensor) -> tuple[Tensor, ...]:
+        del anchor, inputs  # only there so autograd links this node to them
+        ctx.call = call
+        # dL/dy may be None for outputs that do not reach the loss; keep None, not zeros.
+        ctx.set_materialize_grads(False)
+        return tuple(y.detach() for y in call.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
+        call: _UnitCall = ctx.call
+        call.grads = tuple(grad_outputs)
+        result: list[Tensor | None] = [None] * len(call.leaves)
+        wanted = [i for i, leaf in enumerate(call.leaves) if ctx.needs_input_grad[2 + i]]
+        used = [(y, g) for y, g in zip(call.outputs, grad_outputs) if g is not None]
+        if wanted and used:
+            # retain_graph: W walks this local graph again, for the parameters.
+            grads = torch.autograd.grad(
+                [y for y, _ in used],
+                [call.leaves[i] for i in wanted],
+                [g for _, g in used],
+                retain_graph=True,
+                allow_unused=True,
+            )
+            for i, g in zip(wanted, grads):
+                result[i] = g
+        return (None, None, *result)
+
+
+class BackwardTape:
+    """What one recorded forward needs for its ``I`` and ``W``; made by ``TwoStageBackward.record``.
+
+    Call :meth:`backward_input` once, then :meth:`backward_weight` once.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        # Every junction takes the anchor as an input, so every junction is on a path
+        # autograd must walk for ``I`` even when the stage input needs no gradient (stage 0).
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._params = list(params)
+        self._calls: list[_UnitCall] = []
+        self._loose: list[tuple[nn.Parameter, Tensor]] = []
+        self._input_done = False
+        self._weight_done = False
+
+    @property
+    def calls(self) -> int:
+        """How many unit calls were recorded."""
+        return len(self._calls)
+
+    def _add(self, call: _UnitCall) -> None:
+        self._calls.append(call)
+
+    def backward_input(
+        self,
+        outputs: Sequence[Tensor],
+        grad_outputs: Sequence[Tensor | None],
+        inputs: Sequence[Tensor] = (),
+    ) -> tuple[Tensor | None, ...]:
+        """``I``: the gradients for ``inputs``; store what ``W`` needs. Frees the chain's graph.
+
+        Args:
+            outputs: the stage outputs recorded under this tape.
+            grad_outputs: dL/d(output) for each output (``None`` where the loss ignores it).
+            inputs: the stage inputs whose gradients are wanted.
+
+        Returns:
+            dL/d(input) for each of ``inputs`` (``None`` where it does not require grad or
+            the outputs do not depend on it).
+
+        Raises:
+            RuntimeError: if called twice on one tape, or ``outputs``/``grad_outputs`` differ
+                in length.
+        """
+        if self._input_done:
+            raise RuntimeError(
+                "backward_input was already called on this tape; record a new forward"
+            )
+        if len(outputs) != len(grad_outputs):
+            raise RuntimeError(
+                f"backward_input got {len(outputs)} outputs but {len(grad_outputs)} grad_outputs"
+            )
+        self._input_done = True
+        result: list[Tensor | None] = [None] * len(inputs)
+        used = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+        if not used:
+            return tuple(result)
+        wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
+        targets: list[Tensor] = [self._anchor, *(inputs[i] for i in wanted), *self._params]
+        grads = torch.autograd.grad(
+            [o for o, _ in used], targets, [g for _, g in used], allow_unused=True
+        )
+        for i, g in zip(wanted, grads[1 : 1 + len(wanted)]):
+            result[i] = g
+        for p, g in zip(self._params, grads[1 + len(wanted) :]):
+            if g is not None:
+                self._loose.append((p, g))
+        return tuple(result)
+
+    def backward_weight(self) -> None:
+        """``W``: compute every parameter gradient and accumulate it into ``.grad``.
+
+        Raises:
+            RuntimeError: if ``backward_input`` has not run yet, or ``W`` already ran.
+        """
+        if not self._input_done:
+            raise RuntimeError("backward_weight needs backward_input (I) to run first")
+        if self._weight_done:
+            raise RuntimeError("backward_weight was already called on this tape")
+        self._weight_done = True
+        roots: list[Tensor] = []
+        root_grads: list[Tensor] = []
+        params: dict[int, nn.Parameter] = {}
+        for call in self._calls:
+            if call.grads is None:
+                continue  # this call's output never reached the loss: no gradient
+            for y, g in zip(call.outputs, call.grads):
+                if g is not None:
+                    roots.append(y)
+                    root_grads.append(g)
+            for p in call.unit.parameters():
+                if p.requires_grad:
+                    params.setdefault(id(p), p)
+        pending: list[tuple[nn.Parameter, Tensor]] = list(self._loose)
+        if roots and params:
+            order = list(params.values())
+            # One engine call over all local graphs: each is one layer, so nothing repeats,
+            # and a parameter shared by several units gets the sum of its uses exactly once.
+            grads = torch.autograd.grad(roots, order, root_grads, allow_unused=True)
+            pending.extend((p, g) for p, g in zip(order, grads) if g is not None)
+        with _ACCUMULATE_LOCK:
+            for p, g in pending:
+                if p.grad is None:
+                    # A fresh tensor: g may alias a gradient someone else still holds.
+                    p.grad = g.detach().clone()
+                else:
+                    p.grad.add_(g)
+        self._calls.clear()
+        self._loose.clear()
+
+
+class TwoStageBackward:
+    """Prepares a module for two-stage backprop; forwards recorded under :meth:`record` split.
+
+    Construction installs a forward pre-hook and hook on each unit (see
+    :func:`find_units`). They act only in a thread that is recording a tape, so the module
+    behaves as usual everywhere else. ``close()`` (or leaving the ``with`` block) removes
+    them. Build it after freezing parameters: which modules are units is decided here.
+
+    Args:
+        module: the stage module.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> lin = nn.Linear(3, 2)
+        >>> split = TwoStageBackward(lin)
+        >>> with split.record() as tape:
+        ...     y = lin(torch.randn(4, 3))
+        >>> _ = tape.backward_input([y], [torch.ones_like(y)])
+        >>> tape.backward_weight()
+        >>> split.close()
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.units = find_units(module)
+        self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self._local = threading.local()
+        self._handles: list[RemovableHandle] = []
+        for unit in self.units:
+            self._handles.append(unit.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._handles.append(unit.register_forward_hook(self._post_hook, with_kwargs=True))
+
+    def __enter__(self) -> TwoStageBackward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the hooks; the module is left as it was."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @contextmanager
+    def record(self) -> Iterator[BackwardTape]:
+        """Record the forward passes run in this block (in this thread) on a new tape.
+
+        Yields:
+            The tape; call its ``backward_input`` and then ``backward_weight``.
+        """
+        tape = BackwardTape(self._params)
+        previous = getattr(self._local, "tape", None)
+        self._local.tape = tape
+        self._local.frames = []
+        try:
+            yield tape
+        finally:
+            # Frames left by a forward that raised midway must not leak into the next one.
+            self._local.tape = previous
+            self._local.frames = []
+
+    def _tape(self) -> BackwardTape | None:
+        tape: BackwardTape | None = getattr(self._local, "tape", None)
+        return tape
+
+    def _pre_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self._tape() is None:
+            return None
+        frames: list[_Frame] = self._local.frames
+        if frames or not torch.is_grad_enabled():
+            # Inside another unit's call (a unit reused as a child of a unit): it is part of
+            # that unit's local graph already.
+            frames.append(_Frame(capture=False))
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        originals: list[Tensor] = []
+        leaves: list[Tensor] = []
+        new_flat: list[Any] = []
+        for value in flat:
+            if isinstance(value, Tensor) and value.requires_grad:
+                leaf = value.detach().requires_grad_(True)
+                originals.append(value)
+                leaves.append(leaf)
+                new_flat.append(leaf)
+            else:
+                new_flat.append(value)
+        frames.append(_Frame(capture=True, originals=tuple(originals), leaves=tuple(leaves)))
+        new_args, new_kwargs = tree_unflatten(new_flat, spec)
+        return tuple(new_args), dict(new_kwargs)
+
+    def _post_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        tape = self._tape()
+        if tape is None:
+            return None
+        frame = self._local.frames.pop()
+        if not frame.capture:
+            return None
+        flat, spec = tree_flatten(output)
+        positions = [i for i, v in enumerate(flat) if isinstance(v, Tensor) and v.requires_grad]
+        if not positions:
+            return None
+        call = _UnitCall(
+            unit=module, outputs=tuple(flat[i] for i in positions), leaves=frame.leaves
+        )
+        tape._add(call)
+        linked: tuple[Tensor, ...] = _Junction.apply(  # type: ignore[no-untyped-call]
+            tape._anchor, call, *frame.originals
+        )
+        for i, y in zip(positions, linked):
+            flat[i] = y
+        return tree_unflatten(flat, spec)

@@ -1,0 +1,330 @@
+"""The coordinator: runs a schedule over stages on threads, one reused thread per device.
+
+One training step (seed 000's event-driven design, with a pipelined backward)::
+
+    main thread (coordinator)            device threads (one per device, reused)
+    ─────────────────────────            ──────────────────────────────────────
+    split batch into microbatches
+    send inputs to stage 0 ───────────►  each runs its schedule's actions in order:
+                                           recv input ─► compute ─► async send
+                                           (a recv blocks until its message arrives)
+                                         last stage's output ─► coordinator's handler:
+                                           loss, dL/d(output) ─► sent back to the last stage
+    wait for every device thread
+    stats from the measured events
+
+The coordinator's output handler is registered with the communicator for the
+:data:`~batchgraph.pipeline.comm.COORDINATOR` endpoint and runs in the last stage's
+thread as soon as an output is sent (event-driven, seed 000): the loss costs no thread
+hand-off on the critical path of 1F1B, where the last stage's backward waits for it.
+
+Each device thread runs one task at a time, in the order its schedule gives; waiting
+for a message is the only blocking. A failing task aborts the communicator, which wakes
+every other blocked thread, so the step ends with the first error (naming stage, action
+and microbatch) and no thread is left blocked. The threads are reused across steps and
+are stopped by :meth:`Coordinator.close`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
+from batchgraph.pipeline.comm import (
+    COORDINATOR,
+    Communicator,
+    MessageKey,
+    MessageKind,
+    Payload,
+    ThreadCommunicator,
+)
+from batchgraph.pipeline.errors import (
+    PipelineAbortedError,
+    PipelineClosedError,
+    PipelineConfigError,
+    StageError,
+)
+from batchgraph.pipeline.loss import Loss
+from batchgraph.pipeline.microbatch import (
+    Batch,
+    batch_size,
+    check_stages_fit,
+    merge_microbatches,
+    split_microbatches,
+)
+from batchgraph.pipeline.stage import Stage
+from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.trace import TimelineEvent
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Runs training steps and forward passes of ``stages`` under ``schedule``.
+
+    Args:
+        stages: one :class:`Stage` per schedule stage, ``stages[i].index == i``.
+        schedule: what each device runs, in order.
+        loss: the loss (needed for :meth:`train_step` only).
+        comm: the communicator; default a fresh :class:`ThreadCommunicator`.
+        timeout: seconds any wait for a message may take before the step fails
+            (``None``: no limit; a failing task still ends the step at once).
+        check_shapes: probe the stages on the meta device before the first step (and
+            whenever the microbatch shapes change).
+
+    Raises:
+        PipelineConfigError: if the stages do not match the schedule.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from batchgraph.pipeline.actions import Action, PipelineSchedule
+        >>> order = {0: [Action.parse(a) for a in ["0F0", "0F1", "0B0", "0B1"]]}
+        >>> schedule = PipelineSchedule("demo", 1, 1, 2, 1, order)
+        >>> with Coordinator([Stage(nn.Linear(3, 1), 0, 1)], schedule,
+        ...                  Loss(nn.MSELoss())) as coord:
+        ...     loss = coord.train_step(torch.randn(4, 3), torch.randn(4, 1))
+        >>> loss.shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        schedule: PipelineSchedule,
+        loss: Loss | None = None,
+        comm: Communicator | None = None,
+        *,
+        timeout: float | None = None,
+        check_shapes: bool = True,
+    ) -> None:
+        if len(stages) != schedule.stages:
+            raise PipelineConfigError(
+                f"schedule {schedule.name!r} has {schedule.stages} stages but {len(stages)} "
+                "stage modules were given; give one module per stage"
+            )
+        for i, stage in enumerate(stages):
+            if stage.index != i or stage.num_stages != len(stages):
+                raise PipelineConfigError(
+                    f"stages[{i}] is {stage!r}; expected index {i} of {len(stages)}"
+                )
+        self.stages = list(stages)
+        self.schedule = schedule
+        self.loss = loss
+        self.comm: Communicator = comm if comm is not None else ThreadCommunicator(timeout)
+        self.check_shapes = check_shapes
+        split = {
+            a.stage
+            for acts in schedule.order.values()
+            for a in acts
+            if a.kind is ActionKind.BACKWARD_WEIGHT
+        }
+        for stage in self.stages:
+            stage.split_backward = stage.index in split
+        self._workers = {
+            d: ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"batchgraph-pipeline-device{d}"
+            )
+            for d in range(schedule.devices)
+        }
+        self._checked: set[tuple[object, ...]] = set()
+        self._events: list[TimelineEvent] = []
+        self._stats = PipelineStats()
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the device threads (waiting for them) and release the stages' state."""
+        if self._closed:
+            return
+        self._closed = True
+        self.comm.abort(PipelineClosedError("the pipeline was closed"))
+        for pool in self._workers.values():
+            pool.shutdown(wait=True)
+        self.comm.close()
+        for stage in self.stages:
+            stage.close()
+
+    def reset(self) -> None:
+        """Forget saved activations, undelivered messages, stats and the timeline."""
+        self._check_open()
+        self.comm.reset()
+        for stage in self.stages:
+            stage.reset()
+        self._events = []
+        self._stats = PipelineStats()
+
+    @property
+    def stats(self) -> PipelineStats:
+        """Statistics of the last step (all zero before the first)."""
+        return self._stats
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        """Measured events of the last step, times relative to its first action's start."""
+        return list(self._events)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def train_step(self, inputs: Batch, targets: Batch) -> Tensor:
+        """Forward and backward of one batch; parameter gradients accumulate into ``.grad``.
+
+        Args:
+            inputs: a tensor or tuple of tensors (the first stage's inputs), batch in dim 0.
+            targets: what the loss compares the last stage's output with, batch in dim 0.
+
+        Returns:
+            The loss of the whole batch (detached), as ``loss_fn`` on the full batch gives.
+
+        Raises:
+            PipelineConfigError: without a loss, or for more microbatches than samples.
+            StageMismatchError: if the stages do not fit together (before any compute).
+            StageError: if a task fails; the step is abandoned, ``.grad`` may hold part of
+                the step's gradients.
+        """
+        if self.loss is None:
+            raise PipelineConfigError("train_step needs a loss: pass loss_fn= to the pipeline")
+        loss = self.loss
+        m = self.schedule.microbatches
+        n = batch_size(inputs)
+        if batch_size(targets) != n:
+            raise PipelineConfigError(
+                f"inputs have {n} samples but targets have {batch_size(targets)}"
+            )
+        mbs = split_microbatches(inputs, m)
+        tgs = split_microbatches(targets, m)
+        total: list[Tensor] = []
+
+        def on_output(mb: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+            leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outputs)
+            out = leaves[0] if len(leaves) == 1 else leaves
+            tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
+            with torch.enable_grad():
+                value = loss.compute_loss(out, tgt)
+                weight = loss.weight(mbs[mb][0].shape[0], n)
+                grads = loss.compute_gradient(value, out, weight=weight)
+            total.append(value.detach() * weight)
+            return grads
+
+        self._run(mbs, train=True, on_output=on_output)
+        return torch.stack(total).sum()
+
+    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
+        """Run the forward pass only (no gradients), microbatch by microbatch.
+
+        Returns:
+            The last stage's outputs for the whole batch, concatenated along dim 0.
+        """
+        outputs: dict[int, tuple[Tensor, ...]] = {}
+
+        def on_output(mb: int, out: tuple[Tensor, ...]) -> None:
+            outputs[mb] = out
+
+        self._run(
+            split_microbatches(inputs, self.schedule.microbatches), train=False, on_output=on_output
+        )
+        return merge_microbatches([outputs[i] for i in range(len(outputs))])
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosedError("this pipeline is closed; build a new one")
+
+    def _probe(self, sample: tuple[Tensor, ...]) -> None:
+        signature = tuple((tuple(t.shape), t.dtype) for t in sample)
+        if self.check_shapes and signature not in self._checked:
+            check_stages_fit([s.module for s in self.stages], sample)
+            self._checked.add(signature)
+
+    def _run(
+        self,
+        mbs: list[tuple[Tensor, ...]],
+        *,
+        train: bool,
+        on_output: Callable[[int, tuple[Tensor, ...]], Payload | None],
+    ) -> None:
+        self._check_open()
+        self._probe(mbs[0])
+        self.reset()
+        plan = {
+            d: [a for a in actions if train or a.kind is ActionKind.FORWARD]
+            for d, actions in self.schedule.order.items()
+        }
+        events: dict[int, list[TimelineEvent]] = {d: [] for d in plan}
+        futures: list[Future[None]] = [
+            self._workers[d].submit(self._device_job, d, actions, train, events[d])
+            for d, actions in plan.items()
+        ]
+        first, last = 0, len(self.stages) - 1
+
+        def handle_output(key: MessageKey, payload: Payload) -> None:
+            # Runs in the last stage's thread right after its forward (seed 000's
+            # immediate loss): no other thread has to wake up on the critical path.
+            mb = key.microbatch
+            try:
+                grads = on_output(mb, tuple(t for t in payload if t is not None))
+            except Exception as exc:
+                raise StageError(
+                    f"the loss failed on microbatch {mb} (in the coordinator): "
+                    f"{type(exc).__name__}: {exc}",
+                    stage=COORDINATOR,
+                    action="loss",
+                    microbatch=mb,
+                ) from exc
+            if train and grads is not None:
+                self.comm.send(MessageKey(MessageKind.GRADIENT, COORDINATOR, last, mb), grads)
+
+        self.comm.set_handler(COORDINATOR, handle_output)
+        failure: BaseException | None = None
+        try:
+            for mb, inputs in enumerate(mbs):
+                self.comm.send(MessageKey(MessageKind.ACTIVATION, COORDINATOR, first, mb), inputs)
+        except BaseException as exc:  # also KeyboardInterrupt: never leave threads blocked
+            failure = exc
+            self.comm.abort(exc)
+        try:
+            for future in futures:
+                error = future.exception()
+                if error is not None and failure is None:
+                    failure = error
+        except BaseException as exc:  # interrupted while waiting: stop the threads too
+            self.comm.abort(exc)
+            raise
+        finally:
+            self.comm.set_handler(COORDINATOR, None)
+        if failure is not None:
+            root = self.comm.aborted or failure
+            if isinstance(root, PipelineAbortedError) and root.__cause__ is not None:
+                root = root.__cause__
+            raise root
+        self.comm.wait_sends()
+        flat = [e for d in sorted(events) for e in events[d]]
+        t0 = min((e.start for e in flat), default=0.0)
+        self._events = [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in flat]
+        self._stats = PipelineStats.from_events(self._events, devices=self.schedule.devices)
+
+    def _device_job(
+        self, device: int, actions: list[Action], train: bool, events: list[TimelineEvent]
+    ) -> None:
+        with torch.set_grad_enabled(train):
+            for action in actions:
+                try:
+                    start, end = self.stages[action.stage].run(action, self.comm, train=train)
+                except PipelineAbortedError:
+                    return  # another task failed first; its error ends the step
+                except BaseException as exc:
+                    self.comm.abort(exc)
+                    raise
+                events.append(TimelineEvent(device, action, start, end))

@@ -1,0 +1,144 @@
+"""Splitting a batch into microbatches and merging outputs back; probing stage shapes.
+
+Microbatch sizes follow ``torch.tensor_split``: the first ``N % m`` microbatches get one
+sample more, so sizes differ by at most one and the last may be smaller. Every tensor of
+a batch (inputs may be a tuple of tensors) is split along dimension 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
+
+__all__ = ["Batch", "batch_size", "check_stages_fit", "merge_microbatches", "split_microbatches"]
+
+Batch = Tensor | tuple[Tensor, ...] | list[Tensor]
+
+
+def _as_tuple(batch: Batch) -> tuple[Tensor, ...]:
+    items = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    for i, item in enumerate(items):
+        if not isinstance(item, Tensor):
+            raise TypeError(
+                f"a batch must be a tensor or a tuple of tensors; item {i} is {type(item).__name__}"
+            )
+    return items
+
+
+def batch_size(batch: Batch) -> int:
+    """The size of dimension 0, checked equal across the batch's tensors.
+
+    Raises:
+        PipelineConfigError: if the tensors disagree or a tensor has no dimension 0.
+    """
+    items = _as_tuple(batch)
+    sizes = {t.shape[0] if t.dim() > 0 else -1 for t in items}
+    if len(sizes) != 1 or -1 in sizes:
+        shapes = [tuple(t.shape) for t in items]
+        raise PipelineConfigError(
+            f"every tensor of a batch needs the same size in dimension 0, got shapes {shapes}"
+        )
+    return sizes.pop()
+
+
+def split_microbatches(batch: Batch, microbatches: int) -> list[tuple[Tensor, ...]]:
+    """Split ``batch`` into ``microbatches`` parts along dimension 0.
+
+    Args:
+        batch: a tensor or a tuple of tensors with equal dimension 0.
+        microbatches: how many parts, 1 <= microbatches <= batch size.
+
+    Returns:
+        One tuple of tensors (views) per microbatch.
+
+    Raises:
+        PipelineConfigError: if ``microbatches`` is not in ``1..batch size``.
+
+    Example:
+        >>> import torch
+        >>> [mb[0].shape[0] for mb in split_microbatches(torch.zeros(10, 2), 4)]
+        [3, 3, 2, 2]
+    """
+    n = batch_size(batch)
+    if not 1 <= microbatches <= n:
+        raise PipelineConfigError(
+            f"microbatches={microbatches} does not fit a batch of {n} samples: use 1 <= "
+            f"microbatches <= {n} (every microbatch needs at least one sample)"
+        )
+    parts = [torch.tensor_split(t, microbatches, dim=0) for t in _as_tuple(batch)]
+    return [tuple(p[i] for p in parts) for i in range(microbatches)]
+
+
+def merge_microbatches(outputs: Sequence[tuple[Tensor, ...]]) -> Tensor | tuple[Tensor, ...]:
+    """Concatenate per-microbatch outputs along dimension 0 (a tensor if there is one output)."""
+    merged = tuple(torch.cat(list(parts), dim=0) for parts in zip(*outputs))
+    return merged[0] if len(merged) == 1 else merged
+
+
+def _describe(values: Sequence[Tensor | None]) -> str:
+    return (
+        "("
+        + ", ".join("None" if v is None else f"{tuple(v.shape)} {v.dtype}" for v in values)
+        + ")"
+    )
+
+
+def check_stages_fit(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:
+    """Run the stages in sequence on the ``meta`` device to check what crosses each cut.
+
+    Parameters and buffers are replaced by meta tensors for the call
+    (``torch.func.functional_call``), so nothing is computed and no real state (e.g.
+    BatchNorm's running statistics) changes. A module that cannot run on meta tensors
+    (data-dependent Python control flow, ``.item()``) ends the check silently: the first
+    real microbatch will report its error with the stage named.
+
+    Args:
+        modules: the stage modules, in order.
+        sample: one microbatch of inputs for the first stage.
+
+    Raises:
+        StageMismatchError: naming both stages and the shapes, if a stage cannot take what
+            the previous one produces (or stage 0 the inputs).
+
+    Example:
+        >>> from torch import nn
+        >>> check_stages_fit([nn.Linear(4, 8), nn.Linear(3, 2)], [torch.zeros(2, 4)])
+        Traceback (most recent call last):
+        ...
+        batchgraph.pipeline.errors.StageMismatchError: stage 0 (Linear) produces ((2, 8) torch.float32) but stage 1 (Linear) cannot take it: ...
+    """
+    values: tuple[Tensor | None, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
+    for k, module in enumerate(modules):
+        state = {
+            name: torch.empty_like(t, device="meta")
+            for name, t in [*module.named_parameters(), *module.named_buffers()]
+        }
+        try:
+            with torch.no_grad():
+                result = functional_call(module, state, values)
+        except Exception as exc:
+            text = str(exc)
+            if isinstance(exc, NotImplementedError) or "meta" in text.lower():
+                return  # cannot tell on meta tensors; see the docstring
+            name = type(module).__name__
+            if k == 0:
+                where = f"stage 0 ({name}) cannot take the microbatch inputs {_describe(values)}"
+            else:
+                prev = type(modules[k - 1]).__name__
+                where = (
+                    f"stage {k - 1} ({prev}) produces {_describe(values)} but stage {k} "
+                    f"({name}) cannot take it"
+                )
+            raise StageMismatchError(
+                f"{where}: {type(exc).__name__}: {text.splitlines()[0] if text else ''}; fix "
+                "the split so each stage's outputs match the next stage's inputs"
+            ) from exc
+        items = result if isinstance(result, (tuple, list)) else (result,)
+        if not all(isinstance(v, Tensor) for v in items):
+            return  # non-tensor outputs are reported by the stage at run time
+        values = tuple(items)

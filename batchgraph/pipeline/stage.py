@@ -1,0 +1,301 @@
+"""One pipeline stage: a part of the model on a device, and how it runs F, B, I and W.
+
+A stage keeps, per microbatch, what its backward needs::
+
+    F(mb):  recv activation ─► x (leaf, requires grad) ─► module ─► y ─► send y.detach()
+            saved[mb] = (x, y, tape)        tape only when the backward is split
+    B(mb):  recv dL/dy ─► autograd.backward(y, dL/dy) ─► send x.grad upstream
+    I(mb):  recv dL/dy ─► tape.backward_input ─► send dL/dx upstream; keep tape for W
+    W(mb):  tape.backward_weight (parameter gradients into .grad)
+
+Each stage input is a detached leaf, so a stage's autograd graph ends at its own
+boundary: the gradient at the input is read from the leaf and sent upstream as a
+message, like it would cross a process boundary. Messages go through a
+:class:`~batchgraph.pipeline.comm.Communicator`; sends are asynchronous and their
+handles are kept by the communicator until the end of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from batchgraph.pipeline.actions import Action, ActionKind
+from batchgraph.pipeline.backward import BackwardTape, TwoStageBackward
+from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
+from batchgraph.pipeline.errors import PipelineAbortedError, StageError
+
+__all__ = ["Stage"]
+
+_KIND_WORDS = {
+    ActionKind.FORWARD: "forward",
+    ActionKind.BACKWARD: "backward",
+    ActionKind.BACKWARD_INPUT: "input-gradient backward",
+    ActionKind.BACKWARD_WEIGHT: "weight-gradient backward",
+}
+
+
+@dataclass(eq=False)
+class _Saved:
+    inputs: tuple[Tensor | None, ...]
+    outputs: tuple[Tensor, ...]
+    tape: BackwardTape | None
+
+
+def _default_device(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
+    return torch.device("cpu")
+
+
+class Stage:
+    """A part of the model, its position in the pipeline, and its per-microbatch state.
+
+    Args:
+        module: the stage's module; its parameters are used in place (never copied).
+        index: the stage's position, 0-based.
+        num_stages: how many stages the pipeline has.
+        device: where inputs are moved before the module runs; default: the device of
+            the module's first parameter (CPU for a parameterless module).
+
+    Raises:
+        ValueError: if ``index`` is not in ``range(num_stages)``.
+
+    Example:
+        >>> import torch
+        >>> stage = Stage(torch.nn.Linear(2, 3), index=0, num_stages=1)
+        >>> outputs = stage.forward(0, (torch.ones(4, 2),), train=True)
+        >>> outputs[0].shape
+        torch.Size([4, 3])
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        index: int,
+        num_stages: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not 0 <= index < num_stages:
+            raise ValueError(f"stage index must be in 0..{num_stages - 1}, got {index}")
+        self.module = module
+        self.index = index
+        self.num_stages = num_stages
+        self.device = torch.device(device) if device is not None else _default_device(module)
+        self.split_backward = False
+        self._split: TwoStageBackward | None = None
+        self._saved: dict[int, _Saved] = {}
+        self._weight_pending: dict[int, BackwardTape | None] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Stage({self.index}/{self.num_stages}, {type(self.module).__name__}, "
+            f"device={self.device})"
+        )
+
+    # -- addressing ---------------------------------------------------------------------
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def _prev(self) -> int:
+        return COORDINATOR if self.is_first else self.index - 1
+
+    def _next(self) -> int:
+        return COORDINATOR if self.is_last else self.index + 1
+
+    # -- compute ------------------------------------------------------------------------
+
+    def forward(self, microbatch: int, inputs: Payload, *, train: bool) -> Payload:
+        """Run the module on one microbatch; keep what the backward needs when training.
+
+        Args:
+            microbatch: the microbatch index (the key of the saved state).
+            inputs: the tensors crossing into this stage.
+            train: keep activations (and a two-stage tape if ``split_backward``).
+
+        Returns:
+            The outputs, detached (what is sent to the next stage).
+
+        Raises:
+            TypeError: if the module returns something other than tensors.
+        """
+        xs = tuple(self._prepare(t, train) for t in inputs)
+        if not train:
+            with torch.no_grad():
+                return self._as_outputs(self.module(*xs))
+        tape: BackwardTape | None = None
+        if self.split_backward:
+            if self._split is None:
+                self._split = TwoStageBackward(self.module)
+            with self._split.record() as tape:
+                outputs = self._as_outputs(self.module(*xs))
+        else:
+            outputs = self._as_outputs(self.module(*xs))
+        self._saved[microbatch] = _Saved(xs, outputs, tape)
+        return tuple(o.detach() for o in outputs)
+
+    def backward(self, microbatch: int, grad_outputs: Payload) -> Payload:
+        """Full backward (``B``): parameter gradients into ``.grad``; returns dL/d(inputs)."""
+        saved = self._take(microbatch)
+        if saved.tape is not None:
+            # Recorded for a split backward but asked for a full one: run both halves now.
+            grads = self._split_input(saved, grad_outputs)
+            saved.tape.backward_weight()
+            return grads
+        pairs = [
+            (o, g)
+            for o, g in zip(saved.outputs, self._grads(grad_outputs))
+            if g is not None and o.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return tuple(x.grad if x is not None and x.requires_grad else None for x in saved.inputs)
+
+    def backward_input(self, microbatch: int, grad_outputs: Payload) -> Payload:
+        """``I``: dL/d(inputs) now; the parameter gradients wait for :meth:`backward_weight`."""
+        saved = self._take(microbatch)
+        if saved.tape is None:
+            # Not recorded for a split backward: do it all now, W has nothing left.
+            self._saved[microbatch] = saved
+            grads = self.backward(microbatch, grad_outputs)
+            self._weight_pending[microbatch] = None
+            return grads
+        grads = self._split_input(saved, grad_outputs)
+        self._weight_pending[microbatch] = saved.tape
+        return grads
+
+    def _split_input(self, saved: _Saved, grad_outputs: Payload) -> Payload:
+        assert saved.tape is not None
+        inputs = tuple(x for x in saved.inputs if x is not None)
+        got = iter(saved.tape.backward_input(saved.outputs, self._grads(grad_outputs), inputs))
+        return tuple(None if x is None else next(got) for x in saved.inputs)
+
+    def backward_weight(self, microbatch: int) -> None:
+        """``W``: accumulate the parameter gradients deferred by :meth:`backward_input`.
+
+        Raises:
+            RuntimeError: if ``I`` has not run for ``microbatch``.
+        """
+        if microbatch not in self._weight_pending:
+            raise RuntimeError(
+                f"stage {self.index}: W of microbatch {microbatch} before its I; the schedule "
+                "must run I before W"
+            )
+        tape = self._weight_pending.pop(microbatch)
+        if tape is not None:
+            tape.backward_weight()
+
+    # -- one action: receive, compute, send ----------------------------------------------
+
+    def run(self, action: Action, comm: Communicator, *, train: bool = True) -> tuple[float, float]:
+        """Run one action: receive its input, compute, send its result.
+
+        Args:
+            action: an action of this stage.
+            comm: the communicator.
+            train: whether this is a training step (forward-only steps keep nothing).
+
+        Returns:
+            ``(start, end)`` of the compute and send, from ``time.perf_counter()``; the wait
+            for the input message is before ``start`` (it is bubble, not work).
+
+        Raises:
+            StageError: if the action fails; names the stage, action and microbatch and
+                chains the original exception.
+            PipelineAbortedError: if another task failed while this one waited.
+        """
+        mb = action.microbatch
+        try:
+            if action.kind is ActionKind.FORWARD:
+                payload = comm.recv(
+                    MessageKey(MessageKind.ACTIVATION, self._prev(), self.index, mb)
+                )
+                start = time.perf_counter()
+                outputs = self.forward(mb, payload, train=train)
+                comm.send(MessageKey(MessageKind.ACTIVATION, self.index, self._next(), mb), outputs)
+            elif action.kind is ActionKind.BACKWARD_WEIGHT:
+                start = time.perf_counter()
+                self.backward_weight(mb)
+            else:
+                grads = comm.recv(MessageKey(MessageKind.GRADIENT, self._next(), self.index, mb))
+                start = time.perf_counter()
+                if action.kind is ActionKind.BACKWARD:
+                    grad_inputs = self.backward(mb, grads)
+                else:
+                    grad_inputs = self.backward_input(mb, grads)
+                if not self.is_first:
+                    key = MessageKey(MessageKind.GRADIENT, self.index, self.index - 1, mb)
+                    comm.send(key, grad_inputs)
+            return start, time.perf_counter()
+        except (PipelineAbortedError, StageError):
+            raise  # already names where it failed (e.g. the loss, run from this thread)
+        except Exception as exc:
+            raise StageError(
+                f"stage {self.index} failed in action {action} ({_KIND_WORDS[action.kind]} "
+                f"of microbatch {mb}): {type(exc).__name__}: {exc}",
+                stage=self.index,
+                action=str(action),
+                microbatch=mb,
+            ) from exc
+
+    def reset(self) -> None:
+        """Drop every saved activation and pending weight gradient (e.g. after a failure)."""
+        self._saved.clear()
+        self._weight_pending.clear()
+
+    def close(self) -> None:
+        """Drop state and remove the two-stage backprop hooks from the module."""
+        self.reset()
+        if self._split is not None:
+            self._split.close()
+            self._split = None
+
+    @property
+    def pending(self) -> int:
+        """Microbatches whose backward has not finished on this stage (in flight)."""
+        return len(self._saved) + sum(1 for t in self._weight_pending.values() if t is not None)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _prepare(self, value: Tensor | None, train: bool) -> Tensor | None:
+        if value is None:
+            return None
+        value = value.to(self.device)
+        if train and not self.is_first and (value.is_floating_point() or value.is_complex()):
+            # A leaf of its own: the stage's graph stops here and dL/dx is read off it.
+            return value.detach().requires_grad_(True)
+        return value
+
+    def _as_outputs(self, result: object) -> tuple[Tensor, ...]:
+        items: Sequence[object] = result if isinstance(result, (tuple, list)) else (result,)
+        for i, item in enumerate(items):
+            if not isinstance(item, Tensor):
+                raise TypeError(
+                    f"stage {self.index} ({type(self.module).__name__}) returned "
+                    f"{type(item).__name__} at output {i}; a stage must return a tensor or a "
+                    "tuple of tensors"
+                )
+        return tuple(items)  # type: ignore[arg-type]
+
+    def _take(self, microbatch: int) -> _Saved:
+        try:
+            return self._saved.pop(microbatch)
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.index}: backward of microbatch {microbatch} without its forward"
+            ) from None
+
+    def _grads(self, grad_outputs: Payload) -> list[Tensor | None]:
+        return [None if g is None else g.to(self.device) for g in grad_outputs]

@@ -1,0 +1,362 @@
+"""A recorded and scheduled batch as plain data, to build in one process and run in another.
+
+The worker side (``Exporter.export``) turns a recorded policy into a ``PortableBatch``:
+
+```
+worker:  per-example code ──record──▶ Graph ──prune, schedule──▶ Schedule
+                                        │                           │
+            keys named, not held:       ▼                           ▼
+            PortableKey("cell", StackKey, CallSignature, out spec)  Steps, GatherPlans (ints)
+                                        └──────────┬────────────────┘
+                                                   ▼  pickle (plain data only)
+main:    bind(batch, model): names ─▶ live modules, shapes checked ─▶ Executor ─▶ tensors
+```
+
+Nothing in a ``PortableBatch`` holds a module, a parameter or a tensor that requires
+grad: callables are *named* (a submodule path such as ``"cell"``, or an importable
+``"torch:tanh"``), keys by their class name and ``CallSignature`` (per-example
+``TensorSpec``s and static arguments), constants are Python scalars or tensors without
+grad. The main process resolves the names against its live model (``binding.py``),
+which is where the parameters, and so autograd, come from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgraph.graph import LEAF_SHIFT, STORE_SHIFT, Graph
+from batchgraph.handle import ResultHandle
+from batchgraph.keys import BatchKey, ConstantKey
+from batchgraph.naming import function_name, module_names, qualified_name
+from batchgraph.passes import prune
+from batchgraph.policy import BatchingPolicy
+from batchgraph.schedule_cache import ScheduleCache
+from batchgraph.scheduling import GatherPlan, Schedule, _plan_gather, build_schedule
+from batchgraph.specs import CallSignature, OutSpec, TensorSpec
+
+__all__ = ["Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export"]
+
+CONSTANT_KIND = qualified_name(ConstantKey)
+
+
+@dataclass(frozen=True)
+class PortableKey:
+    """A ``BatchKey`` described without live objects.
+
+    Attributes:
+        kind: the key class, ``"module:qualname"`` (``"batchgraph.keys:StackKey"``).
+        target: the callable: a submodule path (``"cell"``, ``"layers.0"``; ``""`` is
+            the model itself) when ``is_module``, else an importable function name;
+            ``""`` for constants.
+        is_module: whether ``target`` names a submodule.
+        module_type: the submodule's class name (checked against the live module).
+        call: the call signature (static arguments, per-example input specs).
+        out_spec: the per-example output spec the call had when recorded.
+        deterministic: False for random calls (dropout in training mode).
+        batchable: False for keys whose calls run one at a time.
+    """
+
+    kind: str
+    target: str
+    is_module: bool
+    module_type: str | None
+    call: CallSignature
+    out_spec: OutSpec
+    deterministic: bool
+    batchable: bool
+
+    def describe(self) -> str:
+        """How errors name this key: ``StackKey[cell]``."""
+        return f"{self.kind.rpartition(':')[2]}[{self.target or 'constant'}]"
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    """Where a requested output lives: output ``leaf`` (or subtree) of ``node``."""
+
+    node: int
+    leaf: int
+    spec: OutSpec
+
+
+@dataclass
+class SkippedExample:
+    """An example whose recording raised, skipped under ``skip_errors=True``.
+
+    Attributes:
+        position: its position in the minibatch as sampled.
+        index: its dataset index (the position when the index is unknown).
+        error: ``"TypeName: message"`` of the exception.
+        traceback: the original traceback, formatted.
+    """
+
+    position: int
+    index: int
+    error: str
+    traceback: str
+
+
+@dataclass
+class PortableBatch:
+    """One minibatch, recorded and scheduled, as plain picklable data.
+
+    Attributes:
+        keys: per key id of the schedule, its ``PortableKey`` (None for keys no step uses).
+        num_nodes: nodes in the recorded graph (node ids are below this).
+        constants: the per-example constants the schedule stacks, by node id.
+        schedule: the steps, in order, with their gather plans.
+        outputs: what the per-example function returned for each kept example, with
+            every handle replaced by an ``OutputRef``.
+        output_plan: when ``outputs`` is a list of single tensors of one spec, the plan
+            that gathers them into one batched tensor (``bind(..., stack=True)``).
+        example_ends: ``example_ends[i]`` is the node count after recording example
+            ``i``: node ``n`` was first needed by the first ``i`` with ``n < ends[i]``.
+        indices: dataset index of each kept example (positions when unknown).
+        targets: the collated targets of the kept examples, or None.
+        skipped: examples skipped because their recording raised.
+        cache_hit: whether the schedule came from the schedule cache.
+        record_seconds, schedule_seconds: time spent in the worker.
+    """
+
+    keys: list[PortableKey | None]
+    num_nodes: int
+    constants: dict[int, Any]
+    schedule: Schedule
+    outputs: Any
+    output_plan: GatherPlan | None
+    example_ends: list[int]
+    indices: list[int]
+    targets: Any = None
+    skipped: list[SkippedExample] = field(default_factory=list)
+    cache_hit: bool = False
+    record_seconds: float = 0.0
+    schedule_seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def launches(self) -> int:
+        """Calls the schedule makes (an unbatchable step counts once per node)."""
+        total = 0
+        for step in self.schedule.steps:
+            key = self.keys[step.key]
+            if key is None or key.kind == CONSTANT_KIND:
+                continue  # constants are stacked, not launched
+            total += 1 if key.batchable else len(step.nodes)
+        return total
+
+
+class Exporter:
+    """Turns policies recorded against ``model`` into ``PortableBatch``es.
+
+    Keeps what does not change between batches: the submodule names and each key's
+    description (keys are reused across policies, so most batches describe nothing
+    new), and optionally a ``ScheduleCache``.
+
+    Args:
+        model: the model the per-example code calls (in a worker, its structure).
+        cache: a schedule cache to consult, or None.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class M(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 2)
+        >>> m = M()
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [m.lin(torch.ones(2)) for _ in range(3)]
+        >>> batch = Exporter(m).export(p, hs)
+        >>> batch.keys[batch.schedule.steps[-1].key].target
+        'lin'
+    """
+
+    def __init__(self, model: nn.Module, cache: ScheduleCache | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self._names = module_names(model)
+        # id(key) -> (key, description): the key is held so its id is not reused.
+        self._described: dict[int, tuple[BatchKey, PortableKey]] = {}
+
+    def export(
+        self,
+        policy: BatchingPolicy,
+        outputs: Any,
+        *,
+        example_ends: list[int] | None = None,
+        indices: list[int] | None = None,
+    ) -> PortableBatch:
+        """Prune, schedule (or reuse a cached schedule) and describe ``outputs``.
+
+        Args:
+            policy: the policy the outputs were recorded under; nothing computed yet.
+            outputs: a list (one entry per example) of nestings of handles.
+            example_ends: node counts after each example (see ``PortableBatch``).
+            indices: dataset indices of the examples.
+
+        Returns:
+            The portable batch (targets and skipped examples left empty).
+
+        Raises:
+            ValueError: if the policy computed before, or a constant requires grad.
+            LookupError: if a callable has no name the main process could resolve.
+        """
+        graph = policy.graph
+        if graph.stores:
+            raise ValueError(
+                f"{policy.name} already computed {len(graph.stores)} steps; export needs a "
+                "policy that has only recorded (start a new BatchingPolicy per batch)"
+            )
+        start = time.perf_counter()
+        roots: list[int] = []
+        portable_outputs = _encode_outputs(outputs, graph, roots)
+        schedule = None
+        signature = None
+        if self.cache is not None:
+            signature = self.cache.signature(graph, roots, policy.scheduler)
+            schedule = self.cache.lookup(signature)
+        hit = schedule is not None
+        if schedule is None:  # a hit needs no pruning either: the schedule holds the result
+            schedule = build_schedule(graph, prune(graph, roots), policy.scheduler)
+            if self.cache is not None and signature is not None:
+                self.cache.store(signature, schedule)
+        keys: list[PortableKey | None] = [None] * len(graph.keys)
+        constants: dict[int, Any] = {}
+        for step in schedule.steps:
+            if keys[step.key] is None:
+                keys[step.key] = self._describe(graph, step.key)
+            if isinstance(graph.keys[step.key], ConstantKey):
+                for n in step.nodes:
+                    constants[n] = _portable_constant(graph.constants[n], n)
+        count = len(roots)
+        return PortableBatch(
+            keys=keys,
+            num_nodes=len(graph),
+            constants=constants,
+            schedule=schedule,
+            outputs=portable_outputs,
+            output_plan=_output_plan(outputs, schedule, graph),
+            example_ends=example_ends if example_ends is not None else [len(graph)] * count,
+            indices=indices if indices is not None else list(range(count)),
+            cache_hit=hit,
+            schedule_seconds=time.perf_counter() - start,
+        )
+
+    def _describe(self, graph: Graph, kid: int) -> PortableKey:
+        key = graph.keys[kid]
+        cached = self._described.get(id(key))
+        if cached is not None and cached[0] is key:
+            return cached[1]
+        kind = qualified_name(key)
+        if isinstance(key, ConstantKey):
+            # ConstantKeys are made per graph: cheap to describe, pointless to cache.
+            return PortableKey(kind, "", False, None, key.call, key.spec, True, True)
+        fn = key.fn
+        if isinstance(fn, nn.Module):
+            name = self._names.get(id(fn))
+            if name is None:
+                raise LookupError(
+                    f"{key.label} calls a module that is not a submodule of "
+                    f"{type(self.model).__name__}, so the main process cannot find it by "
+                    "name; make it an attribute of the model (or of one of its submodules)"
+                )
+            target, is_module, module_type = name, True, qualified_name(fn)
+        else:
+            target, is_module, module_type = function_name(fn), False, None
+        # The first node of a key was recorded with this key object's own signature,
+        # so its spec is the output spec that goes with key.call.
+        out_spec = graph.node_spec[graph.node_key.index(kid)]
+        described = PortableKey(
+            kind, target, is_module, module_type, key.call, out_spec,
+            key.deterministic, key.batchable,
+        )
+        self._described[id(key)] = (key, described)
+        return described
+
+
+def export(policy: BatchingPolicy, outputs: Any, model: nn.Module) -> PortableBatch:
+    """Describe ``outputs`` recorded under ``policy`` as a ``PortableBatch``.
+
+    Args:
+        policy: the recording policy (nothing computed yet).
+        outputs: a list, one entry per example, of nestings of handles.
+        model: the model whose submodules the code called.
+
+    Returns:
+        The portable batch; run it with ``bg.bind(batch, model)``.
+
+    Raises:
+        ValueError, LookupError: see ``Exporter.export``.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class M(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 2)
+        >>> m = M()
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [m.lin(torch.ones(2)) for _ in range(3)]
+        >>> [t.shape for t in bg.bind(export(p, hs, m), m)]
+        [torch.Size([2]), torch.Size([2]), torch.Size([2])]
+    """
+    return Exporter(model).export(policy, outputs)
+
+
+def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
+    if type(obj) is ResultHandle:
+        if obj._graph is not graph:
+            raise ValueError(
+                f"{obj!r} belongs to policy {obj._graph.name!r}, not {graph.name!r}; "
+                "export each policy's handles with that policy"
+            )
+        roots.append(obj.node)
+        return OutputRef(obj.node, obj.leaf, obj.spec)
+    if isinstance(obj, list):
+        return [_encode_outputs(x, graph, roots) for x in obj]
+    if isinstance(obj, tuple):
+        values = [_encode_outputs(x, graph, roots) for x in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    if isinstance(obj, dict):
+        return type(obj)((k, _encode_outputs(v, graph, roots)) for k, v in obj.items())
+    return obj
+
+
+def _portable_constant(value: Any, node: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise ValueError(
+            f"constant node {node} is a tensor that requires grad (shape "
+            f"{tuple(value.shape)}); its gradient could not reach the main process. Pass "
+            "data as plain values or tensors without grad, and keep parameters in modules."
+        )
+    return value
+
+
+def _output_plan(outputs: Any, schedule: Schedule, graph: Graph) -> GatherPlan | None:
+    """A gather of all outputs into one batched tensor, when they are alike."""
+    if not isinstance(outputs, (list, tuple)) or not outputs:
+        return None
+    first = outputs[0]
+    if type(first) is not ResultHandle or type(first.spec) is not TensorSpec:
+        return None
+    for h in outputs:
+        if type(h) is not ResultHandle or h.spec != first.spec:
+            return None
+    wanted = {h.node for h in outputs}
+    where: dict[int, int] = {}
+    for step in schedule.steps:
+        base = step.store << STORE_SHIFT
+        for row, n in enumerate(step.nodes):
+            if n in wanted:
+                where[n] = base | row
+    codes = [where[h.node] | (h.leaf << LEAF_SHIFT) for h in outputs]
+    # Rows per store, as build_schedule counts them (-1: per-example lists).
+    keys = graph.keys
+    sizes = [len(s.nodes) if keys[s.key].combine == "stack" else -1 for s in schedule.steps]
+    return _plan_gather([0], codes, sizes)

@@ -1,0 +1,293 @@
+"""TreeLSTM throughput: eager per-example vs hand-batched vs batchgraph (agenda, by-depth).
+
+For each data set (stdlib function ASTs; SST-like random trees) and batch size, four
+variants run the same model (one ``state_dict`` copied into each), on the same batches,
+with the same loss (summed cross-entropy), optimizer (SGD) and embedding:
+
+- ``eager``:  ``TreeLSTMClassifier.logits`` per tree, no policy — the unbatched baseline;
+- ``hand``:   ``HandBatchedTreeLSTM`` — one batched cell call per tree level (the ceiling);
+- ``agenda``: the same per-example code under ``bg.BatchingPolicy(scheduler="agenda")``;
+- ``depth``:  the same under ``scheduler="depth"``.
+
+Before timing, every variant's loss on the same batch must match eager's to 1e-5
+(relative). Timing alternates the variants in rounds (the machine is shared and noisy)
+and reports the median trees/s over rounds, for inference (forward under ``no_grad``)
+and training (forward, loss, backward, SGD step). Also reported, from ``policy.stats``:
+launches vs the lower bound (for the first batch), and recording + scheduling time in
+microseconds per computed node (``stats.nodes``, after identical calls are merged) and
+per recorded call (``stats.calls_recorded``).
+
+Run: ``python benchmarks/treelstm.py`` (about 5-10 minutes) or ``--quick`` (well under a
+minute). Prints a table and writes ``benchmarks/results/treelstm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import batchgraph as bg
+from batchgraph.data import Tree, sst_like_trees, stdlib_function_trees
+from batchgraph.models import HandBatchedTreeLSTM, TreeLSTMClassifier
+
+VARIANTS = ("eager", "hand", "agenda", "depth")
+MODES = ("inference", "training")
+RESULTS = Path(__file__).resolve().parent / "results" / "treelstm.json"
+
+
+@dataclass
+class Row:
+    """One (data set, mode, batch size, variant) measurement."""
+
+    dataset: str
+    mode: str
+    batch: int
+    variant: str
+    trees_per_s: float
+    rounds: list[float]
+    vs_eager: float = 0.0
+    vs_hand: float = 0.0
+    launches: int | None = None
+    lower_bound: int | None = None
+    nodes: int | None = None
+    record_schedule_us_per_node: float | None = None
+    record_schedule_us_per_call: float | None = None
+
+
+@dataclass
+class Variant:
+    """A model copy, its optimizer, and what ``policy.stats`` said while timing it."""
+
+    name: str
+    model: TreeLSTMClassifier
+    hand: HandBatchedTreeLSTM
+    optimizer: torch.optim.Optimizer
+    overhead_s: float = 0.0
+    nodes: int = 0
+    calls: int = 0
+    last: bg.ScheduleStats | None = None  # only the last: stats keep their graph alive
+
+    def reset(self) -> None:
+        self.overhead_s, self.nodes, self.calls, self.last = 0.0, 0, 0, None
+
+    def logits(self, batch: Sequence[Tree]) -> torch.Tensor:
+        if self.name == "eager":
+            return torch.stack([self.model.logits(t) for t in batch])
+        if self.name == "hand":
+            return self.hand(batch)
+        with bg.BatchingPolicy(scheduler=self.name) as policy:
+            handles = [self.model.logits(t) for t in batch]
+        out = torch.stack(bg.compute(handles))
+        stats = policy.stats
+        assert stats is not None
+        self.overhead_s += stats.record_seconds + stats.schedule_seconds
+        self.nodes += stats.nodes
+        self.calls += stats.calls_recorded
+        self.last = stats
+        return out
+
+    def loss(self, batch: Sequence[Tree]) -> torch.Tensor:
+        labels = torch.tensor([t.label for t in batch])
+        loss: torch.Tensor = F.cross_entropy(self.logits(batch), labels, reduction="sum")
+        return loss
+
+    def train_step(self, batch: Sequence[Tree]) -> None:
+        loss = self.loss(batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def infer(self, batch: Sequence[Tree]) -> None:
+        self.logits(batch)
+
+
+def make_variants(vocab: int, classes: int, hidden: int, lr: float) -> list[Variant]:
+    torch.manual_seed(0)
+    state = TreeLSTMClassifier(vocab, classes, hidden=hidden, embed_dim=hidden).state_dict()
+    variants = []
+    for name in VARIANTS:
+        model = TreeLSTMClassifier(vocab, classes, hidden=hidden, embed_dim=hidden)
+        model.load_state_dict(state)  # one set of weights, copied into every variant
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        variants.append(Variant(name, model, HandBatchedTreeLSTM(model), optimizer))
+    return variants
+
+
+def check_losses(variants: list[Variant], batch: Sequence[Tree], tol: float) -> float:
+    """Every variant's loss on ``batch`` equals eager's to ``tol`` (relative); the worst."""
+    ref = float(variants[0].loss(batch).detach())
+    worst = 0.0
+    for v in variants[1:]:
+        got = float(v.loss(batch).detach())
+        err = abs(got - ref) / max(1.0, abs(ref))
+        if err > tol:
+            raise SystemExit(
+                f"loss mismatch before timing: {v.name} gives {got!r}, eager {ref!r} "
+                f"(relative error {err:.2e} > {tol:.0e}) on a batch of {len(batch)} trees"
+            )
+        worst = max(worst, err)
+    for v in variants:
+        v.reset()
+    return worst
+
+
+def measure(variants: list[Variant], batches: list[list[Tree]], mode: str, rounds: int
+            ) -> dict[str, list[float]]:
+    """Trees/s per variant per round; variants alternate within each round."""
+    trees = sum(len(b) for b in batches)
+    speeds: dict[str, list[float]] = {v.name: [] for v in variants}
+    for v in variants:  # untimed warm-up on a few trees: first calls pay one-off costs
+        (v.train_step if mode == "training" else v.infer)(batches[0][:16])
+        v.reset()
+    for r in range(rounds):
+        # Rotate the order each round so no variant always runs first (cache, clocks).
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for v in order:
+            step: Callable[[Sequence[Tree]], None] = (
+                v.train_step if mode == "training" else v.infer
+            )
+            start = time.perf_counter()
+            for batch in batches:
+                step(batch)
+            speeds[v.name].append(trees / (time.perf_counter() - start))
+    return speeds
+
+
+def bench_dataset(name: str, pool: list[Tree], vocab: int, classes: int,
+                  args: argparse.Namespace) -> tuple[list[Row], float]:
+    rows: list[Row] = []
+    worst = 0.0
+    for size in args.batch_sizes:
+        n_batches = max(1, -(-args.trees_per_round // size))
+        if n_batches * size > len(pool):
+            raise SystemExit(f"{name}: {n_batches} batches of {size} need more than "
+                             f"the {len(pool)} trees available; lower --trees-per-round")
+        batches = [pool[i * size:(i + 1) * size] for i in range(n_batches)]
+        variants = make_variants(vocab, classes, args.hidden, args.lr)
+        worst = max(worst, check_losses(variants, batches[0], 1e-5))
+        for mode in MODES:
+            t0 = time.perf_counter()
+            speeds = measure(variants, batches, mode, args.rounds)
+            med = {v: statistics.median(s) for v, s in speeds.items()}
+            for v in variants:
+                row = Row(name, mode, size, v.name, med[v.name], speeds[v.name],
+                          med[v.name] / med["eager"], med[v.name] / med["hand"])
+                if v.last is not None:
+                    row.record_schedule_us_per_node = 1e6 * v.overhead_s / max(1, v.nodes)
+                    row.record_schedule_us_per_call = 1e6 * v.overhead_s / max(1, v.calls)
+                    # Launches depend on the batch only: read them (and the lazily computed
+                    # bound) from one untimed run of the first batch.
+                    with torch.no_grad():
+                        v.logits(batches[0])
+                    assert v.last is not None
+                    row.launches, row.lower_bound, row.nodes = (
+                        v.last.launches, v.last.lower_bound, v.last.nodes)
+                    v.reset()
+                rows.append(row)
+            print(f"  {name:8s} {mode:9s} batch {size:4d}: "
+                  + "  ".join(f"{v} {med[v]:7.1f}/s" for v in VARIANTS)
+                  + f"  ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+    return rows, worst
+
+
+def machine(threads: int) -> dict[str, object]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "intra_op_threads": threads,
+    }
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (f"{'data':8s} {'mode':9s} {'batch':>5s} {'variant':7s} {'trees/s':>9s} "
+            f"{'x eager':>8s} {'x hand':>7s} {'launches':>8s} {'bound':>6s} {'l/b':>5s} "
+            f"{'rec+sch us/node':>15s} {'us/call':>7s}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        launch = (f"{r.launches:8d} {r.lower_bound:6d} {r.launches / max(1, r.lower_bound):5.2f}"
+                  if r.launches is not None and r.lower_bound is not None else f"{'':21s}")
+        us = (f"{r.record_schedule_us_per_node:15.1f} {r.record_schedule_us_per_call:7.1f}"
+              if r.record_schedule_us_per_node is not None
+              and r.record_schedule_us_per_call is not None else "")
+        print(f"{r.dataset:8s} {r.mode:9s} {r.batch:5d} {r.variant:7s} {r.trees_per_s:9.1f} "
+              f"{r.vs_eager:8.2f} {r.vs_hand:7.2f} {launch} {us}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: batches 16 and 64, 2 rounds, 64 trees per round")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--hidden", type=int, default=128, help="hidden and embedding size")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (default 3)")
+    p.add_argument("--trees-per-round", type=int, default=256,
+                   help="trees each variant runs per round and batch size (whole batches)")
+    p.add_argument("--datasets", nargs="+", choices=["stdlib", "sst"], default=["stdlib", "sst"])
+    p.add_argument("--sst-vocab", type=int, default=5000, help="SST-like vocabulary size")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.rounds, args.trees_per_round = [16, 64], 2, 64
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = machine(args.threads)
+    print(f"machine: {info['platform']}, {info['processor']}, {info['cpu_count']} CPUs; "
+          f"python {info['python']}, torch {info['torch']}, {args.threads} intra-op thread(s)")
+    print(f"model: TreeLSTM hidden {args.hidden}, embedding {args.hidden}; batches "
+          f"{args.batch_sizes}; {args.trees_per_round} trees/round/variant; "
+          f"{args.rounds} rounds; SGD lr {args.lr}; summed cross-entropy")
+    rows: list[Row] = []
+    data_info: dict[str, object] = {}
+    worst = 0.0
+    for name in args.datasets:
+        if name == "stdlib":
+            data = stdlib_function_trees()
+            pool, vocab, classes = data.train, len(data.vocab), len(data.classes)
+        else:
+            pool, vocab, classes = sst_like_trees(2000, seed=0, vocab_size=args.sst_vocab), \
+                args.sst_vocab, 5
+        nodes = statistics.mean(t.size for t in pool)
+        leaves = statistics.mean(t.num_leaves for t in pool)
+        data_info[name] = {"trees": len(pool), "vocab": vocab, "classes": classes,
+                           "mean_nodes": nodes, "mean_leaves": leaves,
+                           "max_depth": max(t.depth for t in pool)}
+        print(f"{name}: {len(pool)} trees, mean {nodes:.1f} nodes ({leaves:.1f} leaves), "
+              f"vocab {vocab}, {classes} classes")
+        got, err = bench_dataset(name, pool, vocab, classes, args)
+        rows += got
+        worst = max(worst, err)
+    print(f"losses agree with eager before timing: worst relative difference {worst:.1e}\n")
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": info, "config": {k: (str(v) if isinstance(v, Path) else v)
+                                           for k, v in vars(args).items()},
+               "data": data_info, "loss_max_relative_diff": worst,
+               "rows": [asdict(r) for r in rows]}
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The `batchgraph` command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchgraph.cli import main
+
+
+def test_schedule_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, trace = tmp_path / "out.png", tmp_path / "out.json"
+    argv = ["schedule", "1f1b", "--stages", "4", "--microbatches", "8"]
+    assert main([*argv, "--png", str(png), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1f1b: 4 devices, 4 stages, 8 microbatches (rows: unit-cost time steps)")
+    assert "   3  0F3   1F2   2F1   3F0" in out
+    assert "makespan: 33" in out
+    assert "bubble: 0.2727" in out
+    assert "peak in flight per stage (F done, B/I not): 0: 4, 1: 3, 2: 2, 3: 1" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert len([e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]) == 64
+
+
+def test_costs_and_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "zb-h1", "-p", "4", "-m", "8", "--costs", "1,1,1,1"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan: 27" in out  # 3m + p - 1
+    assert "peak waiting for W per stage" in out
+    assert main(["schedule", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2"]) == 0
+    assert "2 devices, 4 stages, 4 microbatches" in capsys.readouterr().out
+
+
+def test_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "gpipe", "--chunks", "2"]) == 2
+    assert "chunks must be 1" in capsys.readouterr().err
+    assert main(["schedule", "1f1b", "--costs", "1,2"]) == 2
+    assert "expected 4 or 5 non-negative numbers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["schedule", "pipedream"])
+    assert "invalid choice: 'pipedream'" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "schedule" in capsys.readouterr().out
+
+
+def test_python_dash_m() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "batchgraph", "schedule", "gpipe", "-p", "2", "-m", "1"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "   3  0B0" in done.stdout

@@ -1,0 +1,260 @@
+"""Portable batches: the exported path equals the in-process path; bad batches are refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import batchgraph as bg
+from tests.property.models import DagModel, LeafCell, TreeModel
+from tests.property.test_batched_equals_eager import dags, trees
+from tests.unit.schedules import same_schedule
+
+
+def run_dag(model: Any, item: tuple[torch.Tensor, Any]) -> Any:
+    return model.run(*item)
+
+
+def in_process(model: Any, forward: Any, items: list[Any]) -> tuple[Any, bg.Schedule]:
+    with bg.BatchingPolicy() as policy:
+        handles = [forward(model, item) for item in items]
+    return policy.compute(handles), policy.schedules[0]
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+
+
+def assert_same_outputs_and_grads(
+    model: nn.Module, collate: bg.GraphCollate, forward: Any, items: list[Any]
+) -> None:
+    """In-process compute vs GraphCollate (structure copy) + bind: bitwise equal."""
+    model.zero_grad()
+    expected, schedule = in_process(model, forward, items)
+    torch.stack([e.sum() for e in expected]).sum().backward()
+    expected_grads = grads(model)
+    model.zero_grad()
+    batch = collate(items)
+    assert same_schedule(batch.schedule, schedule)
+    got = bg.bind(batch, model)
+    torch.stack([g.sum() for g in got]).sum().backward()
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+    for e, g in zip(expected_grads, grads(model)):
+        assert torch.equal(e, g)
+
+
+# One model and collate per test (not per hypothesis example): signature caches warm.
+torch.manual_seed(1)
+DAG_MODEL = DagModel().double()
+DAG_COLLATE = bg.GraphCollate(DAG_MODEL, run_dag)
+TREE_MODEL = TreeModel().double()
+TREE_COLLATE = bg.GraphCollate(TREE_MODEL, "logits")
+
+
+@given(examples=st.lists(dags(), min_size=1, max_size=5), seed=st.integers(0, 3))
+def test_dag_model_portable_equals_in_process(examples: list[Any], seed: int) -> None:
+    torch.manual_seed(seed)
+    items = [(torch.randn(4, dtype=torch.float64), dag) for dag in examples]
+    assert_same_outputs_and_grads(DAG_MODEL, DAG_COLLATE, run_dag, items)
+
+
+@given(batch=st.lists(trees(), min_size=1, max_size=8))
+def test_tree_model_portable_equals_in_process(batch: list[Any]) -> None:
+    assert_same_outputs_and_grads(TREE_MODEL, TREE_COLLATE, lambda m, t: m.logits(t), batch)
+
+
+def test_stacked_outputs_equal_the_list() -> None:
+    model = TreeModel()
+    batch = bg.GraphCollate(model, "logits")([((1, 2), 3), (4, 5), 6])
+    stacked = bg.bind(batch, model, stack=True)
+    assert torch.equal(stacked, torch.stack(bg.bind(batch, model)))
+    with pytest.raises(ValueError, match="stack=True needs every example's output"):
+        bg.bind(bg.GraphCollate(model, "encode")([(1, 2)]), model, stack=True)
+
+
+def test_tuple_outputs_keep_their_structure() -> None:
+    model = TreeModel()
+    batch = bg.GraphCollate(model, "encode")([(1, 2), 3])
+    (h, c), _ = bg.bind(batch, model)
+    assert h.shape == c.shape == (6,)
+
+
+def test_nothing_in_a_batch_requires_grad_or_holds_a_module() -> None:
+    model = TreeModel()
+    batch = bg.GraphCollate(model, "logits")([(1, (2, 3)), 4])
+    seen: list[Any] = []
+
+    def walk(obj: Any) -> None:
+        seen.append(obj)
+        if isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                walk(x)
+        elif hasattr(obj, "__dataclass_fields__"):
+            for name in obj.__dataclass_fields__:
+                walk(getattr(obj, name))
+
+    walk(batch)
+    assert not any(isinstance(x, nn.Module) for x in seen)
+    assert not any(isinstance(x, torch.Tensor) and x.requires_grad for x in seen)
+    assert not any(callable(x) and not isinstance(x, type) for x in seen)
+
+
+class RealCalls:
+    """Counts module calls on real (not fake) tensors: actual computation."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.count = 0
+        for m in model.modules():
+            m.register_forward_pre_hook(self.hook)
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in args):
+            self.count += 1
+
+
+class Renamed(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 6)
+
+
+class OtherCell(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2 * dim, 2 * dim)
+
+    def forward(self, hl: Any, cl: Any, hr: Any, cr: Any) -> tuple[Any, Any]:
+        h = self.proj(torch.cat([hl, hr], dim=-1))
+        return h[: hl.shape[-1]], cl
+
+
+@pytest.mark.parametrize(
+    ("live", "match"),
+    [
+        (Renamed, r"has no submodule of that name \(it has 'embedding'\)"),
+        (lambda: TreeModel(dim=8), r"does not accept the recorded per-example inputs|returns"),
+        (lambda: TreeModel(classes=4), r"StackKey\[out\] returns \(4,\) float32 on cpu per example"),
+    ],
+)
+def test_batch_for_another_model_is_refused_before_computing(live: Any, match: str) -> None:
+    batch = bg.GraphCollate(TreeModel(), "logits")([(1, 2), (3, (4, 5))])
+    model = live()
+    calls = RealCalls(model)
+    with pytest.raises(bg.ScheduleMismatchError, match=match):
+        bg.bind(batch, model)
+    assert calls.count == 0
+
+
+def test_module_of_another_class_is_refused() -> None:
+    batch = bg.GraphCollate(TreeModel(), "logits")([(1, 2)])
+    model = TreeModel()
+    model.cell = OtherCell(6)
+    with pytest.raises(bg.ScheduleMismatchError, match=r"submodule 'cell' is a .*OtherCell"):
+        bg.bind(batch, model)
+
+
+def test_key_class_other_than_the_live_rules_give_is_refused() -> None:
+    rules = {LeafCell: bg.StackKey}
+    batch = bg.GraphCollate(TreeModel(), "logits", rules=rules)([(1, 2)])
+    model = TreeModel()
+    with pytest.raises(
+        bg.ScheduleMismatchError, match=r"recorded with key class .*StackKey.*rules give .*VmapKey"
+    ):
+        bg.bind(batch, model)
+    assert len(bg.bind(batch, model, rules=rules)) == 1
+
+
+class Dropping(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def f(self, x: float) -> Any:
+        return self.drop(self.lin(bg.batched_value(torch.full((3,), float(x)))))
+
+
+def test_dropout_mode_mismatch_is_refused() -> None:
+    model = Dropping().eval()
+    batch = bg.GraphCollate(model, "f")([1.0, 2.0])
+    with pytest.raises(bg.ScheduleMismatchError, match="deterministic=True but is deterministic=False"):
+        bg.bind(batch, model.train())
+
+
+def test_constant_that_requires_grad_is_refused_at_export() -> None:
+    lin = nn.Linear(2, 2)
+
+    class M(bg.BatchedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+    model = M()
+    with bg.BatchingPolicy() as policy:
+        h = model.lin(torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError, match=r"constant node 0 is a tensor that requires grad"):
+        bg.export(policy, [h], model)
+
+
+def test_function_without_an_importable_name_is_refused_at_export() -> None:
+    model = TreeModel()
+    double = bg.batched_func(lambda x: x * 2)
+    with bg.BatchingPolicy() as policy:
+        h = double(model.embed(bg.batched_value(3)))
+    with pytest.raises(LookupError, match="has no importable name"):
+        bg.export(policy, [h], model)
+
+
+def test_example_error_names_the_example_and_keeps_the_traceback() -> None:
+    def forward(model: Any, tree: Any) -> Any:
+        if tree == 99:
+            raise KeyError("token 99 is not in the vocabulary")
+        return model.logits(tree)
+
+    collate = bg.GraphCollate(TreeModel(), forward)
+    dataset = bg.GraphDataset([1, 2, (3, 4), 99, 5], collate)
+    with pytest.raises(bg.ExampleError, match=r"(?s)example 3 of the batch \(dataset index 3\) "
+                       r"raised KeyError.*Original traceback.*in forward"):
+        dataset[[0, 1, 2, 3, 4]]
+    skipping = bg.GraphCollate(TreeModel(), forward, skip_errors=True)
+    batch = bg.GraphDataset([1, 2, (3, 4), 99, 5], skipping)[[4, 3, 0]]
+    assert batch.indices == [4, 0]
+    assert [(s.position, s.index) for s in batch.skipped] == [(1, 3)]
+    assert "token 99" in batch.skipped[0].error and "in forward" in batch.skipped[0].traceback
+    binder = bg.Binder(TreeModel())
+    assert len(binder.run(batch)) == 2
+    assert (binder.stats.examples, binder.stats.skipped) == (2, 1)
+
+
+def test_failing_batched_call_names_the_dataset_index() -> None:
+    class Picky(nn.Module):
+        batch_key = bg.StackKey  # sees the batch, so only the batched call fails
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 1 and not isinstance(x, FakeTensor) and bool((x < 0).any()):
+                raise ValueError("negative input")
+            return x * 2
+
+    class M(bg.BatchedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.picky = Picky()
+
+        def f(self, x: float) -> Any:
+            return self.picky(bg.batched_value(torch.tensor([x])))
+
+    model = M()
+    # A local class does not pickle: the worker builds its structure with a factory.
+    batch = bg.GraphDataset([5.0, 1.0, 2.0, -3.0], bg.GraphCollate(M, "f"))[[3, 1]]
+    with pytest.raises(bg.BatchedCallError, match=r"examples 1, 3\)"):
+        bg.bind(batch, model)
