@@ -80,7 +80,9 @@ class BatchingPolicy:
         self.graph.dedupe = dedupe
         self._merged_before = 0
         self.stats: ScheduleStats | None = None
-        self.schedules: list[Schedule] = []
+        # Only the last schedule is kept: a coroutine run computes thousands of times.
+        self.last_schedule: Schedule | None = None
+        self.computes = 0
         self._token: Any = None
         self._mark = time.perf_counter()
 
@@ -139,7 +141,8 @@ class BatchingPolicy:
         executor = Executor(graph, example_of=_ExampleIndex(graph, handles))
         executor.run(schedule)
         executed = time.perf_counter()
-        self.schedules.append(schedule)
+        self.last_schedule = schedule
+        self.computes += 1
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
         schedule.stats = self.stats
         result = _rebuild(obj)

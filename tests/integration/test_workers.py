@@ -79,7 +79,7 @@ def test_worker_path_equals_in_process_schedules_outputs_and_gradients() -> None
         labels = torch.tensor([data[i][1] for i in indices])
         model.zero_grad()
         loss_of(out, labels).backward()
-        expected.append((policy.schedules[0], out, [p.grad.clone() for p in model.parameters()]))
+        expected.append((policy.last_schedule, out, [p.grad.clone() for p in model.parameters()]))
     collate = bg.GraphCollate(model, logits, target=1)
     loader = bg.graph_loader(data, collate, sampler, num_workers=1, timeout=30)
     binder = bg.Binder(model)

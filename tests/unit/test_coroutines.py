@@ -41,7 +41,7 @@ def test_run_all_equals_the_eager_run_and_takes_one_step_per_round() -> None:
     got = bg.run_all([model.greedy(h, s, 9) for h, s in zip(STATES, stops)], make_policy=make)
     assert got == eager
     # One compute per await of the longest example: all waiting examples share each step.
-    assert len(policies[0].schedules) == max(min(len(t) + 1, 9) for t in eager)
+    assert policies[0].computes == max(min(len(t) + 1, 9) for t in eager)
     assert not policies[0].recording  # closed once run_all returns
 
 

@@ -24,7 +24,7 @@ def run_dag(model: Any, item: tuple[torch.Tensor, Any]) -> Any:
 def in_process(model: Any, forward: Any, items: list[Any]) -> tuple[Any, bg.Schedule]:
     with bg.BatchingPolicy() as policy:
         handles = [forward(model, item) for item in items]
-    return policy.compute(handles), policy.schedules[0]
+    return policy.compute(handles), policy.last_schedule
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:

@@ -15,7 +15,8 @@ def test_schedule_pickles_and_carries_stats() -> None:
     with bg.BatchingPolicy() as policy:
         hs = [torch.tanh(lin(torch.full((2,), float(i)))) for i in range(5)]
     bg.compute(hs)
-    schedule = policy.schedules[-1]
+    schedule = policy.last_schedule
+    assert schedule is not None
     copy = pickle.loads(pickle.dumps(schedule))
     assert [s.nodes for s in copy.steps] == [s.nodes for s in schedule.steps]
     assert copy.stats is not None
