@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from batchgraph import gcpause
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import Graph
@@ -97,6 +98,7 @@ class BatchingPolicy:
             raise RuntimeError(f"{self.name} is already active; policies are not reentrant")
         self._token = _ACTIVE.set(self)
         self.graph.open = True
+        gcpause.enter()
         self._mark = time.perf_counter()
         return self
 
@@ -104,6 +106,7 @@ class BatchingPolicy:
         _ACTIVE.reset(self._token)
         self._token = None
         self.graph.open = False
+        gcpause.leave()
 
     @property
     def recording(self) -> bool:
@@ -122,6 +125,10 @@ class BatchingPolicy:
             PolicyMismatchError: if ``obj`` holds handles of another policy.
             BatchedCallError: if a batched call raises.
         """
+        with gcpause.fewer_collections():
+            return self._compute(obj)
+
+    def _compute(self, obj: Any) -> Any:
         start = time.perf_counter()
         record_seconds = start - self._mark
         handles: list[ResultHandle] = []

@@ -1,0 +1,65 @@
+"""Fewer garbage-collector passes while a batch is recorded and computed.
+
+Recording creates tens of thousands of small objects that all stay alive (nodes,
+handles, index lists), so CPython's cyclic collector, which runs every 700 net
+allocations, would rescan them over and over: about a tenth of the time of a batch.
+While any policy is recording or computing, the young-generation threshold is raised
+(collection still happens, only less often, so memory stays bounded) and the
+original thresholds are restored when the last one finishes. A counter makes this
+correct when policies nest or run in several threads.
+
+Example:
+    >>> import gc
+    >>> before = gc.get_threshold()
+    >>> with fewer_collections():
+    ...     gc.get_threshold()[0] >= 50_000
+    True
+    >>> gc.get_threshold() == before
+    True
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["fewer_collections"]
+
+YOUNG_THRESHOLD = 50_000
+
+_lock = threading.Lock()
+_active = 0
+_saved: tuple[int, int, int] | None = None
+
+
+def enter() -> None:
+    """Start a batch's quiet period (pair every call with ``leave``)."""
+    global _active, _saved
+    with _lock:
+        if _active == 0:
+            _saved = gc.get_threshold()
+            young, *older = _saved
+            gc.set_threshold(max(young, YOUNG_THRESHOLD), *older)
+        _active += 1
+
+
+def leave() -> None:
+    """End one quiet period; the last one restores the original thresholds."""
+    global _active, _saved
+    with _lock:
+        _active -= 1
+        if _active == 0 and _saved is not None:
+            gc.set_threshold(*_saved)
+            _saved = None
+
+
+@contextmanager
+def fewer_collections() -> Iterator[None]:
+    """A quiet period as a context manager."""
+    enter()
+    try:
+        yield
+    finally:
+        leave()
