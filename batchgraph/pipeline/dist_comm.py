@@ -44,13 +44,19 @@ from batchgraph.pipeline.comm import (
     COORDINATOR,
     Communicator,
     MessageKey,
-    MessageKind,
     Payload,
     RecvWork,
     ThreadCommunicator,
     Work,
 )
 from batchgraph.pipeline.dist_errors import AbortBoard, PeerLostError
+from batchgraph.pipeline.dist_header import (
+    HEADER_LEN,
+    KINDS,
+    MAX_TENSORS,
+    decode_header,
+    encode_header,
+)
 from batchgraph.pipeline.errors import (
     PipelineAbortedError,
     PipelineClosedError,
@@ -59,86 +65,6 @@ from batchgraph.pipeline.errors import (
 )
 
 __all__ = ["DistCommunicator"]
-
-#: dtypes a header can name (its code is the index).
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-_HEADER_LEN = 64
-_FIXED = 5  # kind, src, dst, microbatch, number of tensors
-_MAX_TENSORS = 15  # parts per message: the header plus up to 15 tensors
-_KINDS = (MessageKind.ACTIVATION, MessageKind.GRADIENT)
-
-
-def encode_header(key: MessageKey, payload: Payload) -> Tensor:
-    """The int64 header describing ``payload`` sent under ``key``.
-
-    Layout: ``[kind, src, dst, microbatch, n, (dtype, ndim, *shape) * n, 0...]``; a
-    ``None`` entry is ``dtype = -1``.
-
-    Raises:
-        PipelineConfigError: if the payload has too many tensors or dimensions to describe.
-
-    Example:
-        >>> key = MessageKey(MessageKind.ACTIVATION, 0, 1, 3)
-        >>> encode_header(key, (torch.zeros(2, 5), None))[:12].tolist()
-        [0, 0, 1, 3, 2, 0, 2, 2, 5, -1, 0, 0]
-    """
-    if len(payload) > _MAX_TENSORS:
-        raise PipelineConfigError(
-            f"{key}: {len(payload)} tensors in one message; at most {_MAX_TENSORS} cross a cut"
-        )
-    values = [_KINDS.index(key.kind), key.src, key.dst, key.microbatch, len(payload)]
-    for t in payload:
-        if t is None:
-            values += [-1, 0]
-        else:
-            if t.dtype not in _CODE:
-                raise PipelineConfigError(f"{key}: cannot send dtype {t.dtype} between ranks")
-            values += [_CODE[t.dtype], t.dim(), *t.shape]
-    if len(values) > _HEADER_LEN:
-        raise PipelineConfigError(
-            f"{key}: the tensors' shapes {[None if t is None else tuple(t.shape) for t in payload]} "
-            f"need {len(values)} header entries, more than {_HEADER_LEN}"
-        )
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    return header
-
-
-def decode_header(header: Tensor) -> tuple[MessageKey, list[tuple[torch.dtype, list[int]] | None]]:
-    """Read a header back: the key it names and ``(dtype, shape)`` per tensor (``None`` if absent).
-
-    Example:
-        >>> key = MessageKey(MessageKind.GRADIENT, 2, 1, 0)
-        >>> decode_header(encode_header(key, (torch.zeros(3),)))
-        (MessageKey(kind=<MessageKind.GRADIENT: 'gradient'>, src=2, dst=1, microbatch=0), [(torch.float32, [3])])
-    """
-    v = header.tolist()
-    key = MessageKey(_KINDS[v[0]], v[1], v[2], v[3])
-    specs: list[tuple[torch.dtype, list[int]] | None] = []
-    pos = _FIXED
-    for _ in range(v[4]):
-        code, ndim = v[pos], v[pos + 1]
-        pos += 2
-        if code < 0:
-            specs.append(None)
-            continue
-        specs.append((_DTYPES[code], v[pos : pos + ndim]))
-        pos += ndim
-    return key, specs
 
 
 class _SendWork(Work):
@@ -273,9 +199,9 @@ class DistCommunicator(Communicator):
         # Unique among the messages in flight between two ranks: (step parity, kind,
         # source stage, microbatch, part). The parity keeps a fast rank's next step from
         # matching a receive of this step.
-        kind = _KINDS.index(key.kind)
+        kind = KINDS.index(key.kind)
         tag = (((self._parity * 2 + kind) * self._stages + key.src) * 65536 + key.microbatch) * (
-            _MAX_TENSORS + 1
+            MAX_TENSORS + 1
         ) + part
         if tag >= 2**31:
             raise PipelineConfigError(f"{key}: too many stages or microbatches to tag messages")
@@ -317,7 +243,7 @@ class DistCommunicator(Communicator):
         for key in keys:
             peer = self._peer(key)
             if peer != self.rank and key not in self._headers:
-                buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 self._headers[key] = (self._post_recv(buf, key, peer, 0), buf)
 
     def _take_header(self, key: MessageKey, peer: int) -> tuple[Any, Tensor]:

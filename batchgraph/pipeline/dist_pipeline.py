@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from batchgraph.pipeline.actions import Action, ActionKind
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind
 from batchgraph.pipeline.coordinator import MeasuredEvent
+from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
 from batchgraph.pipeline.dist_sync import allreduce_gradients, gather_events, stash_gradients
@@ -46,29 +47,12 @@ from batchgraph.pipeline.dist_topology import (
 from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError, StageError
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import Batch, batch_size, merge_microbatches, split_microbatches
-from batchgraph.pipeline.partition import partition_sequential
 from batchgraph.pipeline.schedules import make_schedule
-from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 
 __all__ = ["DistributedPipeline", "StageSpec"]
 
-#: A stage given as a module, or as a zero-argument factory only its own rank calls.
-StageSpec = nn.Module | Callable[[], nn.Module]
-
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
-
-
-def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
-    """Move ``module`` to ``device``; a module on ``meta`` gets fresh storage and init."""
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        module = module.to_empty(device=device)
-        for sub in module.modules():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-        return module
-    return module.to(device)
 
 
 class DistributedPipeline:
@@ -155,7 +139,10 @@ class DistributedPipeline:
         if device is None:
             device = "cpu" if backend != "nccl" else f"cuda:{torch.cuda.current_device()}"
         self.device = torch.device(device)
-        self.stages = self._build_stages(module)
+        split = {a.stage for a in self._all_actions() if a.kind is ActionKind.BACKWARD_WEIGHT}
+        self.stages = build_local_stages(
+            module, self.schedule, self.topology.device, self.device, split
+        )
         self.comm = DistCommunicator(
             lambda s: self.topology.rank_of(self.schedule.device_of(s)),
             self.groups.pipeline,
@@ -173,29 +160,6 @@ class DistributedPipeline:
         self._failed: BaseException | None = None
 
     # -- construction ---------------------------------------------------------------------
-
-    def _build_stages(self, module: nn.Sequential | Sequence[StageSpec]) -> dict[int, Stage]:
-        total = self.schedule.stages
-        mine = self.schedule.stages_of(self.topology.device)
-        specs: Sequence[StageSpec]
-        if isinstance(module, nn.Sequential):
-            specs = partition_sequential(module, total, cost="params")
-        else:
-            specs = list(module)
-        if len(specs) != total:
-            raise PipelineConfigError(
-                f"{len(specs)} stage modules for {total} stages ({self.schedule.devices} devices x "
-                f"{self.schedule.chunks} chunks); give one per stage or an nn.Sequential to split"
-            )
-        split = {a.stage for a in self._all_actions() if a.kind is ActionKind.BACKWARD_WEIGHT}
-        built: dict[int, Stage] = {}
-        for s in mine:
-            spec = specs[s]
-            mod = spec if isinstance(spec, nn.Module) else spec()
-            stage = Stage(_materialise(mod, self.device), s, total, self.device)
-            stage.split_backward = s in split
-            built[s] = stage
-        return built
 
     def _all_actions(self) -> list[Action]:
         return [a for acts in self.schedule.order.values() for a in acts]
