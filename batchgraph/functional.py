@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from batchgraph.errors import PolicyClosedError
 from batchgraph.handle import ResultHandle
 from batchgraph.policy import BatchingPolicy, _collect
-from batchgraph.recording import _ACTIVE, CallSite, function_site, module_site
+from batchgraph.recording import _ACTIVE, function_site, module_site
 
 __all__ = ["batched_func", "batched_value", "compute"]
 
@@ -32,16 +31,11 @@ def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
         >>> bg.compute(h)
         tensor([2., 2.])
     """
-    site: CallSite = module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
+    # The call site itself is the wrapper: one Python call level per recorded call.
+    return module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        policy = _ACTIVE.get()
-        if policy is None:
-            return fn(*args, **kwargs)
-        return site.record(policy, args, kwargs)
 
-    return wrapper
+_SCALARS = (int, float, bool)
 
 
 def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
@@ -63,11 +57,15 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
         tensor(3)
     """
     policy = _ACTIVE.get()
+    if policy is not None and device is None and type(value) in _SCALARS:
+        graph = policy.graph  # the per-token fast path
+        node = graph.add_scalar(value)
+        return ResultHandle(graph, node, 0, graph.node_spec[node])
     where = torch.device(device) if device is not None else None
     if policy is None:
         return torch.as_tensor(value, device=where)
     graph = policy.graph
-    if type(value) in (bool, int, float):
+    if type(value) in _SCALARS:
         node = graph.add_constant(value, where)
     else:
         node = graph.add_constant(torch.as_tensor(value, device=where))

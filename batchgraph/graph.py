@@ -17,6 +17,7 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from batchgraph.specs import OutSpec, TensorSpec
 __all__ = ["Graph", "Ref"]
 
 Ref = tuple[int, int]  # (node, leaf)
+
+_graph_uids = itertools.count()
 
 # A location packs (store, leaf, row) into one int; a node's location has leaf 0.
 STORE_SHIFT = 32
@@ -47,6 +50,7 @@ class Graph:
 
     def __init__(self, name: str = "graph") -> None:
         self.name = name
+        self.uid = next(_graph_uids)  # never reused, unlike id()
         self.open = True
         self.policy: Any = None  # the BatchingPolicy recording into this graph
         self.dedupe_table: dict[Any, int] = {}
@@ -59,6 +63,7 @@ class Graph:
         # Constant values: tensors, or Python scalars (stacked with one torch.tensor call).
         self.constants: dict[int, Any] = {}
         self._constant_kids: dict[TensorSpec, int] = {}
+        self._scalar_kids: dict[type, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
@@ -92,6 +97,8 @@ class Graph:
         self, value: torch.Tensor | bool | int | float, device: torch.device | None = None
     ) -> int:
         """Add a per-example constant: a tensor, or a Python scalar for ``device``."""
+        if not isinstance(value, torch.Tensor) and device is None:
+            return self.add_scalar(value)
         if isinstance(value, torch.Tensor):
             spec = TensorSpec.of(value)
         elif device is None:
@@ -110,6 +117,22 @@ class Graph:
                     return existing
                 self.dedupe_table[signature] = len(self.node_key)
         n = self.add_node(kid, (), 0, spec)
+        self.constants[n] = value
+        return n
+
+    def add_scalar(self, value: bool | int | float) -> int:
+        """``add_constant`` for a Python scalar on the CPU: the per-token fast path."""
+        kind = type(value)
+        kid = self._scalar_kids.get(kind)
+        if kid is None:
+            kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
+        if self.dedupe:
+            existing = self.dedupe_table.get((kid, value))
+            if existing is not None:
+                self.merged += 1
+                return existing
+            self.dedupe_table[(kid, value)] = len(self.node_key)
+        n = self.add_node(kid, (), 0, _SCALAR_SPECS[kind])
         self.constants[n] = value
         return n
 

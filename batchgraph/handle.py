@@ -45,16 +45,22 @@ def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return getter
 
 
-# Leaf offset of each child of a tuple spec (specs are few and reused: cache them).
-_CHILD_OFFSETS: dict[tuple[Any, ...], list[int]] = {}
+# Leaf offset of each child of a tuple spec, keyed by the spec object's id (hashing
+# the spec itself costs more than the lookup saves); the spec is kept alive beside
+# its offsets so the id cannot be reused. Specs are few: one per call signature.
+_CHILD_OFFSETS: dict[int, tuple[Any, list[int]]] = {}
 
 
-def _offsets(spec: tuple[Any, ...]) -> list[int]:
+def _child_offsets(spec: tuple[Any, ...]) -> list[int]:
+    cached = _CHILD_OFFSETS.get(id(spec))
+    if cached is not None:
+        return cached[1]
     offsets = []
     total = 0
     for s in spec:
         offsets.append(total)
         total += count_leaves(s)
+    _CHILD_OFFSETS[id(spec)] = (spec, offsets)
     return offsets
 
 
@@ -86,18 +92,15 @@ class ResultHandle:
             index += len(spec)
         if not 0 <= index < len(spec):
             raise IndexError(f"index {index} out of range for a result of {len(spec)} items")
-        offsets = _CHILD_OFFSETS.get(spec)
-        if offsets is None:
-            offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+        offsets = _child_offsets(spec)
         child = cast(OutSpec, spec[index])
         return ResultHandle(self._graph, self.node, self.leaf + offsets[index], child)
 
     def __iter__(self) -> Iterator[ResultHandle]:
         spec = self.spec
         if type(spec) is tuple:
-            offsets = _CHILD_OFFSETS.get(spec)
-            if offsets is None:
-                offsets = _CHILD_OFFSETS[spec] = _offsets(spec)
+            cached = _CHILD_OFFSETS.get(id(spec))
+            offsets = cached[1] if cached is not None else _child_offsets(spec)
             graph, node, leaf = self._graph, self.node, self.leaf
             children = cast(tuple[OutSpec, ...], spec)
             return iter(

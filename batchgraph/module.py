@@ -10,49 +10,14 @@ themselves), and ``nn.ModuleList``/``nn.ModuleDict`` give containers of stubs.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-from batchgraph.recording import _ACTIVE, CallSite, module_site
+from batchgraph.recording import _ACTIVE, ModuleStub, module_site
 
 __all__ = ["BatchedModule", "ModuleStub"]
-
-
-class ModuleStub:
-    """Records calls of ``module``; other attributes are read from the module.
-
-    Example:
-        >>> import batchgraph as bg, torch
-        >>> class M(bg.BatchedModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.lin = torch.nn.Linear(2, 2)
-        >>> m = M()
-        >>> with bg.BatchingPolicy():
-        ...     isinstance(m.lin, ModuleStub)
-        True
-    """
-
-    __slots__ = ("module", "site")
-
-    def __init__(self, module: nn.Module, site: CallSite) -> None:
-        self.module = module
-        self.site = site
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        policy = _ACTIVE.get()
-        if policy is None:  # the policy ended while a stub was held: run eagerly
-            return self.module(*args, **kwargs)
-        return self.site.record(policy, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
-
-    def __repr__(self) -> str:
-        return f"ModuleStub({self.module!r})"
 
 
 class _ContainerStub:
@@ -96,15 +61,9 @@ def _dict_view(container: nn.ModuleDict, name: str) -> Any:
     return view
 
 
-_STUBS: weakref.WeakKeyDictionary[nn.Module, ModuleStub] = weakref.WeakKeyDictionary()
-
-
 def _stub_module(module: nn.Module) -> ModuleStub:
     # Stubs hold no policy state, so one per module serves every policy.
-    stub = _STUBS.get(module)
-    if stub is None:
-        stub = _STUBS[module] = ModuleStub(module, module_site(module))
-    return stub
+    return module_site(module)
 
 
 def _stub(value: Any) -> Any:

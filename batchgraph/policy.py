@@ -32,6 +32,7 @@ from batchgraph.scheduling import (
 __all__ = ["BatchingPolicy"]
 
 _policy_ids = itertools.count()
+_rules_tokens = itertools.count(1)
 
 
 class BatchingPolicy:
@@ -69,8 +70,9 @@ class BatchingPolicy:
         self.scheduler = scheduler
         self.dedupe = dedupe
         self.rules: dict[Any, KeyFactory] = dict(rules or {})
-        # Signature caches are shared across policies with the same (empty) rules.
-        self.rules_token = 0 if not self.rules else id(self.rules)
+        # Signature caches are shared across policies with no custom rules; a policy
+        # with rules gets a fresh token (never reused, unlike id()).
+        self.rules_token = 0 if not self.rules else next(_rules_tokens)
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
     from batchgraph.policy import BatchingPolicy
 
-__all__ = ["CallSite", "active_policy", "function_site", "module_site"]
+__all__ = ["CallSite", "ModuleStub", "active_policy", "function_site", "module_site"]
 
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
 
@@ -69,22 +69,28 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("graph_ref", "key", "kid", "n_leaves", "rules_token", "spec")
+    __slots__ = ("key", "memo", "n_leaves", "rules_token", "spec")
 
     def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int) -> None:
         self.key = key
         self.spec = spec
         self.n_leaves = count_leaves(spec)
         self.rules_token = rules_token
-        self.graph_ref: Graph | None = None
-        self.kid = -1
+        # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
+        # and a uid rather than the graph, so the cache keeps no batch alive.
+        self.memo: tuple[int, int] = (-1, -1)
 
 
 class CallSite:
     """Records calls of one callable into the active policy's graph.
 
+    Calling the site records into the active policy, or calls the callable directly
+    when no policy is active (so the same per-example code runs eagerly).
+
     Example:
-        >>> site = CallSite(torch.tanh)     # what batched_func(torch.tanh) wraps
+        >>> site = CallSite(torch.tanh)     # what batched_func(torch.tanh) returns
+        >>> site(torch.zeros(2))            # no policy: runs eagerly
+        tensor([0., 0.])
     """
 
     __slots__ = ("__weakref__", "cache", "fn", "name")
@@ -93,6 +99,15 @@ class CallSite:
         self.fn = fn
         self.name = callable_name(fn)
         self.cache: dict[Any, _Entry] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = _ACTIVE.get()
+        if policy is None:
+            return self.fn(*args, **kwargs)
+        return self.record(policy, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {self.name}>"
 
     def record(self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Add one call to ``policy``'s graph and return its handle."""
@@ -120,28 +135,36 @@ class CallSite:
             deepest = box[0]
         try:
             entry = self.cache.get(key_sig)
-        except TypeError:  # an unhashable static argument: key on its identity instead
+            cacheable = True
+        except TypeError:
+            # An unhashable static argument: key on its identity, and do not cache
+            # (the cache would keep the object alive forever).
             key_sig = _identity_signature(key_sig)
-            entry = self.cache.get(key_sig)
+            entry = None
+            cacheable = False
         if entry is None or entry.rules_token != policy.rules_token:
             entry = self._resolve(policy, args, kwargs, key_sig)
-            self.cache[key_sig] = entry
-        if entry.graph_ref is not graph:
-            entry.graph_ref = graph
-            entry.kid = graph.key_id(entry.key)
+            if cacheable:
+                self.cache[key_sig] = entry
+        memo = entry.memo
+        if memo[0] == graph.uid:
+            kid = memo[1]
+        else:
+            kid = graph.key_id(entry.key)
+            entry.memo = (graph.uid, kid)
         policy.calls_recorded += 1
         refs = tuple(inputs)
         if graph.dedupe and entry.key.deterministic:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
-            signature = (entry.kid, refs)
+            signature = (kid, refs)
             node = graph.dedupe_table.get(signature)
             if node is None:
-                node = graph.add_node(entry.kid, refs, deepest + 1, entry.spec)
+                node = graph.add_node(kid, refs, deepest + 1, entry.spec)
                 graph.dedupe_table[signature] = node
             else:
                 graph.merged += 1
         else:
-            node = graph.add_node(entry.kid, refs, deepest + 1, entry.spec)
+            node = graph.add_node(kid, refs, deepest + 1, entry.spec)
         return ResultHandle(graph, node, 0, entry.spec)
 
     def _resolve(
@@ -261,15 +284,44 @@ def _foreign(handle: ResultHandle, graph: Graph) -> None:
     )
 
 
-_MODULE_SITES: weakref.WeakKeyDictionary[torch.nn.Module, CallSite] = weakref.WeakKeyDictionary()
+class ModuleStub(CallSite):
+    """The call site of a module, standing in for it while a policy records.
+
+    Calls record; every other attribute is read from the module
+    (``stub.hidden_size``, ``stub.weight``).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> class M(bg.BatchedModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 2)
+        >>> m = M()
+        >>> with bg.BatchingPolicy():
+        ...     isinstance(m.lin, ModuleStub), m.lin.out_features
+        (True, 2)
+    """
+
+    __slots__ = ()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        module: torch.nn.Module = self.fn  # type: ignore[assignment]
+        return module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
+_MODULE_SITES: weakref.WeakKeyDictionary[torch.nn.Module, ModuleStub] = weakref.WeakKeyDictionary()
 _FUNCTION_SITES: dict[Any, CallSite] = {}
 
 
-def module_site(module: torch.nn.Module) -> CallSite:
-    """The (cached) CallSite of a module; its signature cache outlives policies."""
+def module_site(module: torch.nn.Module) -> ModuleStub:
+    """The (cached) call site of a module; its signature cache outlives policies."""
     site = _MODULE_SITES.get(module)
     if site is None:
-        site = _MODULE_SITES[module] = CallSite(module)
+        site = _MODULE_SITES[module] = ModuleStub(module)
     return site
 
 

@@ -13,18 +13,18 @@ keeps every handle in the communicator until :meth:`Communicator.wait_sends` at 
 a step. Receives are asynchronous too (``irecv``); a torch.distributed implementation posts
 ``irecv`` early and waits on the handle when the data is needed.
 
-:class:`ThreadCommunicator` is the in-process implementation: a mailbox (dict plus one
-condition variable) shared by all stage threads. Sends complete immediately and hand the
-tensors over by reference; ``abort`` wakes every blocked receiver with an error so that
-no thread stays blocked after a failure.
+:class:`ThreadCommunicator` is the in-process implementation: a mailbox shared by all
+stage threads, with one event per message key so a send wakes only its receiver. Sends
+complete immediately and hand the tensors over by reference; ``abort`` wakes every
+blocked receiver with an error so that no thread stays blocked after a failure.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -119,6 +119,20 @@ class Communicator(ABC):
         self.default_timeout = default_timeout
         self._inflight: list[Work] = []
         self._inflight_lock = threading.Lock()
+        self._handlers: dict[int, Callable[[MessageKey, Payload], None]] = {}
+
+    def set_handler(self, dst: int, handler: Callable[[MessageKey, Payload], None] | None) -> None:
+        """Deliver messages for ``dst`` by calling ``handler(key, payload)`` in the sender.
+
+        An event-driven local endpoint (seed 000): the coordinator registers one for
+        :data:`COORDINATOR`, so the last stage's output is turned into a loss gradient at
+        once, in the last stage's own thread, without waking another thread. An exception
+        from the handler propagates to the sender. ``None`` removes the handler.
+        """
+        if handler is None:
+            self._handlers.pop(dst, None)
+        else:
+            self._handlers[dst] = handler
 
     @abstractmethod
     def isend(self, key: MessageKey, payload: Payload) -> Work:
@@ -157,6 +171,10 @@ class Communicator(ABC):
             (tensor([1., 1.]),)
             >>> comm.wait_sends()
         """
+        handler = self._handlers.get(key.dst)
+        if handler is not None:
+            handler(key, payload)
+            return _DoneWork()
         work = self.isend(key, payload)
         with self._inflight_lock:
             self._inflight.append(work)
@@ -199,8 +217,24 @@ class _MailboxRecv(RecvWork):
         return self._payload is not None or self._comm._has(self._key)
 
 
+class _Slot:
+    """One message's place in the mailbox: the receiver waits on ``event``."""
+
+    __slots__ = ("delivered", "event", "payload")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.payload: Payload = ()
+        self.delivered = False
+
+
 class ThreadCommunicator(Communicator):
     """In-process communicator for stages running on threads of one process.
+
+    Each message key has its own slot with an event, so a send wakes exactly the one
+    thread waiting for it (one shared condition variable would wake every waiting stage
+    thread on every message, and each of them would fight for the GIL just to go back to
+    sleep).
 
     Args:
         default_timeout: seconds a receive waits before raising
@@ -220,23 +254,25 @@ class ThreadCommunicator(Communicator):
 
     def __init__(self, default_timeout: float | None = None) -> None:
         super().__init__(default_timeout)
-        self._cond = threading.Condition()
-        self._mailbox: dict[MessageKey, Payload] = {}
+        self._lock = threading.Lock()
+        self._slots: dict[MessageKey, _Slot] = {}
         self._error: BaseException | None = None
         self._closed = False
 
     def isend(self, key: MessageKey, payload: Payload) -> Work:
-        with self._cond:
+        with self._lock:
             self._check_open()
-            if key in self._mailbox:
+            slot = self._slots.setdefault(key, _Slot())
+            if slot.delivered:
                 # Two sends under one key mean the schedule ran an action twice: a bug upstream.
                 raise RuntimeError(f"duplicate message: {key} was sent twice in one step")
-            self._mailbox[key] = tuple(payload)
-            self._cond.notify_all()
+            slot.payload = tuple(payload)
+            slot.delivered = True
+        slot.event.set()
         return _DoneWork()
 
     def irecv(self, key: MessageKey) -> RecvWork:
-        with self._cond:
+        with self._lock:
             self._check_open()
         return _MailboxRecv(self, key)
 
@@ -244,51 +280,62 @@ class ThreadCommunicator(Communicator):
         if self._closed:
             raise PipelineClosedError("the communicator is closed; build a new pipeline")
 
+    def _check_error(self, key: MessageKey) -> None:
+        if self._error is not None:
+            raise PipelineAbortedError(
+                f"stopped waiting for {key}: the step was aborted ({self._error!r})"
+            ) from self._error
+        self._check_open()
+
     def _has(self, key: MessageKey) -> bool:
-        with self._cond:
-            return key in self._mailbox
+        with self._lock:
+            slot = self._slots.get(key)
+            return slot is not None and slot.delivered
 
     def _take(self, key: MessageKey, timeout: float | None) -> Payload:
         if timeout is None:
             timeout = self.default_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._error is not None:
-                    raise PipelineAbortedError(
-                        f"stopped waiting for {key}: the step was aborted ({self._error!r})"
-                    ) from self._error
-                self._check_open()
-                if key in self._mailbox:
-                    return self._mailbox.pop(key)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise PipelineTimeoutError(
-                        f"waited {timeout:g} s for {key}; the sender never sent it (a stage "
-                        "is stuck or the schedule is inconsistent)"
-                    )
-                self._cond.wait(remaining)
+        with self._lock:
+            self._check_error(key)
+            slot = self._slots.setdefault(key, _Slot())
+        if not slot.event.wait(timeout):
+            with self._lock:
+                self._check_error(key)
+            raise PipelineTimeoutError(
+                f"waited {timeout:g} s for {key}; the sender never sent it (a stage is stuck "
+                "or the schedule is inconsistent)"
+            )
+        with self._lock:
+            # abort and close set every event too: check why we woke up.
+            self._check_error(key)
+            if self._slots.get(key) is slot:
+                del self._slots[key]
+            return slot.payload
 
     def abort(self, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self._error is None:
                 self._error = error
-            self._cond.notify_all()
+            slots = list(self._slots.values())
+        for slot in slots:
+            slot.event.set()
 
     @property
     def aborted(self) -> BaseException | None:
-        with self._cond:
+        with self._lock:
             return self._error
 
     def reset(self) -> None:
-        with self._cond:
-            self._mailbox.clear()
+        with self._lock:
+            self._slots = {}
             self._error = None
         with self._inflight_lock:
             self._inflight.clear()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._mailbox.clear()
-            self._cond.notify_all()
+            slots = list(self._slots.values())
+            self._slots = {}
+        for slot in slots:
+            slot.event.set()

@@ -7,11 +7,16 @@ One training step (seed 000's event-driven design, with a pipelined backward)::
     split batch into microbatches
     send inputs to stage 0 ───────────►  each runs its schedule's actions in order:
                                            recv input ─► compute ─► async send
-    recv last stage's output mb ◄──────    (a recv blocks until its message arrives)
-    loss, dL/d(output), send back ────►
-    ... for every microbatch ...
+                                           (a recv blocks until its message arrives)
+                                         last stage's output ─► coordinator's handler:
+                                           loss, dL/d(output) ─► sent back to the last stage
     wait for every device thread
     stats from the measured events
+
+The coordinator's output handler is registered with the communicator for the
+:data:`~batchgraph.pipeline.comm.COORDINATOR` endpoint and runs in the last stage's
+thread as soon as an output is sent (event-driven, seed 000): the loss costs no thread
+hand-off on the critical path of 1F1B, where the last stage's backward waits for it.
 
 Each device thread runs one task at a time, in the order its schedule gives; waiting
 for a message is the only blocking. A failing task aborts the communicator, which wakes
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -54,22 +58,9 @@ from batchgraph.pipeline.microbatch import (
 )
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.trace import TimelineEvent
 
-__all__ = ["Coordinator", "MeasuredEvent"]
-
-
-@dataclass(frozen=True)
-class MeasuredEvent:
-    """One action that ran on ``device`` from ``start`` to ``end`` (``perf_counter`` seconds)."""
-
-    device: int
-    action: Action
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+__all__ = ["Coordinator"]
 
 
 class Coordinator:
@@ -141,7 +132,7 @@ class Coordinator:
             for d in range(schedule.devices)
         }
         self._checked: set[tuple[object, ...]] = set()
-        self._events: list[MeasuredEvent] = []
+        self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
         self._closed = False
 
@@ -180,7 +171,7 @@ class Coordinator:
         return self._stats
 
     @property
-    def timeline(self) -> list[MeasuredEvent]:
+    def timeline(self) -> list[TimelineEvent]:
         """Measured events of the last step, times relative to its first action's start."""
         return list(self._events)
 
@@ -271,37 +262,48 @@ class Coordinator:
             d: [a for a in actions if train or a.kind is ActionKind.FORWARD]
             for d, actions in self.schedule.order.items()
         }
-        events: dict[int, list[MeasuredEvent]] = {d: [] for d in plan}
+        events: dict[int, list[TimelineEvent]] = {d: [] for d in plan}
         futures: list[Future[None]] = [
             self._workers[d].submit(self._device_job, d, actions, train, events[d])
             for d, actions in plan.items()
         ]
         first, last = 0, len(self.stages) - 1
+
+        def handle_output(key: MessageKey, payload: Payload) -> None:
+            # Runs in the last stage's thread right after its forward (seed 000's
+            # immediate loss): no other thread has to wake up on the critical path.
+            mb = key.microbatch
+            try:
+                grads = on_output(mb, tuple(t for t in payload if t is not None))
+            except Exception as exc:
+                raise StageError(
+                    f"the loss failed on microbatch {mb} (in the coordinator): "
+                    f"{type(exc).__name__}: {exc}",
+                    stage=COORDINATOR,
+                    action="loss",
+                    microbatch=mb,
+                ) from exc
+            if train and grads is not None:
+                self.comm.send(MessageKey(MessageKind.GRADIENT, COORDINATOR, last, mb), grads)
+
+        self.comm.set_handler(COORDINATOR, handle_output)
         failure: BaseException | None = None
         try:
             for mb, inputs in enumerate(mbs):
                 self.comm.send(MessageKey(MessageKind.ACTIVATION, COORDINATOR, first, mb), inputs)
-            for mb in range(len(mbs)):
-                out = self.comm.recv(MessageKey(MessageKind.ACTIVATION, last, COORDINATOR, mb))
-                try:
-                    grads = on_output(mb, tuple(t for t in out if t is not None))
-                except Exception as exc:
-                    raise StageError(
-                        f"the loss failed on microbatch {mb} (in the coordinator): "
-                        f"{type(exc).__name__}: {exc}",
-                        stage=COORDINATOR,
-                        action="loss",
-                        microbatch=mb,
-                    ) from exc
-                if train and grads is not None:
-                    self.comm.send(MessageKey(MessageKind.GRADIENT, COORDINATOR, last, mb), grads)
         except BaseException as exc:  # also KeyboardInterrupt: never leave threads blocked
             failure = exc
             self.comm.abort(exc)
-        for future in futures:
-            error = future.exception()
-            if error is not None and failure is None:
-                failure = error
+        try:
+            for future in futures:
+                error = future.exception()
+                if error is not None and failure is None:
+                    failure = error
+        except BaseException as exc:  # interrupted while waiting: stop the threads too
+            self.comm.abort(exc)
+            raise
+        finally:
+            self.comm.set_handler(COORDINATOR, None)
         if failure is not None:
             root = self.comm.aborted or failure
             if isinstance(root, PipelineAbortedError) and root.__cause__ is not None:
@@ -310,11 +312,11 @@ class Coordinator:
         self.comm.wait_sends()
         flat = [e for d in sorted(events) for e in events[d]]
         t0 = min((e.start for e in flat), default=0.0)
-        self._events = [MeasuredEvent(e.device, e.action, e.start - t0, e.end - t0) for e in flat]
+        self._events = [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in flat]
         self._stats = PipelineStats.from_events(self._events, devices=self.schedule.devices)
 
     def _device_job(
-        self, device: int, actions: list[Action], train: bool, events: list[MeasuredEvent]
+        self, device: int, actions: list[Action], train: bool, events: list[TimelineEvent]
     ) -> None:
         with torch.set_grad_enabled(train):
             for action in actions:
@@ -325,4 +327,4 @@ class Coordinator:
                 except BaseException as exc:
                     self.comm.abort(exc)
                     raise
-                events.append(MeasuredEvent(device, action, start, end))
+                events.append(TimelineEvent(device, action, start, end))

@@ -69,7 +69,6 @@ class Stage:
 
     Example:
         >>> import torch
-        >>> from batchgraph.pipeline.comm import ThreadCommunicator
         >>> stage = Stage(torch.nn.Linear(2, 3), index=0, num_stages=1)
         >>> outputs = stage.forward(0, (torch.ones(4, 2),), train=True)
         >>> outputs[0].shape
@@ -240,8 +239,8 @@ class Stage:
                     key = MessageKey(MessageKind.GRADIENT, self.index, self.index - 1, mb)
                     comm.send(key, grad_inputs)
             return start, time.perf_counter()
-        except PipelineAbortedError:
-            raise
+        except (PipelineAbortedError, StageError):
+            raise  # already names where it failed (e.g. the loss, run from this thread)
         except Exception as exc:
             raise StageError(
                 f"stage {self.index} failed in action {action} ({_KIND_WORDS[action.kind]} "

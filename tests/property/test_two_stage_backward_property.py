@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,7 +26,7 @@ def test_split_equals_autograd_on_random_mlps(
 ) -> None:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         layers.append(nn.Linear(a, b))
         if norm:
             layers.append(nn.LayerNorm(b))

@@ -187,3 +187,29 @@ def test_tensor_properties_are_recorded_and_data_attributes_refused() -> None:
             _ = hs[0].grad
     for x, t in zip(xs, bg.compute(transposed)):
         torch.testing.assert_close(t, x.T)
+
+
+def test_signature_caches_keep_no_graph_alive() -> None:
+    import gc
+    import weakref
+
+    lin = bg.batched_func(nn.Linear(2, 2))
+    with bg.BatchingPolicy() as policy:
+        hs = [lin(torch.full((2,), float(i))) for i in range(3)]
+    out = bg.compute(hs)
+    graph = weakref.ref(policy.graph)
+    del policy, hs, out
+    gc.collect()
+    assert graph() is None  # the batch's values can be freed once the user drops them
+
+
+def test_rules_of_one_policy_do_not_leak_into_another() -> None:
+    lin = nn.Linear(2, 2)
+    f = bg.batched_func(lin)
+    for _ in range(3):
+        with bg.BatchingPolicy(rules={nn.Linear: bg.VmapKey}) as custom:
+            h = f(torch.ones(2))
+        assert type(custom.graph.keys[custom.graph.node_key[h.node]]) is bg.VmapKey
+        with bg.BatchingPolicy() as plain:
+            g = f(torch.ones(2))
+        assert type(plain.graph.keys[plain.graph.node_key[g.node]]) is bg.StackKey

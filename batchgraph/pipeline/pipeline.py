@@ -1,0 +1,322 @@
+"""``Pipeline``: split a model into stages and train it with a pipeline schedule.
+
+The façade ties the parts together::
+
+    module ──partition──► stage modules ──backend──► runtime (train_step, forward, stats)
+                          schedule = make_schedule(name, stages=p, microbatches=m, chunks=v)
+
+Runtimes come from a backend registry: ``"threads"`` (one reused thread per device, in
+this process, sharing the original parameters) is built in; other backends (a
+``torch.distributed`` one, one process per rank) plug in with :func:`register_backend`
+without touching this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from batchgraph.pipeline.actions import PipelineSchedule
+from batchgraph.pipeline.coordinator import Coordinator
+from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.loss import Loss, Output
+from batchgraph.pipeline.microbatch import Batch
+from batchgraph.pipeline.partition import partition_graph, partition_sequential
+from batchgraph.pipeline.schedules import make_schedule
+from batchgraph.pipeline.stage import Stage
+from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.trace import TimelineEvent
+from batchgraph.pipeline.validate import validate_schedule
+
+__all__ = [
+    "BackendFactory",
+    "BackendRequest",
+    "Pipeline",
+    "PipelineRuntime",
+    "available_backends",
+    "register_backend",
+]
+
+
+class PipelineRuntime(Protocol):
+    """What a backend builds: the object a :class:`Pipeline` delegates to."""
+
+    @property
+    def stats(self) -> PipelineStats: ...
+
+    @property
+    def timeline(self) -> list[TimelineEvent]: ...
+
+    def train_step(self, inputs: Batch, targets: Batch) -> Tensor: ...
+
+    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]: ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BackendRequest:
+    """Everything a backend needs to build a runtime.
+
+    ``modules`` has one module per schedule stage; ``devices`` (when given) has one
+    device per pipeline device, and stage ``s`` belongs on ``devices[schedule.device_of(s)]``.
+    """
+
+    modules: list[nn.Module]
+    schedule: PipelineSchedule
+    loss: Loss | None
+    devices: list[torch.device] | None
+    timeout: float | None
+    check_shapes: bool
+
+
+BackendFactory = Callable[[BackendRequest], PipelineRuntime]
+
+_BACKENDS: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str, factory: BackendFactory, *, replace: bool = False) -> None:
+    """Make ``Pipeline(..., backend=name)`` build its runtime with ``factory``.
+
+    Args:
+        name: the backend name.
+        factory: builds a runtime from a :class:`BackendRequest`.
+        replace: allow replacing an existing registration.
+
+    Raises:
+        ValueError: if ``name`` is taken and ``replace`` is false.
+
+    Example:
+        >>> def my_backend(request: BackendRequest) -> PipelineRuntime:
+        ...     return _threads_backend(request)   # e.g. wrap the built-in one
+        >>> register_backend("threads", my_backend)
+        Traceback (most recent call last):
+        ...
+        ValueError: backend 'threads' is already registered; pass replace=True
+    """
+    if name in _BACKENDS and not replace:
+        raise ValueError(f"backend {name!r} is already registered; pass replace=True")
+    _BACKENDS[name] = factory
+
+
+def available_backends() -> tuple[str, ...]:
+    """The registered backend names, sorted."""
+    return tuple(sorted(_BACKENDS))
+
+
+def _threads_backend(request: BackendRequest) -> Coordinator:
+    """Stages on threads of this process; modules are used in place (moved if devices given)."""
+    stages = []
+    for index, module in enumerate(request.modules):
+        device = None
+        if request.devices is not None:
+            device = request.devices[request.schedule.device_of(index)]
+            module.to(device)  # moves parameters in place: same Parameter objects
+        stages.append(Stage(module, index, len(request.modules), device=device))
+    return Coordinator(
+        stages,
+        request.schedule,
+        request.loss,
+        timeout=request.timeout,
+        check_shapes=request.check_shapes,
+    )
+
+
+register_backend("threads", _threads_backend)
+
+
+def _stage_modules(
+    module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
+    stages: int | None,
+    chunks: int,
+    cost: str,
+    sample: Batch | None,
+) -> list[nn.Module]:
+    """One module per schedule stage (``stages * chunks`` of them)."""
+    if isinstance(module, (list, tuple)):
+        items = [s.module if isinstance(s, Stage) else s for s in module]
+        for i, item in enumerate(items):
+            if not isinstance(item, nn.Module):
+                raise PipelineConfigError(
+                    f"module[{i}] is a {type(item).__name__}; give nn.Modules or Stages"
+                )
+        if stages is None or len(items) == stages * chunks:
+            return items
+        return list(partition_sequential(items, stages * chunks, cost=cost, sample=sample))
+    if not isinstance(module, nn.Module):
+        raise PipelineConfigError(
+            f"module must be an nn.Module or a list of modules, got {type(module).__name__}"
+        )
+    if stages is None:
+        raise PipelineConfigError(
+            f"pass stages= to split a {type(module).__name__} (or pass a list with one "
+            "module per stage)"
+        )
+    if isinstance(module, nn.Sequential):
+        return list(partition_sequential(module, stages * chunks, cost=cost, sample=sample))
+    if cost == "profile":
+        raise PipelineConfigError(
+            "cost='profile' needs an nn.Sequential or a list of layers; a traced graph "
+            "is split with cost 'uniform' or 'params'"
+        )
+    return list(partition_graph(module, stages * chunks, cost=cost))
+
+
+class Pipeline:
+    """Pipeline-parallel training of a model split into stages.
+
+    Args:
+        module: an ``nn.Sequential`` or a list of layers (split into ``stages * chunks``
+            balanced stages), a list of stage modules or :class:`Stage` objects (one per
+            stage; ``stages`` is then inferred), or any ``torch.fx``-traceable module
+            (its graph is split).
+        stages: the number of pipeline devices p (each runs ``chunks`` stages).
+        microbatches: the number of microbatches m per batch (at most the batch size).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``,
+            or a :class:`PipelineSchedule` (validated).
+        loss_fn: ``loss_fn(output, target) -> scalar`` or a :class:`Loss`; needed by
+            :meth:`train_step`.
+        chunks: stages per device v (``"interleaved-1f1b"`` only).
+        backend: a registered backend name, see :func:`available_backends`.
+        devices: one device per pipeline device; stages are moved there (in place).
+        cost: how layers are balanced: ``"params"``, ``"uniform"`` or ``"profile"``.
+        sample: a sample input batch, for ``cost="profile"``.
+        reduction: the loss reduction, ``"auto"``, ``"mean"`` or ``"sum"`` (see :class:`Loss`).
+        timeout: seconds any wait for a message may take before the step fails.
+        check_shapes: probe the stages on the meta device before the first step.
+
+    Raises:
+        PipelineConfigError: for inconsistent values (the message says which are allowed).
+
+    With ``backend="threads"`` the stages use the original parameters: after
+    :meth:`train_step`, ``.grad`` holds what ``loss_fn(module(inputs), targets).backward()``
+    gives on the whole batch (added to what was there, like ``backward``).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+        ...                     nn.Linear(8, 1))
+        >>> with Pipeline(net, stages=2, microbatches=4, schedule="1f1b",
+        ...               loss_fn=nn.MSELoss()) as pipe:
+        ...     loss = pipe.train_step(torch.randn(10, 4), torch.randn(10, 1))
+        ...     print(f"{pipe.stats.utilization:.2f}" != "", loss.shape)
+        True torch.Size([])
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
+        stages: int | None = None,
+        microbatches: int = 1,
+        schedule: str | PipelineSchedule = "1f1b",
+        loss_fn: Callable[[Output, Output], Tensor] | Loss | None = None,
+        chunks: int = 1,
+        backend: str = "threads",
+        devices: Sequence[torch.device | str] | None = None,
+        *,
+        cost: str = "params",
+        sample: Batch | None = None,
+        reduction: str = "auto",
+        timeout: float | None = None,
+        check_shapes: bool = True,
+    ) -> None:
+        if backend not in _BACKENDS:
+            raise PipelineConfigError(
+                f"backend {backend!r} is not registered; registered backends: "
+                f"{', '.join(available_backends())}. A backend plugs in with "
+                "batchgraph.pipeline.register_backend(name, factory)"
+            )
+        if not isinstance(chunks, int) or chunks < 1:
+            raise PipelineConfigError(f"chunks must be an int >= 1, got {chunks!r}")
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise PipelineConfigError(f"stages must be an int >= 1, got {stages!r}")
+        modules = _stage_modules(module, stages, chunks, cost, sample)
+        if len(modules) % chunks:
+            raise PipelineConfigError(
+                f"{len(modules)} stage modules cannot be dealt to devices with chunks={chunks}: "
+                "give a multiple of chunks"
+            )
+        p = len(modules) // chunks
+        if isinstance(schedule, PipelineSchedule):
+            if schedule.stages != len(modules) or schedule.microbatches != microbatches:
+                raise PipelineConfigError(
+                    f"schedule {schedule.name!r} is for {schedule.stages} stages and "
+                    f"{schedule.microbatches} microbatches, but the pipeline has "
+                    f"{len(modules)} stages and microbatches={microbatches}"
+                )
+            validate_schedule(schedule)
+            plan = schedule
+        else:
+            try:
+                plan = make_schedule(schedule, stages=p, microbatches=microbatches, chunks=chunks)
+            except ValueError as exc:
+                raise PipelineConfigError(str(exc)) from exc
+        if devices is not None and len(devices) != plan.devices:
+            raise PipelineConfigError(
+                f"devices has {len(devices)} entries; give one per pipeline device ({plan.devices})"
+            )
+        loss = loss_fn if isinstance(loss_fn, Loss) or loss_fn is None else Loss(loss_fn, reduction)
+        self.schedule = plan
+        self.stage_modules = modules
+        self.backend = backend
+        self._runtime = _BACKENDS[backend](
+            BackendRequest(
+                modules=modules,
+                schedule=plan,
+                loss=loss,
+                devices=None if devices is None else [torch.device(d) for d in devices],
+                timeout=timeout,
+                check_shapes=check_shapes,
+            )
+        )
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def train_step(self, inputs: Batch, targets: Batch) -> Tensor:
+        """One forward and backward over the batch; gradients accumulate into ``.grad``.
+
+        Args:
+            inputs: a tensor (or tuple of tensors) with the batch in dimension 0.
+            targets: the loss targets, batch in dimension 0.
+
+        Returns:
+            The loss of the whole batch (a detached scalar tensor).
+
+        Raises:
+            StageMismatchError: if the stages do not fit together (checked before any work).
+            StageError: if a stage's task fails (names stage, action and microbatch).
+        """
+        return self._runtime.train_step(inputs, targets)
+
+    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
+        """The model's outputs for the whole batch, without gradients."""
+        return self._runtime.forward(inputs)
+
+    @property
+    def stats(self) -> PipelineStats:
+        """Statistics of the last step."""
+        return self._runtime.stats
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        """Measured events of the last step (seconds from its first action's start)."""
+        return self._runtime.timeline
+
+    def reset(self) -> None:
+        """Drop saved activations, pending messages, stats and timeline (e.g. after a failure)."""
+        self._runtime.reset()
+
+    def close(self) -> None:
+        """Stop the runtime's threads or processes; the modules stay usable."""
+        self._runtime.close()

@@ -1,0 +1,183 @@
+"""Seed 001's list: every schedule's outputs and gradients equal single-device execution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline
+from tests.pipeline_models import assert_grads_equal, mlp, reference
+
+# (stages p, microbatches m, batch size): single stage, m < p, m = p, m >> p, uneven last.
+CASES = [(1, 1, 4), (1, 3, 7), (2, 1, 3), (2, 2, 4), (2, 5, 11), (4, 2, 6), (4, 4, 8), (4, 9, 21)]
+
+
+def _chunks(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+@pytest.mark.parametrize(("p", "m", "n"), CASES)
+def test_gradients_and_outputs_equal_single_device(schedule: str, p: int, m: int, n: int) -> None:
+    model = mlp(layers=8)
+    x = torch.randn(n, 5, dtype=torch.float64)
+    y = torch.randn(n, 3, dtype=torch.float64)
+    loss_fn = nn.MSELoss()
+    want_loss, want_grads = reference(model, x, y, loss_fn)
+    with Pipeline(
+        model,
+        stages=p,
+        microbatches=m,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        chunks=_chunks(schedule),
+        timeout=30,
+    ) as pipe:
+        assert pipe.schedule.stages == p * _chunks(schedule)
+        loss = pipe.train_step(x, y)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+        assert_grads_equal(model, want_grads)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.forward(x), model(x), rtol=1e-10, atol=1e-10)
+        # The stages hold the original parameters, not copies.
+        ids = {id(q) for mod in pipe.stage_modules for q in mod.parameters()}
+        assert ids == {id(q) for q in model.parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_sum_reduction_and_tuple_inputs(schedule: str) -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tanh(self.a(x)), z
+
+    class Merge(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Linear(4, 2)
+
+        def forward(self, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.b(h) * z
+
+    first, second = Two().double(), Merge().double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    z = torch.randn(7, 1, dtype=torch.float64)
+    y = torch.randn(7, 2, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    whole = nn.ModuleList([first, second])
+    whole.zero_grad()
+    loss_fn(second(*first(x, z)), y).backward()
+    want = [p.grad.clone() for p in whole.parameters()]  # type: ignore[union-attr]
+    whole.zero_grad(set_to_none=True)
+    with Pipeline(
+        [first, second], microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30
+    ) as pipe:
+        pipe.train_step((x, z), y)
+    assert_grads_equal(whole, want)  # type: ignore[arg-type]
+
+
+def test_graph_split_module_trains_exactly() -> None:
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 6)
+            self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+            self.out = nn.Linear(6, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            skip = h
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return self.out(h + skip)
+
+    model = Residual().double()
+    x = torch.randn(9, 4, dtype=torch.float64)
+    y = torch.randn(9, 2, dtype=torch.float64)
+    want_loss, want = reference(model, x, y, nn.MSELoss())
+    with Pipeline(
+        model, stages=3, microbatches=4, schedule="zb-h1", loss_fn=nn.MSELoss(), timeout=30
+    ) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want)
+
+
+def test_gradients_accumulate_across_steps_and_reset_works() -> None:
+    model = mlp(layers=4)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    _, want = reference(model, x, y, nn.MSELoss())
+    with Pipeline(
+        model, stages=2, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=30
+    ) as pipe:
+        pipe.train_step(x, y)
+        pipe.reset()
+        assert pipe.timeline == [] and pipe.stats.makespan == 0.0
+        pipe.train_step(x, y)
+        assert_grads_equal(model, [None if g is None else 2 * g for g in want])
+        model.zero_grad(set_to_none=True)
+        pipe.train_step(x, y)
+        assert_grads_equal(model, want)
+
+
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 8),
+    extra=st.integers(0, 6),
+    schedule=st.sampled_from(SCHEDULE_NAMES),
+    reduction=st.sampled_from(["mean", "sum"]),
+)
+def test_property_grid_equals_single_device(
+    p: int, m: int, extra: int, schedule: str, reduction: str
+) -> None:
+    torch.manual_seed(p * 100 + m)
+    n = m + extra
+    model = mlp(layers=8, width=4)
+    x = torch.randn(n, 5, dtype=torch.float64)
+    y = torch.randn(n, 3, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction=reduction)
+    want_loss, want = reference(model, x, y, loss_fn)
+    with Pipeline(
+        model,
+        stages=p,
+        microbatches=m,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        chunks=_chunks(schedule),
+        cost="uniform",
+        timeout=30,
+    ) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b"])
+def test_weight_tied_across_stages(schedule: str) -> None:
+    # The first and last stages share one weight; both threads add to its .grad.
+    first = nn.Linear(4, 4)
+    last = nn.Linear(4, 4)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), last).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    y = torch.randn(8, 4, dtype=torch.float64)
+    want_loss, want = reference(model, x, y, nn.MSELoss())
+    chunks = _chunks(schedule)
+    with Pipeline(
+        list(model) if chunks == 1 else [model[0], model[1:3], model[3], model[4]],
+        microbatches=4,
+        schedule=schedule,
+        loss_fn=nn.MSELoss(),
+        chunks=chunks,
+        timeout=30,
+    ) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want)

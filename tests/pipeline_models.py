@@ -1,0 +1,67 @@
+"""Small models and a single-device reference for pipeline tests."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def mlp(layers: int = 8, width: int = 6, inputs: int = 5, outputs: int = 3) -> nn.Sequential:
+    """A float64 MLP with ``layers`` Linear layers (each followed by tanh but the last)."""
+    mods: list[nn.Module] = []
+    sizes = [inputs] + [width] * (layers - 1) + [outputs]
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        mods.append(nn.Linear(a, b))
+        if i < layers - 1:
+            mods.append(nn.Tanh())
+    return nn.Sequential(*mods).double()
+
+
+def reference(
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]
+) -> tuple[Tensor, list[Tensor | None]]:
+    """Loss and parameter gradients of one normal full-batch step (grads left zeroed)."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_grads_equal(model: nn.Module, expected: list[Tensor | None]) -> None:
+    for i, (p, g) in enumerate(zip(model.parameters(), expected)):
+        assert (p.grad is None) == (g is None), f"parameter {i}: grad presence differs"
+        if p.grad is not None and g is not None:
+            torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float, back: float) -> Tensor:
+        ctx.back = back
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        time.sleep(ctx.back)
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    """A layer whose forward and backward take fixed times (sleep releases the GIL)."""
+
+    def __init__(self, forward: float, backward: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones((), dtype=torch.float64))
+        self.forward_s = forward
+        self.backward_s = backward
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Sleep.apply(x, self.forward_s, self.backward_s) * self.weight
