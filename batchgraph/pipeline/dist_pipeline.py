@@ -31,13 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from batchgraph.pipeline.actions import Action, ActionKind
+from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind
-from batchgraph.pipeline.coordinator import MeasuredEvent
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
-from batchgraph.pipeline.dist_sync import allreduce_gradients, gather_events, stash_gradients
+from batchgraph.pipeline.dist_sync import allreduce_gradients, stash_gradients, step_timeline
 from batchgraph.pipeline.dist_topology import (
     ProcessGroups,
     Topology,
@@ -49,10 +48,19 @@ from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import Batch, batch_size, merge_microbatches, split_microbatches
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = ["DistributedPipeline", "StageSpec"]
 
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
+
+
+def _describe(schedule: str | PipelineSchedule) -> str:
+    """What the ranks must agree on: a name, or a custom schedule's whole order."""
+    if isinstance(schedule, str):
+        return schedule
+    order = ";".join(" ".join(map(str, schedule.order[d])) for d in sorted(schedule.order))
+    return f"{schedule.name}[{order}]"
 
 
 class DistributedPipeline:
@@ -69,8 +77,10 @@ class DistributedPipeline:
             zero-argument factory that only the rank running that stage calls.
         stages: devices per pipeline p (ranks per pipeline).
         microbatches: microbatches per step m (per replica).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"`` or ``"sync"``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (mean or sum reduction); needed on
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``, or
+            a :class:`PipelineSchedule` for ``stages`` devices and ``microbatches``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean or sum reduction) or a
+            :class:`Loss`; needed on
             the last rank for :meth:`train_step`.
         chunks: model stages per device v (interleaved only); device d runs stages d, d+p, ...
         replicas: data-parallel pipelines; ``world size == stages * replicas``.
@@ -104,8 +114,8 @@ class DistributedPipeline:
         *,
         stages: int,
         microbatches: int,
-        schedule: str = "1f1b",
-        loss_fn: Callable[..., Tensor] | None = None,
+        schedule: str | PipelineSchedule = "1f1b",
+        loss_fn: Callable[..., Tensor] | Loss | None = None,
         chunks: int = 1,
         replicas: int = 1,
         device: torch.device | str | None = None,
@@ -121,7 +131,7 @@ class DistributedPipeline:
         self.groups = ProcessGroups(self.topology, timeout)
         n_specs = len(module) if isinstance(module, Sequence | nn.Sequential) else -1
         config = {
-            "schedule": schedule, "stages": stages, "microbatches": microbatches, "chunks": chunks,
+            "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
             "replicas": replicas, "world": dist.get_world_size(), "modules": n_specs,
         }  # fmt: skip
         check_same_config(self.groups.control, config)
@@ -130,11 +140,13 @@ class DistributedPipeline:
                 f"world size {dist.get_world_size()} != stages ({stages}) x replicas ({replicas}); "
                 "start stages * replicas processes"
             )
-        self.schedule = make_schedule(
-            schedule, stages=stages, microbatches=microbatches, chunks=chunks
+        self.schedule = (
+            schedule
+            if isinstance(schedule, PipelineSchedule)
+            else make_schedule(schedule, stages=stages, microbatches=microbatches, chunks=chunks)
         )
         self.groups.create_data_groups()
-        self.loss = Loss(loss_fn) if loss_fn is not None else None
+        self.loss = loss_fn if isinstance(loss_fn, Loss) or loss_fn is None else Loss(loss_fn)
         backend = self.groups.backend
         if device is None:
             device = "cpu" if backend != "nccl" else f"cuda:{torch.cuda.current_device()}"
@@ -154,7 +166,7 @@ class DistributedPipeline:
         self._offsets = clock_offsets(self.groups.control)
         self._plan = self.schedule.order[self.topology.device]
         self._step = 0
-        self._events: list[MeasuredEvent] = []
+        self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
         self._closed = False
         self._failed: BaseException | None = None
@@ -204,7 +216,7 @@ class DistributedPipeline:
         return self._stats
 
     @property
-    def timeline(self) -> list[MeasuredEvent]:
+    def timeline(self) -> list[TimelineEvent]:
         """Last step's measured events (every rank's on rank 0), seconds from the first start."""
         return list(self._events)
 
@@ -375,20 +387,10 @@ class DistributedPipeline:
         return keys
 
     def _record(self, events: list[tuple[float, float]], train: bool) -> None:
-        plans = {
-            r: [a for a in self.schedule.order[r % self.schedule.devices]
-                if train or a.kind is ActionKind.FORWARD]
-            for r in range(self.topology.world)
-        }  # fmt: skip
-        me = self.topology.rank
-        if self.collect_stats:
-            gathered = gather_events(events, plans, self.groups.control, self._offsets)
-            if gathered is not None:
-                self._events = gathered
-                self._stats = PipelineStats.from_events(gathered, devices=self.topology.world)
-                return
-        t0 = min((s for s, _ in events), default=0.0)
-        self._events = [
-            MeasuredEvent(me, a, s - t0, e - t0) for a, (s, e) in zip(plans[me], events)
-        ]
-        self._stats = PipelineStats.from_events(self._events)
+        group = self.groups.control if self.collect_stats else None
+        self._events = step_timeline(
+            events, self.schedule, self.topology.rank, self.topology.world, train, group,
+            self._offsets,
+        )  # fmt: skip
+        devices = self.topology.world if self.collect_stats and self.topology.rank == 0 else None
+        self._stats = PipelineStats.from_events(self._events, devices=devices)

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from batchgraph.pipeline.actions import Action
-from batchgraph.pipeline.coordinator import MeasuredEvent
+from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
+from batchgraph.pipeline.trace import TimelineEvent
 
-__all__ = ["allreduce_gradients", "gather_events", "stash_gradients"]
+__all__ = ["allreduce_gradients", "gather_events", "stash_gradients", "step_timeline"]
 
 
 def stash_gradients(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
@@ -61,7 +61,7 @@ def gather_events(
     plans: Mapping[int, Sequence[Action]],
     group: Any,
     offsets: Sequence[float],
-) -> list[MeasuredEvent] | None:
+) -> list[TimelineEvent] | None:
     """Gather every rank's measured (start, end) per planned action to rank 0.
 
     Every rank knows every rank's plan (the schedule is data), so only the times travel:
@@ -86,10 +86,43 @@ def gather_events(
     dist.gather(mine, bucket, dst=0, group=group)
     if bucket is None:
         return None
-    out: list[MeasuredEvent] = []
+    out: list[TimelineEvent] = []
     for r, times in enumerate(bucket):
         for action, (start, end) in zip(plans[r], times.tolist()):
             if start == start:  # not NaN: the action ran
-                out.append(MeasuredEvent(r, action, start - offsets[r], end - offsets[r]))
+                out.append(TimelineEvent(r, action, start - offsets[r], end - offsets[r]))
     t0 = min((e.start for e in out), default=0.0)
-    return [MeasuredEvent(e.device, e.action, e.start - t0, e.end - t0) for e in out]
+    return [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in out]
+
+
+def step_timeline(
+    events: Sequence[tuple[float, float]],
+    schedule: PipelineSchedule,
+    rank: int,
+    world: int,
+    train: bool,
+    group: Any | None,
+    offsets: Sequence[float],
+) -> list[TimelineEvent]:
+    """The step's timeline: every rank's on rank 0 when ``group`` is given, else this rank's.
+
+    Args:
+        events: this rank's (start, end) per action it ran, in plan order.
+        schedule: the schedule (rank ``r`` runs device ``r % devices``).
+        rank: this rank; world: the number of ranks.
+        train: whether the step ran backward actions (a forward step runs F only).
+        group: a group of all ranks to gather over, or ``None`` to keep events local.
+        offsets: per-rank clock offsets (see :func:`~batchgraph.pipeline.dist_topology.clock_offsets`).
+    """
+    plans = {
+        r: [
+            a for a in schedule.order[r % schedule.devices] if train or a.kind is ActionKind.FORWARD
+        ]
+        for r in range(world)
+    }
+    if group is not None:
+        gathered = gather_events(events, plans, group, offsets)
+        if gathered is not None:
+            return gathered
+    t0 = min((s for s, _ in events), default=0.0)
+    return [TimelineEvent(rank, a, s - t0, e - t0) for a, (s, e) in zip(plans[rank], events)]

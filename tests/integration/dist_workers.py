@@ -7,6 +7,7 @@ an importable module because ``spawn`` pickles the target by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from collections.abc import Callable
@@ -56,9 +57,7 @@ def init(rank: int, world: int, port: int, timeout: float = 20.0) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
 
 def run(rank: int, world: int, port: int, job: Callable[[int, int], Any], queue: Any) -> None:
@@ -72,7 +71,5 @@ def run(rank: int, world: int, port: int, job: Callable[[int, int], Any], queue:
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
