@@ -87,7 +87,7 @@ class _SendWork(Work):
         if self._done:
             return
         for work in self._works:  # every handle of the message, not just the first
-            self._comm._wait(work, self._key, self._peer, timeout, "send")
+            self._comm._wait(work, self._key, self._peer, timeout, "send of")
         self._done = True
         self._works, self._buffers = [], []
 
@@ -124,7 +124,7 @@ class _RemoteRecv(RecvWork):
             works.append(self._comm._post_recv(t, self._key, self._peer, part))
             tensors.append(t)
         for w in works:
-            self._comm._wait(w, self._key, self._peer, timeout, "")
+            self._comm._wait(w, self._key, self._peer, timeout, "payload of")
         self._payload = tuple(tensors)
         return self._payload
 
@@ -233,7 +233,10 @@ class DistCommunicator(Communicator):
         return _SendWork(self, key, peer, works, buffers)
 
     def _post_send(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
-        return dist.isend(t, dst=peer, group=self.group, tag=self._tag(key, part))
+        try:
+            return dist.isend(t, dst=peer, group=self.group, tag=self._tag(key, part))
+        except RuntimeError as exc:  # posting to a peer whose connection is gone fails at once
+            raise self._explain(exc, key, peer, None, "send of") from exc
 
     # -- receives -------------------------------------------------------------------------
 
@@ -252,7 +255,10 @@ class DistCommunicator(Communicator):
         return self._headers.pop(key)
 
     def _post_recv(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
-        return dist.irecv(t, src=peer, group=self.group, tag=self._tag(key, part))
+        try:
+            return dist.irecv(t, src=peer, group=self.group, tag=self._tag(key, part))
+        except RuntimeError as exc:
+            raise self._explain(exc, key, peer, None, "receive of") from exc
 
     def irecv(self, key: MessageKey) -> RecvWork:
         self._check()
@@ -281,15 +287,14 @@ class DistCommunicator(Communicator):
     ) -> BaseException:
         # A peer that failed first published why; that is the error worth reporting.
         record = self.board.read() if self.board is not None else None
-        if record is not None and record.rank != self.rank:
-            return record.as_error(
-                self.rank, f"while waiting for the {what} {key}".replace("  ", " ")
-            )
-        text = str(exc)
         desc = f"{what} {key}".strip()
+        seconds = seconds if seconds is not None else self.default_timeout
+        if record is not None and record.rank != self.rank:
+            return record.as_error(self.rank, f"at the {desc}")
+        text = str(exc)
         if "timed out" in text.lower() or "timeout" in text.lower():
             return PipelineTimeoutError(
-                f"rank {self.rank} waited {seconds:g} s for the {desc} with rank {peer}; that rank "
+                f"rank {self.rank} waited {seconds or 0:g} s for the {desc} with rank {peer}; that rank "
                 "is stuck, dead or runs another schedule"
             )
         return PeerLostError(
