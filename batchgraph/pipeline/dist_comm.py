@@ -51,11 +51,14 @@ from batchgraph.pipeline.comm import (
 )
 from batchgraph.pipeline.dist_errors import AbortBoard, PeerLostError
 from batchgraph.pipeline.dist_header import (
+    FRESH,
     HEADER_LEN,
     KINDS,
-    MAX_TENSORS,
+    Signature,
     decode_header,
     encode_header,
+    payload_specs,
+    signature_of,
 )
 from batchgraph.pipeline.errors import (
     PipelineAbortedError,
@@ -96,7 +99,7 @@ class _SendWork(Work):
 
 
 class _RemoteRecv(RecvWork):
-    """A message from another rank: header first, then the tensors it describes."""
+    """A message from another rank: its header, then the tensors the header describes."""
 
     def __init__(self, comm: DistCommunicator, key: MessageKey, peer: int) -> None:
         self._comm, self._key, self._peer = comm, key, peer
@@ -106,25 +109,42 @@ class _RemoteRecv(RecvWork):
     def value(self, timeout: float | None = None) -> Payload:
         if self._payload is not None:
             return self._payload
+        comm, key, peer = self._comm, self._key, self._peer
         work, buf = self._header
-        self._comm._wait(work, self._key, self._peer, timeout, "header of")
+        comm._wait(work, key, peer, timeout, "header of")
         got, specs = decode_header(buf)
-        if got != self._key:
+        if got != key:
             raise PipelineConfigError(
-                f"rank {self._comm.rank} expected the {self._key} but rank {self._peer} sent the "
-                f"{got}: the ranks run different schedules"
+                f"rank {comm.rank} expected the {key} but rank {peer} sent the {got}: the ranks "
+                "run different schedules"
             )
-        tensors: list[Tensor | None] = []
-        works = []
+        sig = signature_of(specs)
+        known = comm._known.get(key)
+        tensors: list[Tensor | None]
+        if known is not None:
+            # The sender used the buffers posted ahead for the known signature: with the
+            # payload if it still matches, with filler (to drain them) if it changed.
+            posted = comm._take_ahead(key, peer)
+            for item in posted:
+                if item is not None:
+                    comm._wait(item[0], key, peer, timeout, "payload of")
+            if sig == known:
+                tensors = [None if item is None else item[1] for item in posted]
+                comm._known[key] = sig
+                self._payload = tuple(tensors)
+                return self._payload
+        fresh = FRESH if known is not None else 0
+        tensors, works = [], []
         for part, spec in enumerate(specs, start=1):
             if spec is None:
                 tensors.append(None)
                 continue
-            t = torch.empty(spec[1], dtype=spec[0], device=self._comm.device)
-            works.append(self._comm._post_recv(t, self._key, self._peer, part))
+            t = torch.empty(spec[1], dtype=spec[0], device=comm.device)
+            works.append(comm._post_recv(t, key, peer, part + fresh))
             tensors.append(t)
         for w in works:
-            self._comm._wait(w, self._key, self._peer, timeout, "payload of")
+            comm._wait(w, key, peer, timeout, "payload of")
+        comm._known[key] = sig
         self._payload = tuple(tensors)
         return self._payload
 
@@ -181,6 +201,10 @@ class DistCommunicator(Communicator):
         self._rank_of_stage = rank_of_stage
         self._local = ThreadCommunicator(default_timeout)
         self._headers: dict[MessageKey, tuple[Any, Tensor]] = {}
+        # Last signature sent or received per key; both ends keep the same table, so
+        # both know which buffers the receiver posted ahead.
+        self._known: dict[MessageKey, Signature] = {}
+        self._ahead: dict[MessageKey, list[tuple[Any, Tensor] | None]] = {}
         self._error: BaseException | None = None
         self._closed = False
         self._parity = 0
@@ -200,9 +224,9 @@ class DistCommunicator(Communicator):
         # source stage, microbatch, part). The parity keeps a fast rank's next step from
         # matching a receive of this step.
         kind = KINDS.index(key.kind)
-        tag = (((self._parity * 2 + kind) * self._stages + key.src) * 65536 + key.microbatch) * (
-            MAX_TENSORS + 1
-        ) + part
+        slots = 2 * FRESH  # header + tensors, then the same again for fresh tags
+        tag = ((self._parity * 2 + kind) * self._stages + key.src) * 65536 + key.microbatch
+        tag = tag * slots + part
         if tag >= 2**31:
             raise PipelineConfigError(f"{key}: too many stages or microbatches to tag messages")
         return tag
@@ -221,15 +245,26 @@ class DistCommunicator(Communicator):
         peer = self._peer(key)
         if peer == self.rank:
             return self._local.isend(key, payload)
-        header = encode_header(key, payload)
-        buffers = [header]
-        works = [self._post_send(header, key, peer, 0)]
-        for part, t in enumerate(payload, start=1):
-            if t is None:
-                continue
-            buf = t.detach().to(self.device).contiguous()
-            buffers.append(buf)
-            works.append(self._post_send(buf, key, peer, part))
+        tensors = [None if t is None else t.detach().to(self.device).contiguous() for t in payload]
+        header = encode_header(key, tuple(tensors))
+        sig = signature_of(payload_specs(tensors))
+        known = self._known.get(key)
+        buffers, works = [header], [self._post_send(header, key, peer, 0)]
+        fresh = 0
+        if known is not None and known != sig:
+            # The receiver posted buffers for the old signature: fill them, then send the
+            # real tensors under fresh tags, sized by the header.
+            fresh = FRESH
+            for part, spec in enumerate(known, start=1):
+                if spec is not None:
+                    filler = torch.zeros(spec[1], dtype=spec[0], device=self.device)
+                    buffers.append(filler)
+                    works.append(self._post_send(filler, key, peer, part))
+        for part, t in enumerate(tensors, start=1):
+            if t is not None:
+                buffers.append(t)
+                works.append(self._post_send(t, key, peer, part + fresh))
+        self._known[key] = sig
         return _SendWork(self, key, peer, works, buffers)
 
     def _post_send(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
@@ -240,14 +275,42 @@ class DistCommunicator(Communicator):
 
     # -- receives -------------------------------------------------------------------------
 
-    def prefetch(self, keys: Iterable[MessageKey]) -> None:
-        """Post the header receives of ``keys`` now, so headers arrive while the rank computes."""
+    def prefetch(self, keys: Iterable[MessageKey], *, payload: bool = False) -> None:
+        """Post receives of ``keys`` now, so messages land while this rank computes.
+
+        Headers are small; with ``payload=True`` the tensors' buffers are posted too, for
+        keys whose signature (dtypes and shapes) is known from an earlier step: the sender
+        then transmits at once instead of waiting for the receiver to read the header
+        (one round trip less on the critical path). Post payloads only a few actions
+        ahead: each posted buffer holds memory until its message arrives.
+        """
         self._check()
         for key in keys:
             peer = self._peer(key)
-            if peer != self.rank and key not in self._headers:
+            if peer == self.rank:
+                continue
+            if key not in self._headers:
                 buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 self._headers[key] = (self._post_recv(buf, key, peer, 0), buf)
+            if payload and key in self._known:
+                self._post_ahead(key, peer)
+
+    def _post_ahead(self, key: MessageKey, peer: int) -> None:
+        """Post buffers for ``key``'s known signature (once)."""
+        if key not in self._ahead:
+            posted: list[tuple[Any, Tensor] | None] = []
+            for part, spec in enumerate(self._known[key], start=1):
+                if spec is None:
+                    posted.append(None)
+                    continue
+                t = torch.empty(spec[1], dtype=spec[0], device=self.device)
+                posted.append((self._post_recv(t, key, peer, part), t))
+            self._ahead[key] = posted
+
+    def _take_ahead(self, key: MessageKey, peer: int) -> list[tuple[Any, Tensor] | None]:
+        """The buffers posted ahead for ``key`` (posted now if they were not yet)."""
+        self._post_ahead(key, peer)
+        return self._ahead.pop(key)
 
     def _take_header(self, key: MessageKey, peer: int) -> tuple[Any, Tensor]:
         if key not in self._headers:
@@ -332,5 +395,6 @@ class DistCommunicator(Communicator):
         self._closed = True
         self._local.close()
         self._headers.clear()
+        self._ahead.clear()
         with self._inflight_lock:
             self._inflight.clear()

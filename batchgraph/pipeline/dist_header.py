@@ -12,7 +12,17 @@ from torch import Tensor
 from batchgraph.pipeline.comm import MessageKey, MessageKind, Payload
 from batchgraph.pipeline.errors import PipelineConfigError
 
-__all__ = ["HEADER_LEN", "KINDS", "MAX_TENSORS", "decode_header", "encode_header"]
+__all__ = [
+    "FRESH",
+    "HEADER_LEN",
+    "KINDS",
+    "MAX_TENSORS",
+    "Signature",
+    "decode_header",
+    "encode_header",
+    "payload_specs",
+    "signature_of",
+]
 
 #: dtypes a header can name (its code is the index).
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -34,6 +44,22 @@ HEADER_LEN = 64
 _FIXED = 5  # kind, src, dst, microbatch, number of tensors
 MAX_TENSORS = 15  # parts per message: the header plus up to 15 tensors
 KINDS = (MessageKind.ACTIVATION, MessageKind.GRADIENT)
+#: Tag offset of a message's tensors when they do not go into the buffers posted ahead.
+FRESH = MAX_TENSORS + 1
+
+Spec = tuple[torch.dtype, list[int]] | None
+#: What a message holds: per tensor its dtype and shape (``None`` for an absent tensor).
+Signature = tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...]
+
+
+def payload_specs(tensors: list[Tensor | None]) -> list[Spec]:
+    """``(dtype, shape)`` per tensor, like :func:`decode_header` returns them."""
+    return [None if t is None else (t.dtype, list(t.shape)) for t in tensors]
+
+
+def signature_of(specs: list[Spec]) -> Signature:
+    """A hashable, comparable signature of ``specs``."""
+    return tuple(None if s is None else (s[0], tuple(s[1])) for s in specs)
 
 
 def encode_header(key: MessageKey, payload: Payload) -> Tensor:
@@ -72,7 +98,7 @@ def encode_header(key: MessageKey, payload: Payload) -> Tensor:
     return header
 
 
-def decode_header(header: Tensor) -> tuple[MessageKey, list[tuple[torch.dtype, list[int]] | None]]:
+def decode_header(header: Tensor) -> tuple[MessageKey, list[Spec]]:
     """Read a header back: the key it names and ``(dtype, shape)`` per tensor (``None`` if absent).
 
     Example:
@@ -82,7 +108,7 @@ def decode_header(header: Tensor) -> tuple[MessageKey, list[tuple[torch.dtype, l
     """
     v = header.tolist()
     key = MessageKey(KINDS[v[0]], v[1], v[2], v[3])
-    specs: list[tuple[torch.dtype, list[int]] | None] = []
+    specs: list[Spec] = []
     pos = _FIXED
     for _ in range(v[4]):
         code, ndim = v[pos], v[pos + 1]

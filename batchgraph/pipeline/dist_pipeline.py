@@ -53,6 +53,7 @@ from batchgraph.pipeline.trace import TimelineEvent
 __all__ = ["DistributedPipeline", "StageSpec"]
 
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
+_LOOKAHEAD = 3  # actions whose incoming payload buffers are posted ahead
 
 
 def _describe(schedule: str | PipelineSchedule) -> str:
@@ -326,8 +327,12 @@ class DistributedPipeline:
         losses: list[Tensor] = []
         outputs: dict[int, tuple[Tensor, ...]] = {}
         events: list[tuple[float, float]] = []
+        # Payload buffers are posted a few actions ahead (they hold memory until used).
+        ahead = [self._remote_keys([a]) for a in plan]
         with torch.set_grad_enabled(train):
-            for action in plan:
+            for i, action in enumerate(plan):
+                for keys in ahead[i : i + _LOOKAHEAD]:
+                    self.comm.prefetch(keys, payload=True)
                 start, end = self.stages[action.stage].run(action, self.comm, train=train)
                 if action.stage == last and action.kind is ActionKind.FORWARD:
                     out = self.comm.recv(MessageKey(_ACT, last, COORDINATOR, action.microbatch))

@@ -193,6 +193,12 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
                 "ref_loss": reference_loss(stages),
                 "devices": sorted(pipe.stats.devices) if rank == 0 else None,
             }
+            # A smaller batch next: the messages' shapes change between steps.
+            for p in pipe.parameters():
+                p.grad = None
+            x9, y9 = batch(9)
+            pipe.train_step(x9 if rank == 0 else None, y9 if rank == world - 1 else None)
+            out[name]["error_new_shapes"] = _grad_error(pipe.stages, reference_grads(stages, 9))
     # The façade, with real modules on every rank (each uses only its own).
     mods = [make_stage(s, world) for s in range(world)]
     with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(),

@@ -42,6 +42,7 @@ def test_gradients_equal_single_device(two_ranks: W.Launch, schedule: str) -> No
     results = [two_ranks.ok(r)[schedule] for r in range(2)]
     for r, res in enumerate(results):
         assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+        assert res["error_new_shapes"] < TOL, f"rank {r}: after a batch-size change"
     assert results[0]["loss"] is None  # only the last rank gets the loss
     assert results[1]["loss"] == pytest.approx(results[1]["ref_loss"], abs=TOL)
     assert results[0]["devices"] == [0, 1]  # rank 0 gathered both ranks' timelines
