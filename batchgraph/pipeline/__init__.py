@@ -16,6 +16,14 @@ from batchgraph.pipeline.comm import (
     Work,
 )
 from batchgraph.pipeline.coordinator import Coordinator
+
+# The torch.distributed backend (one process per rank, under torchrun); importing
+# dist_backend registers Pipeline(..., backend="torch.distributed").
+from batchgraph.pipeline.dist_backend import torch_distributed_backend
+from batchgraph.pipeline.dist_comm import DistCommunicator
+from batchgraph.pipeline.dist_errors import PeerFailedError, PeerLostError, RankStageError
+from batchgraph.pipeline.dist_pipeline import DistributedPipeline
+from batchgraph.pipeline.dist_topology import Topology
 from batchgraph.pipeline.errors import (
     PipelineAbortedError,
     PipelineClosedError,
@@ -71,9 +79,13 @@ __all__: list[str] = [
     "Communicator",
     "Coordinator",
     "DeviceStats",
+    "DistCommunicator",
+    "DistributedPipeline",
     "Loss",
     "MessageKey",
     "MessageKind",
+    "PeerFailedError",
+    "PeerLostError",
     "Pipeline",
     "PipelineAbortedError",
     "PipelineClosedError",
@@ -81,6 +93,7 @@ __all__: list[str] = [
     "PipelineSchedule",
     "PipelineStats",
     "PipelineTimeoutError",
+    "RankStageError",
     "RecvWork",
     "ScheduleError",
     "SimulationResult",
@@ -89,6 +102,7 @@ __all__: list[str] = [
     "StageMismatchError",
     "ThreadCommunicator",
     "TimelineEvent",
+    "Topology",
     "TwoStageBackward",
     "Work",
     "available_backends",
@@ -110,6 +124,7 @@ __all__: list[str] = [
     "split_microbatches",
     "sync_schedule",
     "to_chrome_trace",
+    "torch_distributed_backend",
     "validate_schedule",
     "write_chrome_trace",
     "zb_h1_schedule",

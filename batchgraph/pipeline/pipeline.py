@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,9 +51,11 @@ class PipelineRuntime(Protocol):
     @property
     def timeline(self) -> list[TimelineEvent]: ...
 
-    def train_step(self, inputs: Batch, targets: Batch) -> Tensor: ...
+    # A process backend gives each rank only its part: inputs on the first rank, targets
+    # and the loss on the last, None elsewhere.
+    def train_step(self, inputs: Batch, targets: Batch) -> Tensor | None: ...
 
-    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]: ...
+    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...] | None: ...
 
     def reset(self) -> None: ...
 
@@ -283,25 +285,34 @@ class Pipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def train_step(self, inputs: Batch, targets: Batch) -> Tensor:
+    def train_step(self, inputs: Batch | None, targets: Batch | None) -> Tensor | None:
         """One forward and backward over the batch; gradients accumulate into ``.grad``.
 
         Args:
             inputs: a tensor (or tuple of tensors) with the batch in dimension 0.
+                ``backend="torch.distributed"``: on the first rank; ``None`` elsewhere.
             targets: the loss targets, batch in dimension 0.
+                ``backend="torch.distributed"``: on the last rank; ``None`` elsewhere.
 
         Returns:
-            The loss of the whole batch (a detached scalar tensor).
+            The loss of the whole batch (a detached scalar tensor); ``None`` on ranks
+            other than the last with ``backend="torch.distributed"``.
 
         Raises:
             StageMismatchError: if the stages do not fit together (checked before any work).
             StageError: if a stage's task fails (names stage, action and microbatch).
         """
-        return self._runtime.train_step(inputs, targets)
+        # A process backend takes None where a rank owns neither end; the threads backend
+        # rejects None with its own error, so the casts only widen what reaches it.
+        return self._runtime.train_step(cast(Batch, inputs), cast(Batch, targets))
 
-    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
-        """The model's outputs for the whole batch, without gradients."""
-        return self._runtime.forward(inputs)
+    def forward(self, inputs: Batch | None) -> Tensor | tuple[Tensor, ...] | None:
+        """The model's outputs for the whole batch, without gradients.
+
+        With ``backend="torch.distributed"`` the first rank passes the inputs (others
+        ``None``) and only the last rank gets the outputs.
+        """
+        return self._runtime.forward(cast(Batch, inputs))
 
     @property
     def stats(self) -> PipelineStats:

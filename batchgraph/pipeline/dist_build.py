@@ -1,0 +1,85 @@
+"""Building only this rank's stages: the others are never materialised here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from batchgraph.pipeline.actions import PipelineSchedule
+from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.partition import partition_sequential
+from batchgraph.pipeline.stage import Stage
+
+__all__ = ["StageSpec", "build_local_stages", "materialise"]
+
+#: A stage given as a module, or as a zero-argument factory only its own rank calls.
+StageSpec = nn.Module | Callable[[], nn.Module]
+
+
+def materialise(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move ``module`` to ``device``; a module on ``meta`` gets fresh storage and init.
+
+    A meta module has no values to move, so its storage is allocated on ``device`` and every
+    submodule with ``reset_parameters`` re-initialises itself (load a state dict afterwards
+    to set specific weights).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     layer = nn.Linear(2, 3)
+        >>> materialise(layer, torch.device("cpu")).weight.device
+        device(type='cpu')
+    """
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        module = module.to_empty(device=device)
+        for sub in module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        return module
+    return module.to(device)
+
+
+def build_local_stages(
+    module: nn.Sequential | Sequence[StageSpec],
+    schedule: PipelineSchedule,
+    device_index: int,
+    device: torch.device,
+    split_backward: set[int],
+) -> dict[int, Stage]:
+    """The :class:`Stage` objects ``device_index`` runs under ``schedule``, and only those.
+
+    Args:
+        module: an ``nn.Sequential`` (split into ``schedule.stages`` parts by parameter
+            count; parameter counts work on ``meta``), or one module or factory per stage.
+        schedule: the schedule (stage ``s`` runs on device ``s % devices``).
+        device_index: this rank's device in the pipeline.
+        device: where the stages run.
+        split_backward: stages whose backward is split into I and W.
+
+    Returns:
+        ``{stage index: Stage}`` for this device's stages.
+
+    Raises:
+        PipelineConfigError: if the number of stage modules does not match the schedule.
+    """
+    total = schedule.stages
+    specs: Sequence[StageSpec]
+    if isinstance(module, nn.Sequential):
+        specs = partition_sequential(module, total, cost="params")
+    else:
+        specs = list(module)
+    if len(specs) != total:
+        raise PipelineConfigError(
+            f"{len(specs)} stage modules for {total} stages ({schedule.devices} devices x "
+            f"{schedule.chunks} chunks); give one per stage or an nn.Sequential to split"
+        )
+    built: dict[int, Stage] = {}
+    for s in schedule.stages_of(device_index):
+        spec = specs[s]
+        mod = spec if isinstance(spec, nn.Module) else spec()
+        stage = Stage(materialise(mod, device), s, total, device)
+        stage.split_backward = s in split_backward
+        built[s] = stage
+    return built

@@ -1,0 +1,401 @@
+"""The rank runner: one process per pipeline device, under ``torchrun``.
+
+Every rank builds the same :class:`DistributedPipeline` and calls ``train_step`` each
+step; each runs only its own device's actions of the schedule::
+
+    rank of stage 0              middle ranks              rank of the last stage
+    ──────────────               ────────────              ──────────────────────
+    train_step(inputs, None)     train_step(None, None)    train_step(None, targets)
+    split inputs into m                                    split targets into m
+    F, B, ... in schedule order  F, B, ...                 F ─► loss ─► dL/dy ─► B ...
+                     activations ──►            ──►
+                     ◄── gradients              ◄──
+    returns None                 returns None              returns the batch loss
+
+The coordinator's role is split: the first rank feeds stage 0 from its own inputs and the
+last rank computes each microbatch's loss right after the last stage's forward, so no
+rank ever holds the whole model or the whole batch's outputs. With ``replicas > 1`` each
+pipeline takes its own shard of the batch; the loss weights use the global batch size,
+so summing gradients over the replicas of each stage gives exactly the full-batch
+gradient of a mean (or sum) loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
+from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind
+from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
+from batchgraph.pipeline.dist_comm import DistCommunicator
+from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
+from batchgraph.pipeline.dist_sync import allreduce_gradients, stash_gradients, step_timeline
+from batchgraph.pipeline.dist_topology import (
+    ProcessGroups,
+    Topology,
+    check_same_config,
+    clock_offsets,
+)
+from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError, StageError
+from batchgraph.pipeline.loss import Loss
+from batchgraph.pipeline.microbatch import Batch, batch_size, merge_microbatches, split_microbatches
+from batchgraph.pipeline.schedules import make_schedule
+from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.trace import TimelineEvent
+
+__all__ = ["DistributedPipeline", "StageSpec"]
+
+_ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
+_LOOKAHEAD = 3  # actions whose incoming payload buffers are posted ahead
+
+
+def _describe(schedule: str | PipelineSchedule) -> str:
+    """What the ranks must agree on: a name, or a custom schedule's whole order."""
+    if isinstance(schedule, str):
+        return schedule
+    order = ";".join(" ".join(map(str, schedule.order[d])) for d in sorted(schedule.order))
+    return f"{schedule.name}[{order}]"
+
+
+class DistributedPipeline:
+    """Pipeline training across processes: this rank's share of a pipeline (x replicas).
+
+    Call it the same way on every rank of an initialised process group of
+    ``stages * replicas`` processes (``torchrun --nproc-per-node N``).
+
+    Args:
+        module: the model as an ``nn.Sequential`` (split into ``stages * chunks`` parts by
+            parameter count; build it under ``torch.device("meta")`` so no rank
+            materialises it, this rank's parts are then allocated and initialised with
+            ``reset_parameters``), or one entry per model stage, each an ``nn.Module`` or a
+            zero-argument factory that only the rank running that stage calls.
+        stages: devices per pipeline p (ranks per pipeline).
+        microbatches: microbatches per step m (per replica).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``, or
+            a :class:`PipelineSchedule` for ``stages`` devices and ``microbatches``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean or sum reduction) or a
+            :class:`Loss`; needed on
+            the last rank for :meth:`train_step`.
+        chunks: model stages per device v (interleaved only); device d runs stages d, d+p, ...
+        replicas: data-parallel pipelines; ``world size == stages * replicas``.
+        device: where this rank's stages run; default CPU (gloo) or ``cuda:LOCAL_RANK`` (NCCL).
+        timeout: seconds any wait or collective may take before the step fails.
+        collect_stats: gather every rank's timeline to rank 0 after each step (one small
+            collective); ``False`` skips it.
+
+    Raises:
+        PipelineConfigError: if the ranks disagree on the configuration (checked by an
+            all-gather before anything else), the world size is not ``stages *
+            replicas``, or the module does not split into ``stages * chunks`` stages.
+        RuntimeError: without an initialised process group.
+
+    Example (``torchrun --nproc-per-node 2 train.py``)::
+
+        dist.init_process_group("gloo")
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        with DistributedPipeline(model, stages=2, microbatches=4, schedule="1f1b",
+                                 loss_fn=nn.MSELoss()) as pipe:
+            rank = dist.get_rank()
+            loss = pipe.train_step(x if rank == 0 else None, y if rank == 1 else None)
+            if rank == 0:
+                print(pipe.stats.summary())
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential | Sequence[StageSpec],
+        *,
+        stages: int,
+        microbatches: int,
+        schedule: str | PipelineSchedule = "1f1b",
+        loss_fn: Callable[..., Tensor] | Loss | None = None,
+        chunks: int = 1,
+        replicas: int = 1,
+        device: torch.device | str | None = None,
+        timeout: float = 60.0,
+        collect_stats: bool = True,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "backend='torch.distributed' runs inside a process group: start the script with "
+                "torchrun, or call torch.distributed.init_process_group first"
+            )
+        self.topology = Topology(stages, replicas, dist.get_rank())
+        self.groups = ProcessGroups(self.topology, timeout)
+        n_specs = len(module) if isinstance(module, Sequence | nn.Sequential) else -1
+        config = {
+            "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
+            "replicas": replicas, "world": dist.get_world_size(), "modules": n_specs,
+        }  # fmt: skip
+        check_same_config(self.groups.control, config)
+        if dist.get_world_size() != stages * replicas:
+            raise PipelineConfigError(
+                f"world size {dist.get_world_size()} != stages ({stages}) x replicas ({replicas}); "
+                "start stages * replicas processes"
+            )
+        self.schedule = (
+            schedule
+            if isinstance(schedule, PipelineSchedule)
+            else make_schedule(schedule, stages=stages, microbatches=microbatches, chunks=chunks)
+        )
+        self.groups.create_data_groups()
+        self.loss = loss_fn if isinstance(loss_fn, Loss) or loss_fn is None else Loss(loss_fn)
+        backend = self.groups.backend
+        if device is None:
+            device = "cpu" if backend != "nccl" else f"cuda:{torch.cuda.current_device()}"
+        self.device = torch.device(device)
+        split = {a.stage for a in self._all_actions() if a.kind is ActionKind.BACKWARD_WEIGHT}
+        self.stages = build_local_stages(
+            module, self.schedule, self.topology.device, self.device, split
+        )
+        self.comm = DistCommunicator(
+            lambda s: self.topology.rank_of(self.schedule.device_of(s)),
+            self.groups.pipeline,
+            default_timeout=timeout,
+            device=self.device if backend == "nccl" else "cpu",
+            board=self.groups.board,
+        )
+        self.collect_stats = collect_stats
+        self._offsets = clock_offsets(self.groups.control)
+        self._plan = self.schedule.order[self.topology.device]
+        self._step = 0
+        self._events: list[TimelineEvent] = []
+        self._stats = PipelineStats()
+        self._closed = False
+        self._failed: BaseException | None = None
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _all_actions(self) -> list[Action]:
+        return [a for acts in self.schedule.order.values() for a in acts]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (of its own stages only), for its optimizer."""
+        return [p for s in sorted(self.stages) for p in self.stages[s].module.parameters()]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> DistributedPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the other ranks (unless the pipeline failed), then release the groups."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._failed is None:
+            # A peer may be gone already; then there is nothing left to wait for.
+            with contextlib.suppress(Exception):
+                dist.barrier(group=self.groups.control)
+        self.comm.close()
+        for stage in self.stages.values():
+            stage.close()
+        self.groups.destroy()
+
+    def reset(self) -> None:
+        """Forget saved activations, local messages, stats and the timeline (no collective)."""
+        self._check_open()
+        self.comm.reset()
+        for stage in self.stages.values():
+            stage.reset()
+        self._events, self._stats = [], PipelineStats()
+
+    @property
+    def stats(self) -> PipelineStats:
+        """Last step's statistics: every rank's on rank 0 (devices are global ranks), own elsewhere."""
+        return self._stats
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        """Last step's measured events (every rank's on rank 0), seconds from the first start."""
+        return list(self._events)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def train_step(self, inputs: Batch | None, targets: Batch | None) -> Tensor | None:
+        """One forward and backward over this rank's share; gradients accumulate into ``.grad``.
+
+        Args:
+            inputs: the (replica's) batch, on the rank of stage 0; ``None`` elsewhere.
+            targets: the (replica's) targets, on the rank of the last stage; ``None`` elsewhere.
+
+        Returns:
+            On the last stage's rank the loss of the whole batch (over all replicas);
+            ``None`` on the other ranks.
+
+        Raises:
+            RankStageError: an action failed on this rank (names rank, stage, action,
+                microbatch; the original error is the cause). Every other rank then fails too.
+            PeerFailedError: another rank failed first; carries its rank, stage, action,
+                microbatch and message.
+            PeerLostError, PipelineTimeoutError: a peer died or stopped answering.
+        """
+        if self.loss is None and self._has_last:
+            raise PipelineConfigError("train_step needs a loss: pass loss_fn= to the pipeline")
+        loss: Tensor | None = self._step_guarded(inputs, targets, train=True)
+        return loss
+
+    def forward(self, inputs: Batch | None) -> Tensor | tuple[Tensor, ...] | None:
+        """Forward only (no gradients); the last stage's rank returns the merged outputs."""
+        out: Tensor | tuple[Tensor, ...] | None = self._step_guarded(inputs, None, train=False)
+        return out
+
+    @property
+    def _has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def _has_last(self) -> bool:
+        return self.schedule.stages - 1 in self.stages
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosedError("this pipeline is closed; build a new one")
+        if self._failed is not None:
+            raise PipelineClosedError(
+                f"this pipeline failed ({self._failed}); its process groups are gone, build a new one"
+            ) from self._failed
+
+    def _step_guarded(self, inputs: Batch | None, targets: Batch | None, *, train: bool) -> Any:
+        self._check_open()
+        self._step += 1
+        self.comm.begin_step(self._step, self.schedule.stages)
+        for stage in self.stages.values():
+            stage.reset()
+        params = self.parameters() if train and self.groups.replica is not None else []
+        saved = stash_gradients(params) if params else []
+        try:
+            result, events = self._run(inputs, targets, train=train)
+            if params:
+                allreduce_gradients(params, self.groups.replica, saved)
+            if train and result is not None and self.groups.replica is not None:
+                dist.all_reduce(result, group=self.groups.replica)
+            self._record(events, train)
+        except BaseException as exc:
+            raise self._fail(exc) from exc.__cause__ if isinstance(exc, StageError) else exc
+        return result
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Publish the failure, tear down the groups (waking blocked peers), name this rank."""
+        self._failed = exc
+        rank = self.topology.rank
+        error: BaseException = exc
+        if isinstance(exc, StageError) and not isinstance(exc, RankStageError):
+            error = RankStageError(
+                f"rank {rank}: {exc}", rank=rank, stage=exc.stage, action=exc.action,
+                microbatch=exc.microbatch,
+            )  # fmt: skip
+        if not isinstance(exc, PeerFailedError):
+            self.groups.board.publish(FailureRecord.of(rank, error))
+        self.comm.abort(exc)
+        self.groups.destroy()
+        return error
+
+    def _run(
+        self, inputs: Batch | None, targets: Batch | None, *, train: bool
+    ) -> tuple[Any, list[tuple[float, float]]]:
+        m, last = self.schedule.microbatches, self.schedule.stages - 1
+        plan = [a for a in self._plan if train or a.kind is ActionKind.FORWARD]
+        self.comm.prefetch(self._remote_keys(plan))
+        if self._has_first:
+            if inputs is None:
+                raise PipelineConfigError(
+                    f"rank {self.topology.rank} runs stage 0: pass the inputs"
+                )
+            for mb, xs in enumerate(split_microbatches(inputs, m)):
+                self.comm.send(MessageKey(_ACT, COORDINATOR, 0, mb), xs)
+        tgs: list[tuple[Tensor, ...]] = []
+        total_n = 0
+        if self._has_last and train:
+            if targets is None:
+                raise PipelineConfigError(
+                    f"rank {self.topology.rank} runs the last stage: pass the targets"
+                )
+            tgs = split_microbatches(targets, m)
+            total_n = self._global_batch(batch_size(targets))
+        losses: list[Tensor] = []
+        outputs: dict[int, tuple[Tensor, ...]] = {}
+        events: list[tuple[float, float]] = []
+        # Payload buffers are posted a few actions ahead (they hold memory until used).
+        ahead = [self._remote_keys([a]) for a in plan]
+        with torch.set_grad_enabled(train):
+            for i, action in enumerate(plan):
+                for keys in ahead[i : i + _LOOKAHEAD]:
+                    self.comm.prefetch(keys, payload=True)
+                start, end = self.stages[action.stage].run(action, self.comm, train=train)
+                if action.stage == last and action.kind is ActionKind.FORWARD:
+                    out = self.comm.recv(MessageKey(_ACT, last, COORDINATOR, action.microbatch))
+                    outs = tuple(t for t in out if t is not None)
+                    if train:
+                        losses.append(self._loss(action, outs, tgs, total_n))
+                    else:
+                        outputs[action.microbatch] = outs
+                    end = time.perf_counter()
+                events.append((start, end))
+        self.comm.wait_sends()
+        if not self._has_last:
+            return None, events
+        if train:
+            return torch.stack(losses).sum(), events
+        return merge_microbatches([outputs[i] for i in range(m)]), events
+
+    def _loss(
+        self, action: Action, outs: tuple[Tensor, ...], tgs: list[tuple[Tensor, ...]], total_n: int
+    ) -> Tensor:
+        assert self.loss is not None
+        mb = action.microbatch
+        try:
+            leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
+            out = leaves[0] if len(leaves) == 1 else leaves
+            tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
+            with torch.enable_grad():
+                value = self.loss.compute_loss(out, tgt)
+                weight = self.loss.weight(leaves[0].shape[0], total_n)
+                grads = self.loss.compute_gradient(value, out, weight=weight)
+        except Exception as exc:
+            raise StageError(
+                f"the loss failed on microbatch {mb} (after stage {action.stage}): "
+                f"{type(exc).__name__}: {exc}",
+                stage=action.stage, action="loss", microbatch=mb,
+            ) from exc  # fmt: skip
+        self.comm.send(MessageKey(_GRAD, COORDINATOR, action.stage, mb), grads)
+        return value.detach() * weight
+
+    def _global_batch(self, n: int) -> int:
+        # A mean loss divides by the batch of all replicas, so each replica's gradients
+        # are its share and their sum is the full-batch gradient.
+        if self.groups.replica is None:
+            return n
+        count = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(count, group=self.groups.replica)
+        return int(count.item())
+
+    def _remote_keys(self, plan: Sequence[Action]) -> list[MessageKey]:
+        last = self.schedule.stages - 1
+        keys = []
+        for a in plan:
+            if a.kind is ActionKind.FORWARD and a.stage > 0:
+                keys.append(MessageKey(_ACT, a.stage - 1, a.stage, a.microbatch))
+            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and a.stage < last:
+                keys.append(MessageKey(_GRAD, a.stage + 1, a.stage, a.microbatch))
+        return keys
+
+    def _record(self, events: list[tuple[float, float]], train: bool) -> None:
+        group = self.groups.control if self.collect_stats else None
+        self._events = step_timeline(
+            events, self.schedule, self.topology.rank, self.topology.world, train, group,
+            self._offsets,
+        )  # fmt: skip
+        devices = self.topology.world if self.collect_stats and self.topology.rank == 0 else None
+        self._stats = PipelineStats.from_events(self._events, devices=devices)

@@ -1,0 +1,128 @@
+"""Collectives after a step: replica gradient all-reduce and gathering timelines to rank 0."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
+from batchgraph.pipeline.trace import TimelineEvent
+
+__all__ = ["allreduce_gradients", "gather_events", "stash_gradients", "step_timeline"]
+
+
+def stash_gradients(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
+    """Take the gradients out of ``params`` (set to ``None``) so a step's own can be reduced.
+
+    Without this, gradients accumulated by earlier steps would be summed over the replicas
+    again on every step.
+    """
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return saved
+
+
+def allreduce_gradients(
+    params: Sequence[nn.Parameter], group: Any, saved: Sequence[Tensor | None]
+) -> None:
+    """Sum this step's gradients over ``group``, then add back the ``saved`` earlier ones.
+
+    The loss is already weighted by each replica's share of the global batch (see
+    :class:`~batchgraph.pipeline.dist_pipeline.DistributedPipeline`), so a plain sum gives
+    the full-batch gradient. One flat buffer per dtype: one collective, not one per tensor.
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # every replica must contribute the same layout
+        by_dtype.setdefault(p.grad.dtype, []).append(i)
+    for indices in by_dtype.values():
+        grads = [params[i].grad for i in indices]
+        flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in grads:
+            assert g is not None
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+    for p, old in zip(params, saved):
+        if old is not None and p.grad is not None:
+            p.grad.add_(old)
+
+
+def gather_events(
+    events: Sequence[tuple[float, float]],
+    plans: Mapping[int, Sequence[Action]],
+    group: Any,
+    offsets: Sequence[float],
+) -> list[TimelineEvent] | None:
+    """Gather every rank's measured (start, end) per planned action to rank 0.
+
+    Every rank knows every rank's plan (the schedule is data), so only the times travel:
+    one float64 tensor per rank, padded to the longest plan, in a single ``gather``.
+
+    Args:
+        events: this rank's (start, end) per action of its plan, in order.
+        plans: each rank's planned actions, by global rank.
+        group: a group of all ranks (global rank 0 receives).
+        offsets: each rank's clock offset from rank 0's (subtracted).
+
+    Returns:
+        On rank 0, every rank's events (``device`` is the global rank) with times
+        relative to the earliest start; ``None`` on the other ranks.
+    """
+    length = max((len(p) for p in plans.values()), default=0)
+    mine = torch.full((max(length, 1), 2), float("nan"), dtype=torch.float64)
+    if events:
+        mine[: len(events)] = torch.tensor(events, dtype=torch.float64)
+    rank = dist.get_rank()
+    bucket = [torch.empty_like(mine) for _ in plans] if rank == 0 else None
+    dist.gather(mine, bucket, dst=0, group=group)
+    if bucket is None:
+        return None
+    out: list[TimelineEvent] = []
+    for r, times in enumerate(bucket):
+        for action, (start, end) in zip(plans[r], times.tolist()):
+            if start == start:  # not NaN: the action ran
+                out.append(TimelineEvent(r, action, start - offsets[r], end - offsets[r]))
+    t0 = min((e.start for e in out), default=0.0)
+    return [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in out]
+
+
+def step_timeline(
+    events: Sequence[tuple[float, float]],
+    schedule: PipelineSchedule,
+    rank: int,
+    world: int,
+    train: bool,
+    group: Any | None,
+    offsets: Sequence[float],
+) -> list[TimelineEvent]:
+    """The step's timeline: every rank's on rank 0 when ``group`` is given, else this rank's.
+
+    Args:
+        events: this rank's (start, end) per action it ran, in plan order.
+        schedule: the schedule (rank ``r`` runs device ``r % devices``).
+        rank: this rank; world: the number of ranks.
+        train: whether the step ran backward actions (a forward step runs F only).
+        group: a group of all ranks to gather over, or ``None`` to keep events local.
+        offsets: per-rank clock offsets (see :func:`~batchgraph.pipeline.dist_topology.clock_offsets`).
+    """
+    plans = {
+        r: [
+            a for a in schedule.order[r % schedule.devices] if train or a.kind is ActionKind.FORWARD
+        ]
+        for r in range(world)
+    }
+    if group is not None:
+        gathered = gather_events(events, plans, group, offsets)
+        if gathered is not None:
+            return gathered
+    t0 = min((s for s, _ in events), default=0.0)
+    return [TimelineEvent(rank, a, s - t0, e - t0) for a, (s, e) in zip(plans[rank], events)]

@@ -1,0 +1,302 @@
+"""batchgraph's torch.distributed backend vs ``torch.distributed.pipelining``, side by side.
+
+Run:  python benchmarks/pipeline_vs_torch.py          (a few minutes; --quick: fewer steps)
+
+Both run the same stage modules, batch, microbatches and schedule under gloo on this
+machine, each in its own fresh set of spawned processes (so peak memory is per
+implementation), one intra-op thread per rank:
+
+(a) ``mlp``: an MLP with real compute (8 x Linear(512) + ReLU + Linear(512, 16), batch
+    256, m = 8) on 2 ranks, one stage per rank.
+(b) ``virtual``: "virtual device" stages whose F, I and W sleep a fixed time inside
+    custom autograd functions (a full B sleeps I + W; see ``benchmarks/pipeline.py``),
+    p = 4 ranks, m = 8. Sleeping releases the CPU, so the 4 ranks overlap on 2 cores like
+    devices would. batchgraph's measured makespan (first action start to last action end
+    over all ranks, from the timelines gathered to rank 0) is compared with
+    ``simulate()``'s for the same costs.
+
+Schedules compared: ``gpipe`` vs ``ScheduleGPipe``, ``1f1b`` vs ``Schedule1F1B``, and
+``zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB-H1 case).
+Step time: both implementations are built in the same processes (on copies of the same
+stage) and take turns, step by step, so the machine's background load hits both alike;
+each step is timed between two barriers (gradients zeroed outside), and the median over
+the timed steps is reported (the slowest rank's). Peak memory: a separate launch per
+implementation, the rise of each rank's maximum resident set size over the timed steps'
+starting point (CPU: no allocator statistics), in MiB. batchgraph runs with its default
+per-step stats gathering on.
+
+Prints a table and writes ``benchmarks/results/pipeline_vs_torch.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runnable from a checkout
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from pipeline import VirtualStage, _machine  # noqa: E402  (benchmarks/pipeline.py)
+
+from batchgraph.pipeline import ActionCosts, DistributedPipeline, make_schedule, simulate  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "pipeline_vs_torch.json"
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+}
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+def mlp_stage(index: int, num_stages: int, width: int = 512, layers: int = 8) -> nn.Module:
+    """Stage ``index`` of the MLP: its share of the layers, seeded (same in both runs)."""
+    torch.manual_seed(index)
+    per = layers // num_stages
+    mods: list[nn.Module] = []
+    for _ in range(per):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    if index == num_stages - 1:
+        mods.append(nn.Linear(width, 16))
+    return nn.Sequential(*mods)
+
+
+def case_setup(case: str, rank: int, world: int, unit: float) -> tuple[nn.Module, Any, Any]:
+    """This rank's stage module and the full batch (inputs, targets)."""
+    if case == "mlp":
+        torch.manual_seed(100)
+        x, y = torch.randn(256, 512), torch.randn(256, 16)
+        return mlp_stage(rank, world), x, y
+    x = torch.zeros(16, 4)
+    return VirtualStage(unit, unit, unit), x, x
+
+
+# -- one rank -------------------------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _torch_step_fn(module: nn.Module, schedule: str, rank: int, world: int, m: int) -> Any:
+    from torch.distributed import pipelining as pp
+
+    stage = pp.PipelineStage(module, rank, world, torch.device("cpu"))
+    loss = nn.MSELoss()
+    if schedule == "gpipe":
+        return pp.ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss)
+    if schedule == "1f1b":
+        return pp.Schedule1F1B(stage, n_microbatches=m, loss_fn=loss)
+    return pp.ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=loss)
+
+
+def _steppers(job: dict[str, Any], rank: int, world: int) -> dict[str, tuple[Any, nn.Module]]:
+    """One ``step()`` per implementation in ``job["impls"]``, each on its own copy of the stage."""
+    module, x, y = case_setup(job["case"], rank, world, job["unit"])
+    first, last, m = rank == 0, rank == world - 1, job["m"]
+    out: dict[str, tuple[Any, nn.Module]] = {}
+    if "batchgraph" in job["impls"]:
+        mine = copy.deepcopy(module)
+        pipe = DistributedPipeline(
+            [mine if s == rank else nn.Identity for s in range(world)],
+            stages=world, microbatches=m, schedule=job["schedule"], loss_fn=nn.MSELoss(),
+            timeout=120,
+        )  # fmt: skip
+
+        def ours() -> float | None:
+            pipe.train_step(x if first else None, y if last else None)
+            return pipe.stats.makespan if rank == 0 else None
+
+        out["batchgraph"] = (ours, mine)
+    if "torch" in job["impls"]:
+        theirs = copy.deepcopy(module)
+        sched = _torch_step_fn(theirs, job["schedule"], rank, world, m)
+
+        def baseline() -> float | None:
+            if first:
+                sched.step(x)
+            elif last:
+                sched.step(target=y, losses=[])
+            else:
+                sched.step()
+            return None
+
+        out["torch"] = (baseline, theirs)
+    return out
+
+
+def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) -> None:
+    """Run ``job``: time the implementations step by step in turn (so the machine's load
+    hits both alike), or, with one implementation, measure its peak memory."""
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        steppers = _steppers(job, rank, world)
+        times: dict[str, list[float]] = {k: [] for k in steppers}
+        makespans: list[float] = []
+        base = _rss_mib()
+        for i in range(job["warmup"] + job["repeat"]):
+            if i == job["warmup"]:
+                base = _rss_mib()
+            for name, (step, module) in steppers.items():
+                for p in module.parameters():
+                    p.grad = None
+                dist.barrier()
+                start = time.perf_counter()
+                makespan = step()
+                dist.barrier()
+                if i >= job["warmup"]:
+                    times[name].append(time.perf_counter() - start)
+                    if makespan is not None:
+                        makespans.append(makespan)
+        result = {
+            "step_s": {k: statistics.median(v) for k, v in times.items()},
+            "peak_mib": max(0.0, _peak_mib() - base),
+            "makespan_s": statistics.median(makespans) if makespans else None,
+        }
+        dist.destroy_process_group()
+        queue.put((rank, result))
+    except BaseException as exc:
+        queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+        raise
+
+
+def launch(job: dict[str, Any], world: int, limit: float = 240.0) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks for ``job``; each rank's result, in rank order."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, job, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + limit
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, res = queue.get(timeout=1.0)
+            results[rank] = res
+        except Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+    for p in procs:
+        p.join(10)
+        if p.exitcode is None:
+            p.kill()
+    return [results.get(r, {"error": "no result (timed out or crashed)"}) for r in range(world)]
+
+
+# -- driver ---------------------------------------------------------------------------------
+
+
+def run_case(
+    case: str, world: int, m: int, unit: float, warmup: int, repeat: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for schedule, torch_name in SCHEDULES.items():
+        row: dict[str, Any] = {"case": case, "ranks": world, "microbatches": m, "schedule": schedule,
+                               "torch_schedule": torch_name}  # fmt: skip
+        job = {"case": case, "impls": ("batchgraph", "torch"), "schedule": schedule, "m": m,
+               "unit": unit, "warmup": warmup, "repeat": repeat}  # fmt: skip
+        timed = launch(job, world)
+        errors = [r["error"] for r in timed if "error" in r]
+        for impl in ("batchgraph", "torch"):
+            if errors:
+                row[impl] = {"error": errors[0]}
+                continue
+            # Peak memory: a launch of its own per implementation, a few steps.
+            alone = launch({**job, "impls": (impl,), "warmup": 1, "repeat": 2}, world)
+            row[impl] = {
+                "step_s": max(r["step_s"][impl] for r in timed),
+                "peak_mib_per_rank": [round(r.get("peak_mib", float("nan")), 1) for r in alone],
+            }
+        ok = not errors
+        row["ratio"] = row["batchgraph"]["step_s"] / row["torch"]["step_s"] if ok else None
+        if case == "virtual" and ok:
+            costs = ActionCosts(
+                forward=unit, backward=2 * unit, backward_input=unit, backward_weight=unit
+            )
+            sim = simulate(make_schedule(schedule, stages=world, microbatches=m), costs).makespan
+            measured = timed[0]["makespan_s"]
+            row["batchgraph"]["makespan_s"] = measured
+            row["simulated_makespan_s"] = sim
+            row["makespan_vs_sim"] = measured / sim
+        rows.append(row)
+        print(_format(row), flush=True)
+    return rows
+
+
+def _format(row: dict[str, Any]) -> str:
+    def cell(impl: str) -> str:
+        r = row[impl]
+        if "error" in r:
+            return f"{'error':>9} {'':>15}"
+        mem = "/".join(f"{v:.0f}" for v in r["peak_mib_per_rank"])
+        return f"{r['step_s'] * 1e3:8.1f}ms {mem:>15}"
+
+    ratio = f"{row['ratio']:.3f}" if row.get("ratio") else "  -  "
+    sim = ""
+    if row.get("makespan_vs_sim"):
+        sim = f"  makespan {row['batchgraph']['makespan_s'] * 1e3:.1f} / sim {row['simulated_makespan_s'] * 1e3:.1f} ms = {row['makespan_vs_sim']:.3f}"
+    return f"{row['case']:>7} {row['schedule']:>6} {cell('batchgraph')} {cell('torch')} {ratio:>6}{sim}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="batchgraph vs torch.distributed.pipelining")
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps")
+    parser.add_argument("--unit-ms", type=float, default=10.0, help="virtual stage action time")
+    parser.add_argument("--cases", default="mlp,virtual")
+    args = parser.parse_args()
+    warmup, repeat = (2, 5) if args.quick else (3, 15)
+    unit = args.unit_ms / 1e3
+    print(f"{'case':>7} {'sched':>6} {'batchgraph':>9} {'peak MiB/rank':>15} {'torch':>9} "
+          f"{'peak MiB/rank':>15} {'ratio':>6}")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    cases = args.cases.split(",")
+    if "mlp" in cases:
+        rows += run_case("mlp", world=2, m=8, unit=unit, warmup=warmup, repeat=repeat)
+    if "virtual" in cases:
+        rows += run_case("virtual", world=4, m=8, unit=unit, warmup=warmup, repeat=repeat)
+    out = {
+        "machine": _machine(),
+        "backend": "gloo",
+        "intra_op_threads_per_rank": 1,
+        "warmup_steps": warmup,
+        "timed_steps": repeat,
+        "virtual_unit_s": unit,
+        "rows": rows,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
