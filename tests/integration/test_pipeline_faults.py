@@ -156,8 +156,8 @@ def test_first_stage_input_mismatch() -> None:
         ({"stages": 2, "microbatches": 2, "schedule": "2f2b"}, "choose one of gpipe, 1f1b"),
         ({"stages": 9, "microbatches": 2}, r"cannot split 7 layers into 9 stages"),
         (
-            {"stages": 2, "microbatches": 2, "backend": "torch.distributed"},
-            "registered backends: threads",
+            {"stages": 2, "microbatches": 2, "backend": "mpi"},
+            r"backend 'mpi' is not registered; registered backends: threads, torch\.distributed",
         ),
         ({"microbatches": 2}, "pass stages="),
     ],
@@ -166,6 +166,12 @@ def test_invalid_configuration(kwargs: dict[str, Any], match: str) -> None:
     assert "threads" in available_backends()
     with pytest.raises(PipelineConfigError, match=match):
         Pipeline(mlp(4), loss_fn=nn.MSELoss(), **kwargs)
+
+
+def test_distributed_backend_outside_a_process_group() -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="start the script with torchrun"):
+        Pipeline(mlp(4), stages=2, microbatches=2, loss_fn=nn.MSELoss(), backend="torch.distributed")
 
 
 def test_more_microbatches_than_samples() -> None:
