@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> float:
             else batches_from_workers(model, loader, binder)
         )
         total, seen = 0.0, 0
-        bar = tqdm(total=len(data), unit="tree", desc=f"epoch {epoch}", disable=args.quiet)
+        bar = tqdm(total=len(data), unit="tree", desc=f"epoch {epoch}", disable=True if args.quiet else None)
         for logits, labels in batches:
             loss = F.cross_entropy(logits, labels, reduction="sum")
             opt.zero_grad()

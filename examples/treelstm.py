@@ -92,7 +92,8 @@ def train(args: argparse.Namespace, model: TreeLSTMClassifier, train_set: list[T
         total_loss, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
         bar = tqdm(batches(order, args.batch_size), desc=f"epoch {epoch}/{args.epochs}",
-                   unit="batch", leave=False, file=sys.stderr)
+                   unit="batch", leave=False, file=sys.stderr,
+                   disable=None)  # None: no bar when stderr is not a terminal (CI logs)
         for batch in bar:
             logits = batched_logits(model, batch, args.scheduler)
             y = labels_of(batch)
