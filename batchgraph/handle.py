@@ -1,23 +1,24 @@
 """``ResultHandle``: the stand-in for a value that has been recorded but not computed.
 
-A handle behaves like the per-example tensor (or tuple) it stands for, as far as
-recording goes: it unpacks like the tuple (``h, c = cell(x)``), answers ``shape``,
-``dtype`` and ``device`` from its spec, and its operators, tensor methods and any
-``torch`` function applied to it are recorded with per-example semantics. Reading
-its value needs ``compute`` first; branching on it (``if h > 0``) needs a coroutine
-(see ``bg.run_all``).
+A handle behaves like the per-example tensor it stands for, as far as recording
+goes. A call with several outputs returns a tuple of handles, as the eager call
+returns a tuple of tensors, so ``h, c = cell(x)`` is a plain tuple unpacking. A
+handle answers ``shape``, ``dtype`` and ``device`` from its spec, and its operators,
+tensor methods and any ``torch`` function applied to it are recorded with
+per-example semantics. Reading its value needs ``compute`` first; branching on it
+(``if h > 0``) needs a coroutine (see ``bg.run_all``).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgraph.errors import NotComputedError
-from batchgraph.specs import OutSpec, TensorSpec, count_leaves
+from batchgraph.specs import OutSpec, TensorSpec
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
@@ -45,27 +46,9 @@ def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return getter
 
 
-# Leaf offset of each child of a tuple spec, keyed by the spec object's id (hashing
-# the spec itself costs more than the lookup saves); the spec is kept alive beside
-# its offsets so the id cannot be reused. Specs are few: one per call signature.
-_CHILD_OFFSETS: dict[int, tuple[Any, list[int]]] = {}
-
-
-def _child_offsets(spec: tuple[Any, ...]) -> list[int]:
-    cached = _CHILD_OFFSETS.get(id(spec))
-    if cached is not None:
-        return cached[1]
-    offsets = []
-    total = 0
-    for s in spec:
-        offsets.append(total)
-        total += count_leaves(s)
-    _CHILD_OFFSETS[id(spec)] = (spec, offsets)
-    return offsets
-
-
 class ResultHandle:
-    """A recorded value: output ``leaf`` (or the subtree starting there) of ``node``.
+    """A recorded value: output ``leaf`` of ``node`` (the whole result if its structure
+    was unknown before running).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -85,27 +68,10 @@ class ResultHandle:
         self.spec = spec
 
     # -- structure -----------------------------------------------------------------
-    def _child(self, index: int) -> ResultHandle:
+    # A call with several outputs returns a tuple of handles (see ``handles_for``), so
+    # a handle stands for one tensor, or for a result whose structure is unknown.
+    def __iter__(self) -> Iterator[Any]:
         spec = self.spec
-        assert isinstance(spec, tuple)
-        if index < 0:
-            index += len(spec)
-        if not 0 <= index < len(spec):
-            raise IndexError(f"index {index} out of range for a result of {len(spec)} items")
-        offsets = _child_offsets(spec)
-        child = cast(OutSpec, spec[index])
-        return ResultHandle(self._graph, self.node, self.leaf + offsets[index], child)
-
-    def __iter__(self) -> Iterator[ResultHandle]:
-        spec = self.spec
-        if type(spec) is tuple:
-            cached = _CHILD_OFFSETS.get(id(spec))
-            offsets = cached[1] if cached is not None else _child_offsets(spec)
-            graph, node, leaf = self._graph, self.node, self.leaf
-            children = cast(tuple[OutSpec, ...], spec)
-            return iter(
-                [ResultHandle(graph, node, leaf + o, s) for o, s in zip(offsets, children)]
-            )
         if isinstance(spec, TensorSpec):
             if not spec.shape:
                 raise TypeError("iteration over a 0-d tensor handle")
@@ -121,16 +87,9 @@ class ResultHandle:
             if not spec.shape:
                 raise TypeError("len() of a 0-d tensor handle")
             return spec.shape[0]
-        if isinstance(spec, tuple):
-            return len(spec)
         raise TypeError(f"len() of {self!r}: its structure is unknown until it runs")
 
     def __getitem__(self, index: Any) -> Any:
-        spec = self.spec
-        if isinstance(spec, tuple) and not isinstance(spec, TensorSpec):
-            if isinstance(index, slice):
-                return tuple(self._child(i) for i in range(*index.indices(len(spec))))
-            return self._child(operator.index(index))
         return _record(operator.getitem, (self, index), {})
 
     # -- tensor-like metadata ----------------------------------------------------------
@@ -171,7 +130,7 @@ class ResultHandle:
 
     @property
     def value(self) -> Any:
-        """The computed per-example value (a tensor, or a tuple for tuple results).
+        """The computed per-example tensor (for an unknown structure: the whole result).
 
         Raises:
             NotComputedError: if the handle has not been computed yet.
@@ -183,16 +142,7 @@ class ResultHandle:
             )
         if self.spec is None:  # the whole result, whatever its structure turned out to be
             return self._graph.leaf_value(self.node, -1)
-        return self._value_of(self.spec, self.leaf)
-
-    def _value_of(self, spec: OutSpec, leaf: int) -> Any:
-        if isinstance(spec, tuple) and not isinstance(spec, TensorSpec):
-            values = []
-            for s in spec:
-                values.append(self._value_of(s, leaf))
-                leaf += count_leaves(s)
-            return tuple(values)
-        return self._graph.leaf_value(self.node, leaf)
+        return self._graph.leaf_value(self.node, self.leaf)
 
     # -- coroutines (see batchgraph.awaiting) ---------------------------------------------
     def __await__(self) -> Generator[Any, Any, Any]:
@@ -209,9 +159,7 @@ class ResultHandle:
 
     def __repr__(self) -> str:
         spec = self.spec
-        what = spec.describe() if isinstance(spec, TensorSpec) else (
-            f"tuple of {len(spec)}" if isinstance(spec, tuple) else "unknown structure"
-        )
+        what = spec.describe() if isinstance(spec, TensorSpec) else "unknown structure"
         return f"<ResultHandle node={self.node} leaf={self.leaf} {what} of {self._graph.name}>"
 
     # -- recorded operations ---------------------------------------------------------

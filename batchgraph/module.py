@@ -74,6 +74,42 @@ def _stub(value: Any) -> Any:
     return _stub_module(value)
 
 
+_MISSING = object()
+
+
+class _SubmoduleAttribute:
+    """A class attribute that reads submodule ``name`` of a ``BatchedModule``.
+
+    A non-data descriptor: a value in the instance ``__dict__`` still wins, and an
+    instance whose ``name`` is not a submodule falls back to ``nn.Module``'s lookup
+    (parameters, buffers, or the usual ``AttributeError``).
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, owner: nn.Module | None, cls: type | None = None) -> Any:
+        if owner is None:  # the class itself has no such attribute
+            raise AttributeError(self.name)
+        d = owner.__dict__
+        name = self.name
+        module = d["_modules"].get(name)
+        if module is None:
+            return nn.Module.__getattr__(owner, name)
+        if _ACTIVE.get() is None:
+            return module
+        # Recording: the module's stub, cached per attribute (and checked against the
+        # current submodule, which may have been replaced).
+        cached = d["_batchgraph_stubs"].get(name) if "_batchgraph_stubs" in d else None
+        if cached is not None and cached[0] is module:
+            return cached[1]
+        stub = _stub(module)
+        d.setdefault("_batchgraph_stubs", {})[name] = (module, stub)
+        return stub
+
+
 class BatchedModule(nn.Module):
     """An ``nn.Module`` whose per-example code is recorded under a ``BatchingPolicy``.
 
@@ -97,19 +133,16 @@ class BatchedModule(nn.Module):
     """
 
     def __getattr__(self, name: str) -> Any:
-        # Submodules first: this runs on every `self.cell` of per-example code, so the
-        # stub is cached per attribute (and checked against the current submodule).
-        d = self.__dict__
-        module = d["_modules"].get(name)
-        if module is not None:
-            if _ACTIVE.get() is None:
-                return module
-            cached = d["_batchgraph_stubs"].get(name) if "_batchgraph_stubs" in d else None
-            if cached is not None and cached[0] is module:
-                return cached[1]
-            stub = _stub(module)
-            d.setdefault("_batchgraph_stubs", {})[name] = (module, stub)
-            return stub
+        # Reached when normal lookup fails, as for any nn.Module submodule. The first
+        # time a submodule is read this way, its name gets a _SubmoduleAttribute on the
+        # class, so later reads (every `self.cell` of per-example code) skip the failed
+        # lookup and nn.Module.__getattr__: about half the cost of a read.
+        if name in self.__dict__["_modules"]:
+            cls = type(self)
+            attribute = _SubmoduleAttribute(name)
+            if getattr(cls, name, _MISSING) is _MISSING:
+                setattr(cls, name, attribute)
+            return attribute.__get__(self, cls)
         return super().__getattr__(name)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -50,6 +50,11 @@ def prune(graph: Graph, roots: Iterable[int]) -> LiveGraph:
         >>> prune(p.graph, [used.node]).nodes   # the constant and the product
         [0, 1]
     """
+    roots = list(roots)
+    if not graph.stores:
+        everything = _everything_needed(graph, roots)
+        if everything is not None:
+            return everything
     loc = graph.node_loc
     inputs = graph.node_inputs
     size = len(loc)
@@ -83,3 +88,27 @@ def prune(graph: Graph, roots: Iterable[int]) -> LiveGraph:
     else:
         nodes = [n for n in range(floor, top + 1) if needed[n]]
     return LiveGraph(nodes, pending, consumers)
+
+
+def _everything_needed(graph: Graph, roots: list[int]) -> LiveGraph | None:
+    """The first compute's usual case: nothing computed yet and every node needed.
+
+    Then each node waits for all of its inputs, and one forward sweep lists the
+    consumers, with no reachability marks. Following consumers from any node ends
+    at a node without consumers (a sink), so every node is needed exactly when every
+    sink is requested; otherwise (None) ``prune`` walks from the roots.
+    """
+    inputs = graph.node_inputs
+    size = len(inputs)
+    consumers: list[list[int] | None] = [None] * size
+    for n, sources in enumerate(inputs):
+        for s, _ in sources:
+            users = consumers[s]
+            if users is None:
+                consumers[s] = [n]
+            else:
+                users.append(n)
+    requested_sinks = sum(1 for r in set(roots) if consumers[r] is None)
+    if consumers.count(None) != requested_sinks:
+        return None
+    return LiveGraph(list(range(size)), list(map(len, inputs)), consumers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -47,7 +47,14 @@ if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
     from batchgraph.policy import BatchingPolicy
 
-__all__ = ["CallSite", "ModuleStub", "active_policy", "function_site", "module_site"]
+__all__ = [
+    "CallSite",
+    "ModuleStub",
+    "active_policy",
+    "function_site",
+    "handles_for",
+    "module_site",
+]
 
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
 
@@ -69,12 +76,19 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("key", "memo", "n_leaves", "rules_token", "spec")
+    __slots__ = ("children", "key", "memo", "n_leaves", "rules_token", "spec")
 
     def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int) -> None:
         self.key = key
         self.spec = spec
         self.n_leaves = count_leaves(spec)
+        # A call with several outputs returns a tuple of handles, as the eager call
+        # returns a tuple of tensors: ``h, c = cell(...)`` is then a plain tuple
+        # unpacking. For a flat tuple these are (leaf, spec) per output; None for a
+        # single tensor, an unknown structure, or nested tuples (built recursively).
+        self.children: tuple[tuple[int, TensorSpec], ...] | None = None
+        if type(spec) is tuple and all(type(c) is TensorSpec for c in spec):
+            self.children = tuple(enumerate(cast(tuple[TensorSpec, ...], spec)))
         self.rules_token = rules_token
         # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
         # and a uid rather than the graph, so the cache keeps no batch alive.
@@ -161,7 +175,9 @@ class CallSite:
             if node is not None:
                 graph.merged += 1
                 graph.merged_calls += 1
-                return ResultHandle(graph, node, 0, spec)
+                if entry.children is not None:
+                    return tuple([ResultHandle(graph, node, i, s) for i, s in entry.children])
+                return handles_for(graph, node, 0, spec)
             graph.dedupe_table[signature] = len(graph.node_key)
         # Graph.add_node, inlined: this line runs once per recorded call.
         node = len(graph.node_key)
@@ -170,7 +186,9 @@ class CallSite:
         graph.node_depth.append(deepest + 1)
         graph.node_spec.append(spec)
         graph.node_loc.append(-1)
-        return ResultHandle(graph, node, 0, spec)
+        if entry.children is not None:
+            return tuple([ResultHandle(graph, node, i, s) for i, s in entry.children])
+        return handles_for(graph, node, 0, spec)
 
     def _resolve(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
@@ -221,6 +239,21 @@ class CallSite:
                 "tensor or a tuple of tensors. Wrap the tensor work in a module or function "
                 "that returns tensors, and do the rest on computed values."
             ) from err
+
+
+def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:
+    """What a recorded call returns: a handle per tensor, in the result's nesting.
+
+    A single tensor (or a result whose structure is unknown until it runs) gets one
+    handle; a tuple result gets a tuple of handles, nested like the eager result.
+    """
+    if type(spec) is not tuple:
+        return ResultHandle(graph, node, leaf, spec)
+    out = []
+    for child in cast(tuple[OutSpec, ...], spec):
+        out.append(handles_for(graph, node, leaf, child))
+        leaf += count_leaves(child)
+    return tuple(out)
 
 
 def _encode(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:

@@ -238,11 +238,12 @@ def _plan_inputs(
                 [(loc[s] >> STORE_SHIFT, leaf, loc[s] & ROW_MASK) for s, leaf in column]
             )
         return
+    # One transposition (in C) gives each input position's column of (source, leaf).
+    columns = list(zip(*map(inputs.__getitem__, nodes)))
     for positions in _position_groups(key, num):
         codes: list[int] = []
         for p in positions:
-            column = [inputs[n][p] for n in nodes]
-            codes.extend([loc[s] | (leaf << LEAF_SHIFT) for s, leaf in column])
+            codes.extend([loc[s] | (leaf << LEAF_SHIFT) for s, leaf in columns[p]])
         step.gathers.append(_plan_gather(positions, codes, sizes))
 
 
@@ -281,26 +282,24 @@ def _plan_gather(positions: list[int], codes: list[int], sizes: list[int]) -> Ga
         last = distinct[stop - 1] & ROW_MASK
         store, leaf = column >> (STORE_SHIFT - LEAF_SHIFT), column & LEAF_MASK
         used = stop - start
+        group = distinct[start:stop]
         if last - first + 1 == used:  # distinct and sorted: contiguous
             parts.append((store, leaf, range(first, last + 1)))
-            for c in distinct[start:stop]:
-                where[c] = offset + (c & ROW_MASK) - first
+            where.update(zip(group, range(offset, offset + used)))
             offset += used
         elif sizes[store] > 0 and 2 * used >= sizes[store]:
             parts.append((store, leaf, range(0, sizes[store])))
-            for c in distinct[start:stop]:
-                where[c] = offset + (c & ROW_MASK)
+            where.update(zip(group, [offset + (c & ROW_MASK) for c in group]))
             offset += sizes[store]
             exact = False
         else:
-            parts.append((store, leaf, [c & ROW_MASK for c in distinct[start:stop]]))
-            for j, c in enumerate(distinct[start:stop]):
-                where[c] = offset + j
+            parts.append((store, leaf, [c & ROW_MASK for c in group]))
+            where.update(zip(group, range(offset, offset + used)))
             offset += used
         start = stop
     if exact and codes == distinct:
         return GatherPlan(positions, parts, None)
-    return GatherPlan(positions, parts, [where[c] for c in codes])
+    return GatherPlan(positions, parts, list(map(where.__getitem__, codes)))
 
 
 def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:

@@ -66,6 +66,24 @@ def test_handle_metadata_and_unpacking() -> None:
     assert values[0].shape == (5,)
 
 
+def test_a_tuple_result_is_a_tuple_of_handles_nested_like_the_eager_result() -> None:
+    lstm = nn.LSTM(3, 4)  # (seq, 3) -> (out (seq, 4), (h (1, 4), c (1, 4)))
+    f = bg.batched_func(lstm)
+    xs = [torch.randn(5, 3) for _ in range(2)]
+    eager = [f(x) for x in xs]
+    with bg.BatchingPolicy():
+        recorded = [f(x) for x in xs]
+    out, (h, c) = recorded[0]
+    assert type(recorded[0]) is tuple and type(recorded[0][1]) is tuple
+    assert [type(x) for x in (out, h, c)] == [bg.ResultHandle] * 3
+    assert (out.shape, h.shape, c.shape) == ((5, 4), (1, 4), (1, 4))
+    assert [x.leaf for x in (out, h, c)] == [0, 1, 2]
+    for got, want in zip(bg.compute(recorded), eager):
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1][0], want[1][0])
+        torch.testing.assert_close(got[1][1], want[1][1])
+
+
 def test_operators_methods_and_torch_functions_record_per_example_semantics() -> None:
     xs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
     ys = [torch.randn(3, dtype=torch.float64) for _ in range(3)]
@@ -213,3 +231,32 @@ def test_rules_of_one_policy_do_not_leak_into_another() -> None:
         with bg.BatchingPolicy() as plain:
             g = f(torch.ones(2))
         assert type(plain.graph.keys[plain.graph.node_key[g.node]]) is bg.StackKey
+
+
+def test_submodule_reads_stay_right_after_the_class_learns_the_name() -> None:
+    class Holder(bg.BatchedModule):
+        def __init__(self, part: object) -> None:
+            super().__init__()
+            self.part = part
+
+    lin = nn.Linear(2, 2)
+    first = Holder(lin)
+    assert first.part is lin  # the first read teaches Holder the name "part"
+    with pytest.raises(AttributeError):
+        _ = Holder.part  # the class itself still has no such attribute
+    with bg.BatchingPolicy():
+        assert first.part is not lin and first.part.module is lin  # its stub
+    assert first.part is lin
+    # Other instances of the class, where "part" is something else, are unaffected.
+    weight = nn.Parameter(torch.ones(2))
+    assert Holder(weight).part is weight
+    assert Holder(3).part == 3
+    # A replaced submodule, and a removed one.
+    other = nn.Linear(2, 2)
+    first.part = other
+    assert first.part is other
+    with bg.BatchingPolicy():
+        assert first.part.module is other
+    del first.part
+    with pytest.raises(AttributeError, match="part"):
+        _ = first.part
