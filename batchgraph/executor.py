@@ -1,10 +1,13 @@
 """``Executor``: runs a ``Schedule`` on the live modules, autograd intact.
 
 Each step's outputs stay batched (one tensor per output leaf, rows in node order) and
-are appended to ``graph.stores``. Inputs are gathered by the step's plans: a slice
-view when rows are contiguous, else one ``index_select`` per source, one ``cat`` and
-one permuting ``index_select``. All of these are differentiable, so gradients flow
-from any computed value back to the parameters and constants that produced it.
+are appended to ``graph.stores``. Inputs are gathered by the step's plans
+(``batchgraph.gathering``): the sources concatenated (usually a pool's carried rows
+and the outputs made since), then one ``index_select`` that puts the step's rows in
+node order followed by the rows later steps still need, carried to the pool's next
+gather. A source that is used in order is taken as a view. All of these are
+differentiable, so gradients flow from any computed value back to the parameters
+and constants that produced it.
 
 When a batched call raises, the executor reruns that step's calls one at a time to
 find the first failing one, and raises ``BatchedCallError`` naming the key, the
@@ -19,9 +22,10 @@ from typing import Any
 import torch
 
 from batchgraph.errors import BatchedCallError, NotATensorError
+from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
-from batchgraph.scheduling import GatherPlan, Schedule, Step
+from batchgraph.scheduling import Schedule, Step
 from batchgraph.specs import flatten_output
 
 __all__ = ["Executor"]
@@ -49,6 +53,8 @@ class Executor:
         # Index tensors built from plans, per device; plans are plain lists.
         # The list is kept beside its tensor so its id cannot be reused while cached.
         self._index_cache: dict[tuple[int, torch.device], tuple[list[int], torch.Tensor]] = {}
+        # Rows each pool carries to its next gather (see batchgraph.gathering).
+        self._carry: dict[int, torch.Tensor] = {}
 
     def run(self, schedule: Schedule) -> None:
         """Run every step; on success record where each node's value lives.
@@ -71,6 +77,8 @@ class Executor:
         except BaseException:
             del graph.stores[len(graph.stores) - added :]
             raise
+        finally:
+            self._carry.clear()
         node_loc = graph.node_loc
         for step in schedule.steps:
             base = step.store << STORE_SHIFT
@@ -150,6 +158,9 @@ class Executor:
         stores = self.graph.stores
         pieces = []
         for sid, leaf, rows in plan.parts:
+            if sid == CARRY:
+                pieces.append(self._carry.pop(leaf))
+                continue
             source = stores[sid][leaf]
             if type(source) is list:
                 pieces.append(torch.stack([source[r] for r in rows]))
@@ -160,6 +171,12 @@ class Executor:
         gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if plan.perm is not None:
             gathered = gathered.index_select(0, self._index(plan.perm, gathered.device))
+        if plan.keep:
+            # The rows later steps still gather ride along to the pool's next gather.
+            assert plan.perm is not None  # survivors are always placed by the perm
+            cut = len(plan.perm) - plan.keep
+            self._carry[plan.pool] = gathered[cut:]
+            gathered = gathered[:cut]
         return gathered
 
     def _fetch(self, refs: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:

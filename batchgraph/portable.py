@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgraph.gathering import GatherPlan, plan_gather
 from batchgraph.graph import LEAF_SHIFT, STORE_SHIFT, Graph
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, ConstantKey
@@ -36,7 +37,7 @@ from batchgraph.naming import function_name, module_names, qualified_name
 from batchgraph.passes import prune
 from batchgraph.policy import BatchingPolicy
 from batchgraph.schedule_cache import ScheduleCache
-from batchgraph.scheduling import GatherPlan, Schedule, _plan_gather, build_schedule
+from batchgraph.scheduling import Schedule, build_schedule
 from batchgraph.specs import CallSignature, OutSpec, TensorSpec
 
 __all__ = ["Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export"]
@@ -359,4 +360,4 @@ def _output_plan(outputs: Any, schedule: Schedule, graph: Graph) -> GatherPlan |
     # Rows per store, as build_schedule counts them (-1: per-example lists).
     keys = graph.keys
     sizes = [len(s.nodes) if keys[s.key].combine == "stack" else -1 for s in schedule.steps]
-    return _plan_gather([0], codes, sizes)
+    return plan_gather([0], codes, sizes)

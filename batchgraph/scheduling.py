@@ -9,11 +9,10 @@ Two schedulers order the live nodes into *steps* (one batched call each):
 * ``depth``: one step per (depth, key), in order of depth (for comparison).
 
 A ``Schedule`` is plain data (ints and lists), so it pickles and can be built in
-another process. Besides the order, each step carries its *gather plans*: for every
-group of same-spec input positions, where each row comes from (a slice or rows of an
-earlier step's output) and the permutation that puts them in node order. The executor
-turns a plan into at most one ``index_select`` per source, one ``cat`` and one final
-``index_select``.
+another process. Besides the order, each step carries its *gather plans*
+(``batchgraph.gathering``): for every group of same-spec input positions, which
+sources to concatenate and the one ``index_select`` that puts their rows in node
+order, with the rows later steps still need carried along in a per-spec pool.
 
 ``launch_lower_bound`` is the bound from DESIGN.md: for each batchable key, the most
 nodes of that key on one dependency path, summed, plus one per unbatchable node.
@@ -22,15 +21,16 @@ nodes of that key on one dependency path, summed, plus one per unbatchable node.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from batchgraph.gathering import GatherPlan, GatherPlanner, record_uses
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.passes import LiveGraph
+from batchgraph.specs import OutSpec, TensorSpec
 
 __all__ = [
     "GatherPlan",
@@ -42,24 +42,6 @@ __all__ = [
     "depth_order",
     "launch_lower_bound",
 ]
-
-LEAF_MASK = (1 << (STORE_SHIFT - LEAF_SHIFT)) - 1
-
-# rows: a range (a slice of the source) or an explicit list of rows.
-Part = tuple[int, int, Any]  # (store id, leaf, rows)
-
-
-@dataclass
-class GatherPlan:
-    """Gather the inputs at ``positions`` (same per-example spec) in one go.
-
-    The gathered tensor holds ``len(positions) * B`` rows, position by position, each
-    in node order: ``cat(part rows)[perm]`` (no ``perm`` when already in order).
-    """
-
-    positions: list[int]
-    parts: list[Part]
-    perm: list[int] | None
 
 
 @dataclass
@@ -203,48 +185,72 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
     order = order_fn(graph, live)
     base = len(graph.stores)
-    # Locations are planned on a copy: the graph only changes once execution succeeds.
-    loc = graph.node_loc[:]
     keys = graph.keys
     inputs = graph.node_inputs
     # Rows per store (earlier computes' stores, then this schedule's steps); -1 for
     # stores of per-example lists, which may be ragged and are never taken whole.
     sizes = [-1 if not store or type(store[0]) is list else len(store[0]) for store in graph.stores]
-    steps = []
+    # Locations are planned on a copy (the graph only changes once execution
+    # succeeds), all of them first: the planner needs each value's last use.
+    loc = graph.node_loc[:]
     for i, (k, nodes) in enumerate(order):
-        sid = base + i
-        step = Step(k, nodes, sid)
-        key = keys[k]
-        sizes.append(len(nodes) if key.combine == "stack" else -1)
-        if inputs[nodes[0]] and not isinstance(key, ConstantKey):
-            _plan_inputs(graph, key, step, loc, sizes)
-        code = sid << STORE_SHIFT
+        sizes.append(len(nodes) if keys[k].combine == "stack" else -1)
+        code = (base + i) << STORE_SHIFT
         for row, n in enumerate(nodes):
             loc[n] = code | row
+    steps: list[Step] = []
+    requests: list[list[tuple[list[int], list[int], Any]]] = []
+    last_use: dict[int, int] = {}
+    pools: dict[TensorSpec, int] = {}
+    for i, (k, nodes) in enumerate(order):
+        step = Step(k, nodes, base + i)
         steps.append(step)
+        key = keys[k]
+        wanted: list[tuple[list[int], list[int], Any]] = []
+        if inputs[nodes[0]] and not isinstance(key, ConstantKey):
+            if key.combine == "stack":
+                wanted = _requests(graph, key, nodes, loc)
+                for _, codes, spec in wanted:
+                    record_uses(last_use, codes, i)
+                    pools.setdefault(spec, len(pools))
+            else:
+                step.refs = _refs(graph, nodes, loc)
+        requests.append(wanted)
+    planner = GatherPlanner(sizes, last_use, pools)
+    for i, step in enumerate(steps):
+        for positions, codes, spec in requests[i]:
+            step.gathers.append(planner.gather(i, positions, codes, spec))
+        key = keys[step.key]
+        if key.combine == "stack":
+            planner.produced(step.store, _leaf_specs(key, graph.node_spec[step.nodes[0]]))
     return Schedule(steps, base, scheduler)
 
 
-def _plan_inputs(
-    graph: Graph, key: BatchKey, step: Step, loc: list[int], sizes: list[int]
-) -> None:
-    inputs = graph.node_inputs
-    nodes = step.nodes
-    num = len(inputs[nodes[0]])
-    if key.combine != "stack":
-        for p in range(num):
-            column = [inputs[n][p] for n in nodes]
-            step.refs.append(
-                [(loc[s] >> STORE_SHIFT, leaf, loc[s] & ROW_MASK) for s, leaf in column]
-            )
-        return
+def _requests(
+    graph: Graph, key: BatchKey, nodes: list[int], loc: list[int]
+) -> list[tuple[list[int], list[int], Any]]:
+    """Per group of same-spec input positions: the positions, the value codes, the spec."""
+    num = len(graph.node_inputs[nodes[0]])
     # One transposition (in C) gives each input position's column of (source, leaf).
-    columns = list(zip(*map(inputs.__getitem__, nodes)))
+    columns = list(zip(*map(graph.node_inputs.__getitem__, nodes)))
+    specs = key.call.input_specs
+    out = []
     for positions in _position_groups(key, num):
         codes: list[int] = []
         for p in positions:
             codes.extend([loc[s] | (leaf << LEAF_SHIFT) for s, leaf in columns[p]])
-        step.gathers.append(_plan_gather(positions, codes, sizes))
+        out.append((positions, codes, specs[positions[0]]))
+    return out
+
+
+def _refs(graph: Graph, nodes: list[int], loc: list[int]) -> list[list[tuple[int, int, int]]]:
+    """For "list" keys: per input position, the (store, leaf, row) of each node's input."""
+    inputs = graph.node_inputs
+    refs = []
+    for p in range(len(inputs[nodes[0]])):
+        column = [inputs[n][p] for n in nodes]
+        refs.append([(loc[s] >> STORE_SHIFT, leaf, loc[s] & ROW_MASK) for s, leaf in column])
+    return refs
 
 
 def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
@@ -259,47 +265,22 @@ def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
     return groups
 
 
-def _plan_gather(positions: list[int], codes: list[int], sizes: list[int]) -> GatherPlan:
-    """Plan one gather from location codes (store, leaf, row packed in one int).
+def _leaf_specs(key: BatchKey, spec: OutSpec) -> list[OutSpec]:
+    """The spec of each output leaf of ``key``'s calls (cached on the key)."""
+    leaves: list[OutSpec] | None = getattr(key, "_leaf_specs", None)
+    if leaves is None:
+        leaves = []
+        _flatten_spec(spec, leaves)
+        key._leaf_specs = leaves  # type: ignore[attr-defined]
+    return leaves
 
-    Sorting the distinct codes groups them by (store, leaf) and orders rows within
-    each group. Each group becomes one part: a slice when its rows are contiguous;
-    the whole source (a free view; the permutation picks rows) when it uses at least
-    half of it; else an ``index_select`` of its rows. A permutation restores the
-    requested order unless it already holds.
-    """
-    distinct = sorted(set(codes))
-    parts: list[Part] = []
-    where: dict[int, int] = {}
-    offset = 0
-    start = 0
-    total = len(distinct)
-    exact = True  # parts hold exactly the distinct codes, in order
-    while start < total:
-        column = distinct[start] >> LEAF_SHIFT
-        stop = bisect_left(distinct, (column + 1) << LEAF_SHIFT, start)
-        first = distinct[start] & ROW_MASK
-        last = distinct[stop - 1] & ROW_MASK
-        store, leaf = column >> (STORE_SHIFT - LEAF_SHIFT), column & LEAF_MASK
-        used = stop - start
-        group = distinct[start:stop]
-        if last - first + 1 == used:  # distinct and sorted: contiguous
-            parts.append((store, leaf, range(first, last + 1)))
-            where.update(zip(group, range(offset, offset + used)))
-            offset += used
-        elif sizes[store] > 0 and 2 * used >= sizes[store]:
-            parts.append((store, leaf, range(0, sizes[store])))
-            where.update(zip(group, [offset + (c & ROW_MASK) for c in group]))
-            offset += sizes[store]
-            exact = False
-        else:
-            parts.append((store, leaf, [c & ROW_MASK for c in group]))
-            where.update(zip(group, range(offset, offset + used)))
-            offset += used
-        start = stop
-    if exact and codes == distinct:
-        return GatherPlan(positions, parts, None)
-    return GatherPlan(positions, parts, list(map(where.__getitem__, codes)))
+
+def _flatten_spec(spec: OutSpec, out: list[OutSpec]) -> None:
+    if type(spec) is tuple:
+        for child in cast(tuple[OutSpec, ...], spec):
+            _flatten_spec(child, out)
+    else:
+        out.append(spec)
 
 
 def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:

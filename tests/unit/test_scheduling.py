@@ -65,3 +65,33 @@ def test_pinned_launch_counts_for_a_fixed_treelstm_batch() -> None:
 # the output layer across trees of different heights.
 PINNED_AGENDA = (11, 11, 349)
 PINNED_DEPTH = (19, 11, 349)
+
+
+def _gather_sources(scheduler: str) -> list[tuple[str, int, int, int]]:
+    """Per gather of the fixed batch: (key label, sources, row selections, permutations)."""
+    trees = _fixed_trees(32, seed=7)
+    model = TreeModel()
+    with bg.BatchingPolicy(scheduler=scheduler) as policy:
+        hs = [model.logits(t) for t in trees]
+    bg.compute(hs)
+    schedule = policy.last_schedule
+    assert schedule is not None
+    out = []
+    for step in schedule.steps:
+        for plan in step.gathers:
+            selects = sum(1 for _, _, rows in plan.parts if type(rows) is not range)
+            label = policy.graph.keys[step.key].label
+            out.append((label, len(plan.parts), selects, int(plan.perm is not None)))
+    return out
+
+
+def test_deep_steps_gather_from_a_carried_pool_not_from_every_earlier_step() -> None:
+    # Launch counts of the gathers themselves: however deep the step, its inputs come
+    # from the pool's carried rows plus the two outputs (h, c) of the step before, with
+    # one cat and one index_select, never one index_select per earlier step.
+    for scheduler in ("agenda", "depth"):
+        gathers = _gather_sources(scheduler)
+        cells = [g for g in gathers if "BinaryCell" in g[0]]
+        assert len(cells) >= 8
+        assert all(sources <= 3 and selects == 0 and perms <= 1
+                   for _, sources, selects, perms in gathers), gathers

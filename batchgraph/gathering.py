@@ -1,0 +1,179 @@
+"""Gather plans: how a step's batched inputs are taken from earlier outputs.
+
+Every value lives where the step that made it left it: row ``r`` of output leaf ``l``
+of store ``s`` (one store per step), packed in one int ``code``. A step's inputs are
+rows of many stores, in its own node order. Gathering them store by store costs one
+``index_select`` per store, a ``cat`` and a permutation, forward and backward; for a
+TreeLSTM's deep levels that is a dozen or more sources per step.
+
+So values travel in *pools*, one per per-example spec (the hand-batched TreeLSTM's
+frontier, generalized). When a step gathers from a pool, its one ``index_select``
+takes the rows the step needs *and* every row of the pool that a later step still
+gathers (the survivors); the survivors' slice is *carried* to the pool's next
+gather, together with the outputs made in between::
+
+    cat([carry, outputs since]) ──index_select──▶ [ this step's inputs | survivors ]
+                                                     │                    │
+                                                     ▼                    ▼
+                                                the batched call    the next carry
+
+A gather then reads one carry and the few stores made since its pool was last
+gathered: two ops in the usual case, however deep the step. Rows of older stores
+(earlier computes of a coroutine run, per-example lists) come as before: a slice, the
+whole store when at least half of it is used, else an ``index_select`` of its rows.
+
+Plans are plain data (ints, ranges and lists), so schedules pickle.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT
+from batchgraph.specs import OutSpec, TensorSpec
+
+__all__ = ["CARRY", "GatherPlan", "GatherPlanner", "plan_gather"]
+
+LEAF_MASK = (1 << (STORE_SHIFT - LEAF_SHIFT)) - 1
+
+# A part of a gather: (store id, leaf, rows), rows a range (a slice of the source) or
+# an explicit list of rows; or (CARRY, pool, range) for the rows a pool carries.
+Part = tuple[int, int, Any]
+CARRY = -1
+
+
+@dataclass
+class GatherPlan:
+    """Gather the inputs at ``positions`` (same per-example spec) in one go.
+
+    The gathered tensor is ``cat(parts)[perm]`` (no ``perm`` when already in order):
+    ``len(positions) * B`` rows, position by position, each in node order, then
+    ``keep`` surviving rows that become the new carry of ``pool``.
+    """
+
+    positions: list[int]
+    parts: list[Part]
+    perm: list[int] | None
+    keep: int = 0
+    pool: int = -1
+
+
+def _store_parts(
+    distinct: list[int], sizes: list[int], offset: int
+) -> tuple[list[Part], dict[int, int], int]:
+    """Parts that hold the sorted ``distinct`` codes, where each lands, and the new offset.
+
+    Sorting groups codes by (store, leaf) and orders rows within each group. Each
+    group becomes one part: a slice when its rows are contiguous; the whole source (a
+    free view; the permutation picks rows) when it uses at least half of it; else an
+    ``index_select`` of its rows.
+    """
+    parts: list[Part] = []
+    where: dict[int, int] = {}
+    start = 0
+    total = len(distinct)
+    while start < total:
+        column = distinct[start] >> LEAF_SHIFT
+        stop = bisect_left(distinct, (column + 1) << LEAF_SHIFT, start)
+        first = distinct[start] & ROW_MASK
+        last = distinct[stop - 1] & ROW_MASK
+        store, leaf = column >> (STORE_SHIFT - LEAF_SHIFT), column & LEAF_MASK
+        used = stop - start
+        group = distinct[start:stop]
+        if last - first + 1 == used:  # distinct and sorted: contiguous
+            parts.append((store, leaf, range(first, last + 1)))
+            where.update(zip(group, range(offset, offset + used)))
+            offset += used
+        elif sizes[store] > 0 and 2 * used >= sizes[store]:
+            parts.append((store, leaf, range(0, sizes[store])))
+            where.update(zip(group, [offset + (c & ROW_MASK) for c in group]))
+            offset += sizes[store]
+        else:
+            parts.append((store, leaf, [c & ROW_MASK for c in group]))
+            where.update(zip(group, range(offset, offset + used)))
+            offset += used
+        start = stop
+    return parts, where, offset
+
+
+def plan_gather(positions: list[int], codes: list[int], sizes: list[int]) -> GatherPlan:
+    """A gather of ``codes`` straight from their stores (no pool).
+
+    ``sizes[s]`` is the row count of store ``s`` (-1 for per-example lists).
+    """
+    distinct = sorted(set(codes))
+    parts, where, total = _store_parts(distinct, sizes, 0)
+    perm = list(map(where.__getitem__, codes))
+    return GatherPlan(positions, parts, None if _identity(perm, total) else perm)
+
+
+def _identity(perm: list[int], total: int) -> bool:
+    return len(perm) == total and perm == list(range(total))
+
+
+class GatherPlanner:
+    """Plans the gathers of one schedule, step by step, with carried pools.
+
+    Args:
+        sizes: rows per store (earlier stores and this schedule's), -1 for lists.
+        last_use: for each value code, the last step of the schedule that gathers it.
+        pool_specs: the per-example specs some gather of the schedule reads.
+    """
+
+    def __init__(
+        self, sizes: list[int], last_use: dict[int, int], pool_specs: dict[TensorSpec, int]
+    ) -> None:
+        self.sizes = sizes
+        self.last_use = last_use
+        self.pools = pool_specs
+        self.carry: dict[int, list[int]] = {}  # pool -> codes of its carried rows
+        self.fresh: dict[int, list[tuple[int, int]]] = {}  # pool -> outputs since
+
+    def produced(self, store: int, leaf_specs: list[OutSpec]) -> None:
+        """Store ``store`` (a stacked step's outputs) joins the pools of its leaves."""
+        pools = self.pools
+        for leaf, spec in enumerate(leaf_specs):
+            pool = pools.get(spec) if type(spec) is TensorSpec else None
+            if pool is not None:
+                self.fresh.setdefault(pool, []).append((store, leaf))
+
+    def gather(self, step: int, positions: list[int], codes: list[int], spec: Any) -> GatherPlan:
+        """The plan for ``codes`` (rows of ``spec``) needed by step ``step``."""
+        pool = self.pools[spec]
+        parts: list[Part] = []
+        row_of: dict[int, int] = {}
+        offset = 0
+        carried = self.carry.pop(pool, None)
+        if carried:
+            offset = len(carried)
+            parts.append((CARRY, pool, range(0, offset)))
+            row_of.update(zip(carried, range(offset)))
+        for store, leaf in self.fresh.pop(pool, ()):
+            size = self.sizes[store]
+            first = (store << STORE_SHIFT) | (leaf << LEAF_SHIFT)
+            parts.append((store, leaf, range(0, size)))
+            row_of.update(zip(range(first, first + size), range(offset, offset + size)))
+            offset += size
+        missing = [c for c in codes if c not in row_of]
+        if missing:  # rows of older stores
+            more, where, offset = _store_parts(sorted(set(missing)), self.sizes, offset)
+            parts.extend(more)
+            row_of.update(where)
+        perm = list(map(row_of.__getitem__, codes))
+        last_use = self.last_use
+        survivors = [c for c in row_of if last_use.get(c, -1) > step]
+        if survivors:
+            perm.extend(map(row_of.__getitem__, survivors))
+            self.carry[pool] = survivors
+        keep = len(survivors)
+        if not keep and _identity(perm, offset):
+            return GatherPlan(positions, parts, None, 0, pool)
+        return GatherPlan(positions, parts, perm, keep, pool)
+
+
+def record_uses(last_use: dict[int, int], codes: list[int], step: int) -> None:
+    """Note that ``step`` gathers ``codes`` (later steps overwrite earlier ones)."""
+    last_use.update(zip(codes, repeat(step)))
