@@ -16,6 +16,7 @@ callable, the batch and the failing example.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,14 +81,15 @@ class Executor:
         finally:
             self._carry.clear()
         node_loc = graph.node_loc
+        setloc = node_loc.__setitem__
         for step in schedule.steps:
             base = step.store << STORE_SHIFT
-            for row, n in enumerate(step.nodes):
-                node_loc[n] = base | row
-        first = graph.first_uncomputed
-        while first < len(node_loc) and node_loc[first] >= 0:
-            first += 1
-        graph.first_uncomputed = first
+            # node_loc[n] = base | row for each node, looped in C.
+            deque(map(setloc, step.nodes, range(base, base + len(step.nodes))), maxlen=0)
+        try:
+            graph.first_uncomputed = node_loc.index(-1, graph.first_uncomputed)
+        except ValueError:  # everything is computed
+            graph.first_uncomputed = len(node_loc)
 
     def _run_step(self, step: Step) -> list[Any]:
         graph = self.graph

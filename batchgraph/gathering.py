@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT
 from batchgraph.specs import OutSpec, TensorSpec
@@ -157,14 +157,16 @@ class GatherPlanner:
             parts.append((store, leaf, range(0, size)))
             row_of.update(zip(range(first, first + size), range(offset, offset + size)))
             offset += size
-        missing = [c for c in codes if c not in row_of]
-        if missing:  # rows of older stores
-            more, where, offset = _store_parts(sorted(set(missing)), self.sizes, offset)
+        found = list(map(row_of.get, codes))
+        if None in found:  # rows of older stores
+            missing = {c for c, row in zip(codes, found) if row is None}
+            more, where, offset = _store_parts(sorted(missing), self.sizes, offset)
             parts.extend(more)
             row_of.update(where)
-        perm = list(map(row_of.__getitem__, codes))
-        last_use = self.last_use
-        survivors = [c for c in row_of if last_use.get(c, -1) > step]
+            found = list(map(row_of.get, codes))
+        perm = cast(list[int], found)
+        used_until = self.last_use.get
+        survivors = [c for c in row_of if used_until(c, -1) > step]
         if survivors:
             perm.extend(map(row_of.__getitem__, survivors))
             self.carry[pool] = survivors

@@ -228,6 +228,9 @@ class UnbatchedKey(BatchKey):
         return [apply(fn, [inp[i] for inp in inputs]) for i in range(size)]
 
 
+_PYTHON_SCALARS = frozenset({bool, int, float})
+
+
 class ConstantKey(BatchKey):
     """Per-example constants (``batched_value``): a group is stacked once."""
 
@@ -244,9 +247,7 @@ class ConstantKey(BatchKey):
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
         values = inputs[0]
-        if not isinstance(values[0], torch.Tensor) and not any(
-            isinstance(v, torch.Tensor) for v in values
-        ):
+        if set(map(type, values)) <= _PYTHON_SCALARS:
             # Python scalars: one tensor construction for the whole group.
             return torch.tensor(values, dtype=self.spec.dtype, device=self.spec.device)
         return torch.stack([torch.as_tensor(v, device=self.spec.device) for v in values])

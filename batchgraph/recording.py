@@ -76,7 +76,7 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("children", "key", "memo", "n_leaves", "rules_token", "spec")
+    __slots__ = ("children", "dedupe", "key", "memo", "n_leaves", "rules_token", "single", "spec")
 
     def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int) -> None:
         self.key = key
@@ -89,6 +89,10 @@ class _Entry:
         self.children: tuple[tuple[int, TensorSpec], ...] | None = None
         if type(spec) is tuple and all(type(c) is TensorSpec for c in spec):
             self.children = tuple(enumerate(cast(tuple[TensorSpec, ...], spec)))
+        # One tensor (or an unknown structure): the call returns one handle.
+        self.single = type(spec) is not tuple
+        # Random calls (dropout) are never merged with identical ones.
+        self.dedupe = key.deterministic
         self.rules_token = rules_token
         # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
         # and a uid rather than the graph, so the cache keeps no batch alive.
@@ -168,27 +172,35 @@ class CallSite:
             entry.memo = (graph.uid, kid)
         refs = tuple(inputs)
         spec = entry.spec
-        if graph.dedupe and entry.key.deterministic:
+        node = -1
+        if entry.dedupe and graph.dedupe:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
             signature = (kid, refs)
-            node = graph.dedupe_table.get(signature)
-            if node is not None:
+            node = graph.dedupe_table.get(signature, -1)
+            if node >= 0:
                 graph.merged += 1
                 graph.merged_calls += 1
-                if entry.children is not None:
-                    return tuple([ResultHandle(graph, node, i, s) for i, s in entry.children])
-                return handles_for(graph, node, 0, spec)
-            graph.dedupe_table[signature] = len(graph.node_key)
-        # Graph.add_node, inlined: this line runs once per recorded call.
-        node = len(graph.node_key)
-        graph.node_key.append(kid)
-        graph.node_inputs.append(refs)
-        graph.node_depth.append(deepest + 1)
-        graph.node_spec.append(spec)
-        graph.node_loc.append(-1)
-        if entry.children is not None:
-            return tuple([ResultHandle(graph, node, i, s) for i, s in entry.children])
-        return handles_for(graph, node, 0, spec)
+            else:
+                graph.dedupe_table[signature] = len(graph.node_key)
+        if node < 0:
+            # Graph.add_node, inlined: this runs once per recorded call.
+            node = len(graph.node_key)
+            graph.node_key.append(kid)
+            graph.node_inputs.append(refs)
+            graph.node_depth.append(deepest + 1)
+            graph.node_spec.append(spec)
+            graph.node_loc.append(-1)
+        if entry.single:
+            return ResultHandle(graph, node, 0, spec)
+        children = entry.children
+        if children is None:
+            return handles_for(graph, node, 0, spec)
+        if len(children) == 2:  # (h, c) and friends, without a comprehension frame
+            return (
+                ResultHandle(graph, node, 0, children[0][1]),
+                ResultHandle(graph, node, 1, children[1][1]),
+            )
+        return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 
     def _resolve(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any

@@ -21,7 +21,7 @@ nodes of that key on one dependency path, summed, plus one per unbatchable node.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -193,11 +193,11 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
     # Locations are planned on a copy (the graph only changes once execution
     # succeeds), all of them first: the planner needs each value's last use.
     loc = graph.node_loc[:]
+    setloc = loc.__setitem__
     for i, (k, nodes) in enumerate(order):
         sizes.append(len(nodes) if keys[k].combine == "stack" else -1)
         code = (base + i) << STORE_SHIFT
-        for row, n in enumerate(nodes):
-            loc[n] = code | row
+        deque(map(setloc, nodes, range(code, code + len(nodes))), maxlen=0)  # loc[n] = code | row
     steps: list[Step] = []
     requests: list[list[tuple[list[int], list[int], Any]]] = []
     last_use: dict[int, int] = {}
