@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgraph import gcpause
 from batchgraph.errors import BatchgraphError, ShapeMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import Graph
@@ -138,6 +139,10 @@ class Binder:
             ValueError: ``stack=True`` for outputs that do not stack.
             BatchedCallError: if a batched call raises (names the dataset index).
         """
+        with gcpause.fewer_collections():
+            return self._run(batch, stack)
+
+    def _run(self, batch: PortableBatch, stack: bool) -> Any:
         start = time.perf_counter()
         if stack and batch.output_plan is None:
             raise ValueError(

@@ -128,13 +128,20 @@ class Graph:
         kid = self._scalar_kids.get(kind)
         if kid is None:
             kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
+        n = len(self.node_key)
         if self.dedupe:
-            existing = self.dedupe_table.get((kid, value))
+            signature = (kid, value)
+            existing = self.dedupe_table.get(signature)
             if existing is not None:
                 self.merged += 1
                 return existing
-            self.dedupe_table[(kid, value)] = len(self.node_key)
-        n = self.add_node(kid, (), 0, _SCALAR_SPECS[kind])
+            self.dedupe_table[signature] = n
+        # add_node, inlined: this runs once per distinct token.
+        self.node_key.append(kid)
+        self.node_inputs.append(())
+        self.node_depth.append(0)
+        self.node_spec.append(_SCALAR_SPECS[kind])
+        self.node_loc.append(-1)
         self.constants[n] = value
         return n
 

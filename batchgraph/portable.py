@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgraph import gcpause
 from batchgraph.gathering import GatherPlan, plan_gather
 from batchgraph.graph import LEAF_SHIFT, STORE_SHIFT, Graph
 from batchgraph.handle import ResultHandle
@@ -208,6 +209,17 @@ class Exporter:
             ValueError: if the policy computed before, or a constant requires grad.
             LookupError: if a callable has no name the main process could resolve.
         """
+        # Like compute: scheduling allocates much while the recorded graph is alive.
+        with gcpause.fewer_collections():
+            return self._export(policy, outputs, example_ends, indices)
+
+    def _export(
+        self,
+        policy: BatchingPolicy,
+        outputs: Any,
+        example_ends: list[int] | None,
+        indices: list[int] | None,
+    ) -> PortableBatch:
         graph = policy.graph
         if graph.stores:
             raise ValueError(

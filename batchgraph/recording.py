@@ -135,11 +135,12 @@ class CallSite:
         deepest = 0
         sig: list[Any] = []
         for a in args:
-            if type(a) is ResultHandle and type(a.spec) is TensorSpec and a._graph is graph:
+            if type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec:
                 # The common case, inlined: a handle for one tensor of this graph.
-                inputs.append((a.node, a.leaf))
-                sig.append(a.spec)
-                d = node_depth[a.node]
+                source = a.node
+                inputs.append((source, a.leaf))
+                sig.append(spec)
+                d = node_depth[source]
                 if d > deepest:
                     deepest = d
             else:
