@@ -51,6 +51,7 @@ from typing import Any
 
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
+from batchgraph.threads import compute_pool
 
 __all__ = ["AsyncBatcher"]
 
@@ -187,7 +188,7 @@ class AsyncBatcher:
     def _ensure_worker(self) -> None:
         if self._worker is None:
             self._wakeup = asyncio.Event()
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgraph-async")
+            self._pool = compute_pool("batchgraph-async")
             self._worker = asyncio.get_running_loop().create_task(self._work())
 
     def _poke(self, *_: object) -> None:

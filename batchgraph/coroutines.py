@@ -24,13 +24,14 @@ from __future__ import annotations
 import inspect
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import ExitStack
 from typing import Any
 
 from batchgraph.awaiting import CoroutineExampleError, value
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, GradMode, Lane, grad_mode
+from batchgraph.threads import compute_pool
 
 __all__ = ["run_all", "value"]
 
@@ -129,7 +130,7 @@ def _drive_turns(lanes: list[Lane], mode: GradMode) -> None:
     # One executor thread: the device is one resource, the lanes take turns on it.
     # The driver waits for lanes in the order they were submitted (first in, first
     # out), so while it waits for one lane the next lane's step is already queued.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgraph-step") as pool:
+    with compute_pool("batchgraph-step") as pool:
         inflight: deque[tuple[Lane, Future[None]]] = deque()
         for lane in lanes:
             lane.start()

@@ -7,7 +7,11 @@ with the same loss (summed cross-entropy), optimizer (SGD) and embedding:
 - ``eager``:  ``TreeLSTMClassifier.logits`` per tree, no policy — the unbatched baseline;
 - ``hand``:   ``HandBatchedTreeLSTM`` — one batched cell call per tree level (the ceiling);
 - ``agenda``: the same per-example code under ``bg.BatchingPolicy(scheduler="agenda")``;
-- ``depth``:  the same under ``scheduler="depth"``.
+- ``depth``:  the same under ``scheduler="depth"``;
+- ``workers``: the same per-example code recorded and scheduled in ``--workers``
+  DataLoader worker processes (``bg.GraphCollate``); the timed process only binds,
+  executes, and runs backward (a fresh loader iterator per round, so the workers'
+  pipeline fill is counted).
 
 Before timing, every variant's loss on the same batch must match eager's to 1e-5
 (relative). Timing alternates the variants in rounds (the machine is shared and noisy)
@@ -18,7 +22,7 @@ microseconds per computed node (``stats.nodes``, after identical calls are merge
 per recorded call (``stats.calls_recorded``).
 
 Run: ``python benchmarks/treelstm.py`` (about 5-10 minutes) or ``--quick`` (well under a
-minute). Prints a table and writes ``benchmarks/results/treelstm.json``.
+minute); ``--workers 0`` leaves out the workers row. Prints a table and writes ``benchmarks/results/treelstm.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,7 +45,7 @@ import batchgraph as bg
 from batchgraph.data import Tree, sst_like_trees, stdlib_function_trees
 from batchgraph.models import HandBatchedTreeLSTM, TreeLSTMClassifier
 
-VARIANTS = ("eager", "hand", "agenda", "depth")
+VARIANTS = ("eager", "hand", "agenda", "depth", "workers")
 MODES = ("inference", "training")
 RESULTS = Path(__file__).resolve().parent / "results" / "treelstm.json"
 
@@ -65,6 +69,35 @@ class Row:
     record_schedule_us_per_call: float | None = None
 
 
+class BatchFeed:
+    """Batches of ``pool`` recorded and scheduled by DataLoader workers.
+
+    The loader's workers persist; each ``stream`` is a fresh iterator over the batches
+    it is given, so filling the workers' pipeline is part of what is timed.
+    """
+
+    def __init__(self, model: TreeLSTMClassifier, pool: list[Tree], workers: int) -> None:
+        self.pool = pool
+        self.batches: list[list[int]] = []
+        collate = bg.GraphCollate(model, "logits")
+        self.loader = bg.graph_loader(pool, collate, self, num_workers=workers,
+                                      persistent_workers=True, timeout=120)
+        self.binder = bg.Binder(model)
+
+    def __iter__(self) -> Iterator[list[int]]:  # the loader's batch sampler
+        return iter(list(self.batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def stream(self, batches: list[Sequence[Tree]]) -> Iterator[torch.Tensor]:
+        """The logits of each batch, in order (batches are slices of the pool)."""
+        index = {id(t): i for i, t in enumerate(self.pool)}
+        self.batches = [[index[id(t)] for t in batch] for batch in batches]
+        for portable in self.loader:
+            yield self.binder.run(portable, stack=True)
+
+
 @dataclass
 class Variant:
     """A model copy, its optimizer, and what ``policy.stats`` said while timing it."""
@@ -73,6 +106,7 @@ class Variant:
     model: TreeLSTMClassifier
     hand: HandBatchedTreeLSTM
     optimizer: torch.optim.Optimizer
+    feed: BatchFeed | None = None
     overhead_s: float = 0.0
     nodes: int = 0
     calls: int = 0
@@ -81,7 +115,27 @@ class Variant:
     def reset(self) -> None:
         self.overhead_s, self.nodes, self.calls, self.last = 0.0, 0, 0, None
 
+    def run(self, batches: list[Sequence[Tree]], mode: str) -> None:
+        """One pass over ``batches``: inference (no grad) or training steps."""
+        with torch.set_grad_enabled(mode == "training"):
+            if self.feed is not None:
+                for batch, logits in zip(batches, self.feed.stream(batches)):
+                    self.finish(batch, logits, mode)
+            else:
+                for batch in batches:
+                    self.finish(batch, self.logits(batch), mode)
+
+    def finish(self, batch: Sequence[Tree], logits: torch.Tensor, mode: str) -> None:
+        if mode == "training":
+            labels = torch.tensor([t.label for t in batch])
+            loss = F.cross_entropy(logits, labels, reduction="sum")
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+
     def logits(self, batch: Sequence[Tree]) -> torch.Tensor:
+        if self.feed is not None:
+            return next(iter(self.feed.stream([batch])))
         if self.name == "eager":
             return torch.stack([self.model.logits(t) for t in batch])
         if self.name == "hand":
@@ -102,26 +156,20 @@ class Variant:
         loss: torch.Tensor = F.cross_entropy(self.logits(batch), labels, reduction="sum")
         return loss
 
-    def train_step(self, batch: Sequence[Tree]) -> None:
-        loss = self.loss(batch)
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
 
-    @torch.no_grad()
-    def infer(self, batch: Sequence[Tree]) -> None:
-        self.logits(batch)
-
-
-def make_variants(vocab: int, classes: int, hidden: int, lr: float) -> list[Variant]:
+def make_variants(vocab: int, classes: int, hidden: int, lr: float, pool: list[Tree],
+                  workers: int) -> list[Variant]:
     torch.manual_seed(0)
     state = TreeLSTMClassifier(vocab, classes, hidden=hidden, embed_dim=hidden).state_dict()
     variants = []
     for name in VARIANTS:
+        if name == "workers" and workers < 1:
+            continue
         model = TreeLSTMClassifier(vocab, classes, hidden=hidden, embed_dim=hidden)
         model.load_state_dict(state)  # one set of weights, copied into every variant
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        variants.append(Variant(name, model, HandBatchedTreeLSTM(model), optimizer))
+        feed = BatchFeed(model, pool, workers) if name == "workers" else None
+        variants.append(Variant(name, model, HandBatchedTreeLSTM(model), optimizer, feed))
     return variants
 
 
@@ -149,18 +197,14 @@ def measure(variants: list[Variant], batches: list[list[Tree]], mode: str, round
     trees = sum(len(b) for b in batches)
     speeds: dict[str, list[float]] = {v.name: [] for v in variants}
     for v in variants:  # untimed warm-up on a few trees: first calls pay one-off costs
-        (v.train_step if mode == "training" else v.infer)(batches[0][:16])
+        v.run([batches[0][:16]], mode)
         v.reset()
     for r in range(rounds):
         # Rotate the order each round so no variant always runs first (cache, clocks).
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for v in order:
-            step: Callable[[Sequence[Tree]], None] = (
-                v.train_step if mode == "training" else v.infer
-            )
             start = time.perf_counter()
-            for batch in batches:
-                step(batch)
+            v.run(batches, mode)
             speeds[v.name].append(trees / (time.perf_counter() - start))
     return speeds
 
@@ -175,7 +219,7 @@ def bench_dataset(name: str, pool: list[Tree], vocab: int, classes: int,
             raise SystemExit(f"{name}: {n_batches} batches of {size} need more than "
                              f"the {len(pool)} trees available; lower --trees-per-round")
         batches = [pool[i * size:(i + 1) * size] for i in range(n_batches)]
-        variants = make_variants(vocab, classes, args.hidden, args.lr)
+        variants = make_variants(vocab, classes, args.hidden, args.lr, pool, args.workers)
         worst = max(worst, check_losses(variants, batches[0], 1e-5))
         for mode in MODES:
             t0 = time.perf_counter()
@@ -197,7 +241,7 @@ def bench_dataset(name: str, pool: list[Tree], vocab: int, classes: int,
                     v.reset()
                 rows.append(row)
             print(f"  {name:8s} {mode:9s} batch {size:4d}: "
-                  + "  ".join(f"{v} {med[v]:7.1f}/s" for v in VARIANTS)
+                  + "  ".join(f"{v} {s:7.1f}/s" for v, s in med.items())
                   + f"  ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
     return rows, worst
 
@@ -242,6 +286,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sst-vocab", type=int, default=5000, help="SST-like vocabulary size")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="DataLoader workers of the 'workers' row (0: leave it out)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.quick:
@@ -257,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"python {info['python']}, torch {info['torch']}, {args.threads} intra-op thread(s)")
     print(f"model: TreeLSTM hidden {args.hidden}, embedding {args.hidden}; batches "
           f"{args.batch_sizes}; {args.trees_per_round} trees/round/variant; "
-          f"{args.rounds} rounds; SGD lr {args.lr}; summed cross-entropy")
+          f"{args.rounds} rounds; SGD lr {args.lr}; summed cross-entropy; "
+          f"workers row: {args.workers} DataLoader worker(s)")
     rows: list[Row] = []
     data_info: dict[str, object] = {}
     worst = 0.0
