@@ -7,13 +7,23 @@ until it waits, computes everything pending as one ``policy.compute``, and resum
 them with real tensors, so value-dependent control flow still batches.
 
 Several groups taking turns (``groups=k``): the examples are split into ``k`` lanes,
-each with its own policy. While one lane's step runs on the executor thread
-(PyTorch releases the GIL inside its kernels; on CUDA the kernels are asynchronous
-anyway), the driver thread resumes another lane's examples and records their next
-step::
+each with its own policy, and one lane records while another lane's step runs. How
+they overlap depends on where the tensors live (``overlap="auto"``):
 
-    driver thread:   record A0 │ record B0 │ wait A0, record A1 │ wait B0, record B1 │ ...
-    executor thread:           │ compute A0          │ compute B0          │ compute A1
+* ``"inline"`` (auto on CUDA): one thread. Kernels are asynchronous, so launching a
+  lane's step returns at once; the driver then resumes the *previous* lane, whose
+  values are ready or nearly so, while the device works on the step just launched::
+
+      driver:  launch A0 │ launch B0 │ resume A (sync A0), record A1 │ launch A1 │ resume B ...
+      device:            │ A0 ──────────── B0 ─────────────────────── A1 ──────
+
+* ``"thread"`` (auto on the CPU): a lane's step runs on an executor thread while the
+  driver records another lane. Only kernels that release the GIL overlap with
+  recording, so this pays for few large kernels and costs for many small ones (the
+  two threads hand the GIL back and forth)::
+
+      driver thread:   record A0 │ record B0 │ wait A0, record A1 │ wait B0, record B1 │ ...
+      executor thread:           │ compute A0          │ compute B0          │ compute A1
 
 A lane is touched by one thread at a time: its examples are all suspended while it
 computes. Results are identical to one group (the same calls, batched differently).
@@ -43,6 +53,7 @@ def run_all(
     *,
     max_steps: int | None = None,
     make_policy: Callable[[], BatchingPolicy] | None = None,
+    overlap: str = "auto",
 ) -> list[Any]:
     """Run coroutine examples together and return their results in order.
 
@@ -54,7 +65,10 @@ def run_all(
     Args:
         coroutines: coroutine objects (``[decode(x) for x in batch]``), one per example.
         groups: split the examples into this many lanes that take turns: one lane's
-            step computes on an executor thread while the next lane records.
+            step computes while the next lane records.
+        overlap: how lanes overlap (see the module docstring): ``"inline"``,
+            ``"thread"``, or ``"auto"`` (inline when the first steps record CUDA
+            tensors, else thread). Ignored for one group.
         return_exceptions: put a failing example's exception in its result slot
             instead of raising once the others have finished.
         max_steps: fail an example that awaits more often than this (a coroutine that
@@ -95,6 +109,8 @@ def run_all(
             )
     if not isinstance(groups, int) or groups < 1:
         raise TypeError(f"groups must be a positive int, got {groups!r}")
+    if overlap not in _OVERLAPS:
+        raise ValueError(f"overlap must be one of {sorted(_OVERLAPS)}, got {overlap!r}")
     examples = [Example(i, c) for i, c in enumerate(items)]
     if not examples:
         return []
@@ -112,7 +128,7 @@ def run_all(
             if count == 1:
                 _drive_one(lanes[0], grad_mode())
             else:
-                _drive_turns(lanes, grad_mode())
+                _drive_turns(lanes, grad_mode(), overlap)
     finally:
         for ex in examples:  # only left unfinished when the driver itself was interrupted
             ex.close()
@@ -126,14 +142,45 @@ def _drive_one(lane: Lane, mode: GradMode) -> None:
         lane.resume()
 
 
-def _drive_turns(lanes: list[Lane], mode: GradMode) -> None:
+_OVERLAPS = frozenset({"auto", "inline", "thread"})
+
+
+def _drive_turns(lanes: list[Lane], mode: GradMode, overlap: str) -> None:
+    for lane in lanes:
+        lane.start()
+    if overlap == "auto":
+        overlap = "inline" if any(lane.records_on_cuda() for lane in lanes) else "thread"
+    if overlap == "inline":
+        _drive_inline(lanes, mode)
+    else:
+        _drive_threaded(lanes, mode)
+
+
+def _drive_inline(lanes: list[Lane], mode: GradMode) -> None:
+    # Two lanes in flight: launch one lane's step, then resume the lane launched
+    # before it (its kernels were queued first, so they finish first).
+    ready = deque(lane for lane in lanes if lane.live)
+    launched: deque[Lane] = deque()
+    while ready or launched:
+        if ready:
+            lane = ready.popleft()
+            lane.compute(lane.live, mode)
+            launched.append(lane)
+            if len(launched) < 2 and ready:
+                continue
+        lane = launched.popleft()
+        lane.resume()
+        if lane.live:
+            ready.append(lane)
+
+
+def _drive_threaded(lanes: list[Lane], mode: GradMode) -> None:
     # One executor thread: the device is one resource, the lanes take turns on it.
     # The driver waits for lanes in the order they were submitted (first in, first
     # out), so while it waits for one lane the next lane's step is already queued.
     with compute_pool("batchgraph-step") as pool:
         inflight: deque[tuple[Lane, Future[None]]] = deque()
         for lane in lanes:
-            lane.start()
             if lane.live:
                 inflight.append((lane, pool.submit(lane.compute, lane.live, mode)))
         while inflight:

@@ -38,6 +38,7 @@ __all__ = [
     "DimArgKey",
     "ElementwiseKey",
     "IndexKey",
+    "ReductionKey",
     "StackKey",
     "UnbatchedKey",
     "VmapKey",
@@ -175,6 +176,18 @@ class DimArgKey(BatchKey):
         return self._batched_call.apply(fn, inputs)
 
 
+class ReductionKey(BatchKey):
+    """A full reduction (``x.sum()``, ``x.argmax()``): each example's row, flattened.
+
+    Per example the op reduces every element to a 0-d result; batched it reduces
+    dimension 1 of the ``(B, -1)`` view, one value per example. Built only for calls
+    with the tensor as their one argument (a ``dim`` goes to ``DimArgKey``).
+    """
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        return fn(inputs[0].reshape(size, -1), dim=1)
+
+
 class IndexKey(BatchKey):
     """``h[idx]`` with a static index (ints, slices, ``None``, ``...``)."""
 
@@ -274,7 +287,22 @@ ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset(
         torch.Tensor.exp, torch.Tensor.log, torch.Tensor.abs, torch.Tensor.neg,
         torch.Tensor.sqrt, torch.Tensor.pow, torch.Tensor.clamp, torch.Tensor.square,
         torch.Tensor.__abs__, torch.Tensor.sign, torch.Tensor.float, torch.Tensor.double,
+        # Conversions act on each element too: a batch moves to the CPU in one copy.
+        torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.long,
+        torch.Tensor.int, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.bool,
+        torch.Tensor.detach, torch.Tensor.clone,
         operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    }
+)
+
+# Reductions: with no argument but the tensor they reduce it whole (ReductionKey);
+# with an int ``dim`` (position 1) it counts per-example dimensions (DimArgKey).
+REDUCTION_FUNCTIONS: frozenset[Any] = frozenset(
+    {
+        torch.sum, torch.mean, torch.prod, torch.amax, torch.amin, torch.argmax,
+        torch.argmin, torch.logsumexp, torch.Tensor.sum, torch.Tensor.mean,
+        torch.Tensor.prod, torch.Tensor.amax, torch.Tensor.amin, torch.Tensor.argmax,
+        torch.Tensor.argmin, torch.Tensor.logsumexp,
     }
 )
 

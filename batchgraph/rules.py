@@ -19,10 +19,12 @@ from batchgraph.keys import (
     DIM_FUNCTIONS,
     ELEMENTWISE_FUNCTIONS,
     RANDOM_FUNCTIONS,
+    REDUCTION_FUNCTIONS,
     BatchKey,
     DimArgKey,
     ElementwiseKey,
     IndexKey,
+    ReductionKey,
     StackKey,
     UnbatchedKey,
     VmapKey,
@@ -75,12 +77,21 @@ def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:
 def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
     if fn in ELEMENTWISE_FUNCTIONS:
         return ElementwiseKey
+    if fn in REDUCTION_FUNCTIONS and call.args[:1] == (InputSlot(0),):
+        if len(call.args) == 1 and not call.kwargs and fn not in _NEEDS_DIM:
+            return ReductionKey
+        if isinstance(call.static_arg(1, "dim", None), int):
+            return lambda f, c, **kw: DimArgKey(f, c, dim_position=1, **kw)
     position = DIM_FUNCTIONS.get(fn)
     if position is not None and isinstance(call.static_arg(position, "dim", 0), int):
         return lambda f, c, **kw: DimArgKey(f, c, dim_position=position, **kw)
     if fn is operator.getitem and _static_index(call):
         return IndexKey
     return VmapKey
+
+
+# Reductions that have no whole-tensor form (a dim is required).
+_NEEDS_DIM = frozenset({torch.logsumexp, torch.Tensor.logsumexp})
 
 
 def _static_index(call: CallSignature) -> bool:

@@ -34,6 +34,7 @@ from batchgraph.errors import NotComputedError, PolicyMismatchError
 from batchgraph.handle import ResultHandle
 from batchgraph.policy import BatchingPolicy
 from batchgraph.recording import _ACTIVE
+from batchgraph.specs import TensorSpec
 
 __all__ = ["Example", "GradMode", "Lane"]
 
@@ -93,6 +94,13 @@ class Lane:
         self.steps = 0  # batched steps computed
 
     # -- driver thread ---------------------------------------------------------------
+    def records_on_cuda(self) -> bool:
+        """Whether the lane's graph holds CUDA tensors (its steps launch asynchronously)."""
+        return any(
+            type(spec) is TensorSpec and spec.device.type == "cuda"
+            for spec in self.policy.graph.node_spec
+        )
+
     def start(self, examples: list[Example] | None = None) -> None:
         """Run new examples (default: the lane's own) up to their first await."""
         fresh = self.live if examples is None else examples

@@ -49,13 +49,24 @@ class Decoder(bg.BatchedModule):
 
     async def greedy(self, h: Any, max_len: int) -> list[int]:
         tok, out = BOS, []
+        device = self.out.weight.device
         for _ in range(max_len):
-            h = self.cell(self.embed(bg.batched_value(tok)), h)
-            tok = int((await bg.value(self.out(h))).argmax())
+            h = self.cell(self.embed(bg.batched_value(tok, device=_scalar_device(device))), h)
+            # The argmax is recorded too, so it runs batched, and so is the copy to the
+            # host on a GPU (one copy per batch); the example reads one int.
+            choice = self.out(h).argmax()
+            if device.type != "cpu":
+                choice = choice.cpu()
+            tok = int(await bg.value(choice))
             if tok == self.eos:
                 break
             out.append(tok)
         return out
+
+
+def _scalar_device(device: torch.device) -> torch.device | None:
+    # On the CPU, Python ints stay ints until the batch is stacked (the fast path).
+    return None if device.type == "cpu" else device
 
 
 def run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -69,9 +80,10 @@ def run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
 def hand_batched(model: Decoder, states: torch.Tensor, max_len: int) -> list[list[int]]:
     """Padded batched greedy decoding; finished rows leave the batch."""
     count = states.shape[0]
-    rows = torch.arange(count)  # which example each live row is
-    tokens = torch.full((count, max_len), -1, dtype=torch.long)  # -1: padding
-    tok = torch.full((count,), BOS, dtype=torch.long)
+    device = states.device
+    rows = torch.arange(count, device=device)  # which example each live row is
+    tokens = torch.full((count, max_len), -1, dtype=torch.long, device=device)  # -1: padding
+    tok = torch.full((count,), BOS, dtype=torch.long, device=device)
     h = states
     for t in range(max_len):
         h = model.cell(model.embed(tok), h)
@@ -85,8 +97,8 @@ def hand_batched(model: Decoder, states: torch.Tensor, max_len: int) -> list[lis
                 break
     mask = tokens >= 0
     ends = (tokens == model.eos) | ~mask
-    lengths = torch.where(ends.any(1), ends.int().argmax(1), torch.tensor(max_len))
-    return [row[:n].tolist() for row, n in zip(tokens, lengths.tolist())]
+    lengths = torch.where(ends.any(1), ends.int().argmax(1), torch.tensor(max_len, device=device))
+    return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
 
 
 @torch.no_grad()
@@ -97,13 +109,13 @@ def calibrate(model: Decoder, states: list[torch.Tensor], max_len: int, rate: fl
     for h in states:
         tok = BOS
         for _ in range(max_len):
-            h = model.cell(model.embed(torch.tensor(tok)), h)
+            h = model.cell(model.embed(torch.tensor(tok, device=h.device)), h)
             logits = model.out(h)
             others = logits.clone()
             others[model.eos] = -float("inf")
             tok = int(others.argmax())
             gaps.append(float(others[tok] - logits[model.eos]))
-    model.out.bias[model.eos] += torch.tensor(gaps).quantile(rate)
+    model.out.bias[model.eos] += torch.tensor(gaps).quantile(rate).item()
 
 
 def variants(model: Decoder, states: list[torch.Tensor], max_len: int
@@ -121,7 +133,7 @@ def variants(model: Decoder, states: list[torch.Tensor], max_len: int
 def check_identical(model: Decoder, states: list[torch.Tensor], max_len: int) -> int:
     model64 = Decoder(*SIZES_OF[id(model)])
     model64.load_state_dict(model.state_dict())
-    model64 = model64.double()
+    model64 = model64.double().to(model.out.weight.device)
     runs = {k: f() for k, f in variants(model64, [s.double() for s in states], max_len).items()}
     for name, seqs in runs.items():
         if seqs != runs["eager"]:
@@ -133,13 +145,14 @@ SIZES_OF: dict[int, tuple[int, int, int]] = {}
 
 
 @torch.no_grad()
-def bench(size: str, counts: list[int], reps: int, max_len: int, check: int) -> list[dict[str, Any]]:
+def bench(size: str, counts: list[int], reps: int, max_len: int, check: int,
+          device: torch.device) -> list[dict[str, Any]]:
     vocab, embed, hidden = SIZES[size]
     torch.manual_seed(0)
-    model = Decoder(vocab, embed, hidden).eval()
+    model = Decoder(vocab, embed, hidden).eval().to(device)
     SIZES_OF[id(model)] = (vocab, embed, hidden)
     gen = torch.Generator().manual_seed(1)
-    pool = [torch.randn(hidden, generator=gen) for _ in range(max(counts))]
+    pool = [torch.randn(hidden, generator=gen).to(device) for _ in range(max(counts))]
     calibrate(model, pool[:8], max_len, rate=0.1)
     check_identical(model, pool[:check], max_len)
     rows = []
@@ -154,7 +167,7 @@ def bench(size: str, counts: list[int], reps: int, max_len: int, check: int) -> 
                 if name == "eager" and rep >= max(1, reps // 2) and size == "realistic":
                     continue  # eager at realistic size is slow and steady: fewer repetitions
                 start = time.perf_counter()
-                fn()
+                fn()  # every variant ends with token ids on the host: nothing left queued
                 times[name].append(time.perf_counter() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         example_steps = sum(min(len(s) + 1, max_len) for s in outputs["eager"])
@@ -189,24 +202,30 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-len", type=int, default=30)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
+    parser.add_argument("--counts", type=int, nargs="+", help="concurrent examples")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    counts = [16, 64] if args.quick else [16, 64, 256]
+    device = torch.device(args.device)
+    counts = args.counts or ([16, 64] if args.quick else [16, 64, 256])
     reps = 2 if args.quick else args.reps
     print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus; "
           f"torch {torch.__version__}; intra-op threads {torch.get_num_threads()}; "
-          f"max_len {args.max_len}; medians of {reps} interleaved repetitions")
+          f"max_len {args.max_len}; medians of {reps} interleaved repetitions; "
+          f"device {device}" + (f" ({torch.cuda.get_device_name(device)})"
+                                if device.type == "cuda" else ""))
     print(f"{'size':10} {'conc':>5} {'eager/s':>9} {'hand/s':>9} {'coro1/s':>9} {'coro2/s':>9} "
           f"{'hand/eg':>8} {'coro/eg':>8} {'coro/hd':>8} {'2g/1g':>8} {'ovh us':>8} "
           f"{'agree':>8}")
     rows = []
-    for size in SIZES:
-        rows += bench(size, counts, reps, args.max_len, check=8 if args.quick else 16)
+    for size in args.sizes:
+        rows += bench(size, counts, reps, args.max_len, 8 if args.quick else 16, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "threads": 1},
+                    "torch": torch.__version__, "threads": 1, "device": str(device)},
         "max_len": args.max_len, "reps": reps, "rows": rows,
     }, indent=2))
     print(f"(sequences/s; coro/hd = coroutines vs hand-batched; 2g/1g = two groups vs one; "

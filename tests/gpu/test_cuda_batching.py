@@ -36,3 +36,34 @@ def test_outputs_stay_on_the_device() -> None:
     with bg.BatchingPolicy():
         hs = [lin(torch.randn(3, device="cuda")) for _ in range(4)]
     assert all(t.is_cuda for t in bg.compute(hs))
+
+
+def test_training_gradients_on_cuda_equal_eager_through_pools_and_reductions() -> None:
+    torch.manual_seed(0)
+    model = CudaTreeModel().double().cuda()
+    trees = [(1, (2, 3)), ((4, 5), (6, (7, 8))), 9, ((3, 3), (3, (1, 2))), (2, (4, (6, 8)))]
+
+    def loss_of(tree: Any) -> Any:
+        return model.logits(tree).logsumexp(0) - model.logits(tree).amax()
+
+    eager = torch.stack([loss_of(t) for t in trees]).sum()
+    want = torch.autograd.grad(eager, list(model.parameters()))
+    with bg.BatchingPolicy() as policy:
+        handles = [loss_of(t) for t in trees]
+    got = torch.stack(bg.compute(handles)).sum()
+    have = torch.autograd.grad(got, list(model.parameters()))
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-10)
+    for a, b in zip(have, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert policy.stats is not None and policy.stats.launches == policy.stats.lower_bound
+
+
+def test_a_batch_crosses_to_the_host_in_one_copy() -> None:
+    lin = bg.batched_func(torch.nn.Linear(3, 5).cuda())
+    xs = [torch.randn(3, device="cuda") for _ in range(6)]
+    with bg.BatchingPolicy() as policy:
+        hs = [lin(x).argmax().cpu() for x in xs]
+    got = bg.compute(hs)
+    assert [int(t) for t in got] == [int(lin(x).argmax()) for x in xs]
+    assert all(t.device.type == "cpu" for t in got)
+    assert policy.stats is not None and policy.stats.launches == 3  # linear, argmax, copy

@@ -1,4 +1,5 @@
-"""Smoke test of ``benchmarks/treelstm.py``: tiny sizes, every variant, JSON written."""
+"""Smoke test of ``benchmarks/treelstm.py``: tiny sizes, every variant (one DataLoader
+worker for the workers row), JSON written."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_benchmark_runs_and_writes_json(
     result = json.loads(out_file.read_text())
     rows = result["rows"]
     assert {(r["mode"], r["variant"]) for r in rows} == {
-        (m, v) for m in ("inference", "training") for v in ("eager", "hand", "agenda", "depth")
+        (m, v) for m in ("inference", "training")
+        for v in ("eager", "hand", "agenda", "depth", "workers")
     }
     assert result["loss_max_relative_diff"] <= 1e-5
     for r in rows:

@@ -73,14 +73,30 @@ def test_value_accepts_nested_structures() -> None:
     assert got["n"] == 3 and got["b"][0] is x
 
 
+@pytest.mark.parametrize("overlap", ["auto", "thread", "inline"])
 @pytest.mark.parametrize("groups", [2, 3, 7])
-def test_groups_give_identical_results(groups: int) -> None:
+def test_groups_give_identical_results(groups: int, overlap: str) -> None:
     model = make_decoder(2)
     stops = [seq[i % len(seq)] for i, seq in enumerate(
         run_eagerly(model.greedy(h, -1, 10)) for h in STATES)]
     one = bg.run_all([model.greedy(h, s, 10) for h, s in zip(STATES, stops)])
-    many = bg.run_all([model.greedy(h, s, 10) for h, s in zip(STATES, stops)], groups=groups)
+    many = bg.run_all([model.greedy(h, s, 10) for h, s in zip(STATES, stops)], groups=groups,
+                      overlap=overlap)
     assert many == one
+
+
+def test_a_lane_that_records_cpu_tensors_takes_turns_on_a_thread() -> None:
+    from batchgraph.stepping import Lane
+
+    lane = Lane(bg.BatchingPolicy(), [])
+    with lane.policy:
+        bg.batched_func(torch.tanh)(torch.zeros(3))
+    assert not lane.records_on_cuda()
+
+
+def test_an_unknown_overlap_is_refused() -> None:
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        bg.run_all([], groups=2, overlap="threads")
 
 
 class _Probe(nn.Module):
@@ -110,11 +126,15 @@ def test_groups_compute_on_an_executor_thread_with_no_policy_active() -> None:
         return x
 
     xs = [torch.randn(4, dtype=torch.float64) for _ in range(6)]
-    bg.run_all([example(x) for x in xs], groups=2)
+    bg.run_all([example(x) for x in xs], groups=2)  # CPU tensors: "auto" is a thread
     assert recorded_on == {threading.get_ident()}
     assert all(not active for _, active in probe.seen)
     assert {tid for tid, _ in probe.seen} != {threading.get_ident()}
     assert len(probe.seen) == 6  # 2 lanes x 3 steps, one batched call each
+    probe.seen.clear()
+    bg.run_all([example(x) for x in xs], groups=2, overlap="inline")
+    assert {tid for tid, _ in probe.seen} == {threading.get_ident()}
+    assert all(not active for _, active in probe.seen) and len(probe.seen) == 6
 
 
 @pytest.mark.parametrize("groups", [1, 2])

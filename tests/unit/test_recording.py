@@ -260,3 +260,30 @@ def test_submodule_reads_stay_right_after_the_class_learns_the_name() -> None:
     del first.part
     with pytest.raises(AttributeError, match="part"):
         _ = first.part
+
+
+@pytest.mark.parametrize(
+    ("op", "key"),
+    [
+        (lambda h: h.argmax(), "ReductionKey"),
+        (lambda h: h.sum(), "ReductionKey"),
+        (lambda h: torch.mean(h), "ReductionKey"),
+        (lambda h: torch.amin(h), "ReductionKey"),
+        (lambda h: h.sum(0), "DimArgKey"),
+        (lambda h: torch.argmax(h, dim=1), "DimArgKey"),
+        (lambda h: h.prod(-1, keepdim=True), "DimArgKey"),
+        (lambda h: torch.logsumexp(h, 1), "DimArgKey"),
+        (lambda h: h.sum(dtype=torch.float64), "VmapKey"),
+    ],
+)
+def test_reductions_batch_with_a_fast_rule_and_per_example_semantics(op: object, key: str) -> None:
+    lin = bg.batched_func(nn.Linear(4, 6).double())
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(5)]
+    eager = [op(lin(x)) for x in xs]  # type: ignore[operator]
+    with bg.BatchingPolicy() as policy:
+        handles = [op(lin(x)) for x in xs]  # type: ignore[operator]
+    for got, want in zip(bg.compute(handles), eager):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert type(policy.graph.keys[-1]).__name__ == key
+    assert policy.stats is not None and policy.stats.launches == 2
