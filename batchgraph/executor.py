@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from batchgraph.specs import flatten_output
 __all__ = ["Executor"]
 
 ExampleOf = Callable[[int], "int | None"]
+
+_CPU = torch.device("cpu")
 
 
 class Executor:
@@ -56,6 +59,10 @@ class Executor:
         self._index_cache: dict[tuple[int, torch.device], tuple[list[int], torch.Tensor]] = {}
         # Rows each pool carries to its next gather (see batchgraph.gathering).
         self._carry: dict[int, torch.Tensor] = {}
+        # The current schedule's index lists: where each starts in one flat tensor
+        # (kept per device); the list is held so its id cannot be reused meanwhile.
+        self._spans: dict[int, tuple[list[int], int]] = {}
+        self._flat_on: dict[torch.device, torch.Tensor] = {}
 
     def run(self, schedule: Schedule) -> None:
         """Run every step; on success record where each node's value lives.
@@ -70,6 +77,7 @@ class Executor:
                 f"schedule starts at store {schedule.base_store} but the graph has "
                 f"{len(graph.stores)}; schedules must run in the order they were built"
             )
+        self._index_all(schedule)
         added = 0
         try:
             for step in schedule.steps:
@@ -148,7 +156,34 @@ class Executor:
         # before running refer to it as leaf -1.
         return [*(list(column) for column in zip(*flat)), list(out)]
 
+    def _index_all(self, schedule: Schedule) -> None:
+        # Every index list of the schedule becomes a slice of one tensor: one
+        # torch.tensor call (one copy to a GPU) per run instead of one per gather.
+        lists = [
+            rows
+            for step in schedule.steps
+            for plan in step.gathers
+            for rows in (plan.perm, *(r for _, _, r in plan.parts))
+            if type(rows) is list
+        ]
+        self._spans = {}
+        self._flat_on = {}
+        if not lists:
+            return
+        start = 0
+        for rows in lists:
+            self._spans[id(rows)] = (rows, start)
+            start += len(rows)
+        self._flat_on[_CPU] = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+
     def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        span = self._spans.get(id(rows))
+        if span is not None and span[0] is rows:
+            flat = self._flat_on.get(device)
+            if flat is None:
+                flat = self._flat_on[device] = self._flat_on[_CPU].to(device)
+            return flat[span[1] : span[1] + len(rows)]
+        # A list outside the current schedule (binding's output gather): cached alone.
         cache_key = (id(rows), device)
         cached = self._index_cache.get(cache_key)
         if cached is None:
