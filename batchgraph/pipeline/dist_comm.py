@@ -32,6 +32,8 @@ original failure of another rank when one was published on the abort board
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -68,6 +70,41 @@ from batchgraph.pipeline.errors import (
 )
 
 __all__ = ["DistCommunicator"]
+
+_HEADER_BYTES = HEADER_LEN * 8
+#: A message whose header and tensors take at most this many bytes travels as one transfer
+#: (gloo): copying it into one buffer costs far less than a second transfer.
+_PACK_LIMIT = 256 * 1024
+_ALIGN = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(sig: Signature) -> tuple[tuple[tuple[int, int] | None, ...], int]:
+    """Where each tensor of ``sig`` sits in a one-transfer message: (byte offset, bytes),
+    after the header, each aligned to 64 bytes; and the message's total size in bytes."""
+    spots: list[tuple[int, int] | None] = []
+    offset = _HEADER_BYTES
+    for spec in sig:
+        if spec is None:
+            spots.append(None)
+            continue
+        dtype, shape = spec
+        offset = -(-offset // _ALIGN) * _ALIGN
+        size = math.prod(shape) * dtype.itemsize
+        spots.append((offset, size))
+        offset += size
+    return tuple(spots), offset
+
+
+def _unpack(buf: Tensor, sig: Signature) -> Payload:
+    """The tensors of a one-transfer message: views into ``buf`` (no copy)."""
+    out: list[Tensor | None] = []
+    for spot, spec in zip(_layout(sig)[0], sig):
+        if spot is None or spec is None:
+            out.append(None)
+        else:
+            out.append(buf[spot[0] : spot[0] + spot[1]].view(spec[0]).view(spec[1]))
+    return tuple(out)
 
 
 class _SendWork(Work):
@@ -112,7 +149,8 @@ class _RemoteRecv(RecvWork):
         comm, key, peer = self._comm, self._key, self._peer
         work, buf = self._header
         comm._wait(work, key, peer, timeout, "header of")
-        got, specs = decode_header(buf)
+        packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
+        got, specs = decode_header(buf[:_HEADER_BYTES].view(torch.int64) if packed else buf)
         if got != key:
             raise PipelineConfigError(
                 f"rank {comm.rank} expected the {key} but rank {peer} sent the {got}: the ranks "
@@ -121,7 +159,14 @@ class _RemoteRecv(RecvWork):
         sig = signature_of(specs)
         known = comm._known.get(key)
         tensors: list[Tensor | None]
-        if known is not None:
+        if packed:
+            assert known is not None
+            if sig == known:
+                # The tensors are in the same transfer as the header: views into it.
+                self._payload = _unpack(buf, known)
+                return self._payload
+            # The signature changed: the tensors follow under fresh tags, sized by the header.
+        elif known is not None:
             # The sender used the buffers posted ahead for the known signature: with the
             # payload if it still matches, with filler (to drain them) if it changed.
             posted = comm._take_ahead(key, peer)
@@ -130,7 +175,6 @@ class _RemoteRecv(RecvWork):
                     comm._wait(item[0], key, peer, timeout, "payload of")
             if sig == known:
                 tensors = [None if item is None else item[1] for item in posted]
-                comm._known[key] = sig
                 self._payload = tuple(tensors)
                 return self._payload
         fresh = FRESH if known is not None else 0
@@ -196,6 +240,8 @@ class DistCommunicator(Communicator):
         super().__init__(default_timeout)
         self.rank = dist.get_rank()
         self.group = group
+        self._pg: Any = group if group is not None else dist.group.WORLD
+        self._group_ranks: dict[int, int] = {}
         self.device = torch.device(device)
         self.board = board
         self._rank_of_stage = rank_of_stage
@@ -245,10 +291,38 @@ class DistCommunicator(Communicator):
         peer = self._peer(key)
         if peer == self.rank:
             return self._local.isend(key, payload)
-        tensors = [None if t is None else t.detach().to(self.device).contiguous() for t in payload]
+        device = self.device
+        tensors = [
+            None if t is None else (t if t.device == device else t.to(device)).detach().contiguous()
+            for t in payload
+        ]
         header = encode_header(key, tuple(tensors))
         sig = signature_of(payload_specs(tensors))
         known = self._known.get(key)
+        self._known[key] = sig
+        if known is not None and self._packs(known):
+            # The receiver posted one buffer for header and tensors of the known signature:
+            # one transfer, the tensors copied in after the header. If the signature
+            # changed, the same buffer carries the new header and the tensors follow under
+            # fresh tags.
+            spots, total = _layout(known)
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+            buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
+            buffers: list[Tensor] = [buf]
+            later: list[tuple[int, Tensor]] = []
+            if sig == known:
+                for t, spot in zip(tensors, spots):
+                    if t is not None and spot is not None:
+                        buf[spot[0] : spot[0] + spot[1]].view(t.dtype).view(t.shape).copy_(t)
+            else:
+                later = [
+                    (part + FRESH, t) for part, t in enumerate(tensors, start=1) if t is not None
+                ]
+            works = [self._post_send(buf, key, peer, 0)]
+            for part, t in later:
+                buffers.append(t)
+                works.append(self._post_send(t, key, peer, part))
+            return _SendWork(self, key, peer, works, buffers)
         buffers, works = [header], [self._post_send(header, key, peer, 0)]
         fresh = 0
         if known is not None and known != sig:
@@ -257,19 +331,33 @@ class DistCommunicator(Communicator):
             fresh = FRESH
             for part, spec in enumerate(known, start=1):
                 if spec is not None:
-                    filler = torch.zeros(spec[1], dtype=spec[0], device=self.device)
+                    filler = torch.zeros(spec[1], dtype=spec[0], device=device)
                     buffers.append(filler)
                     works.append(self._post_send(filler, key, peer, part))
         for part, t in enumerate(tensors, start=1):
             if t is not None:
                 buffers.append(t)
                 works.append(self._post_send(t, key, peer, part + fresh))
-        self._known[key] = sig
         return _SendWork(self, key, peer, works, buffers)
+
+    def _packs(self, sig: Signature) -> bool:
+        """Whether a message of ``sig`` travels as one transfer (both ends decide alike)."""
+        return self.device.type == "cpu" and _layout(sig)[1] <= _PACK_LIMIT
+
+    # Transfers are posted on the process group object itself: what ``dist.isend`` and
+    # ``dist.irecv`` do after their per-call argument checks (a complex tensor travels as
+    # its real view, as there), without those checks' cost on every message.
+
+    def _group_rank(self, peer: int) -> int:
+        rank = self._group_ranks.get(peer)
+        if rank is None:
+            rank = self._group_ranks[peer] = dist.get_group_rank(self._pg, peer)
+        return rank
 
     def _post_send(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
         try:
-            return dist.isend(t, dst=peer, group=self.group, tag=self._tag(key, part))
+            wire = torch.view_as_real(t) if t.is_complex() else t
+            return self._pg.send([wire], self._group_rank(peer), self._tag(key, part))
         except RuntimeError as exc:  # posting to a peer whose connection is gone fails at once
             raise self._explain(exc, key, peer, None, "send of") from exc
 
@@ -289,10 +377,15 @@ class DistCommunicator(Communicator):
             peer = self._peer(key)
             if peer == self.rank:
                 continue
+            known = self._known.get(key)
             if key not in self._headers:
-                buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                if known is not None and self._packs(known):
+                    # Small and known: one buffer for the header and the tensors.
+                    buf = torch.empty(_layout(known)[1], dtype=torch.uint8, device=self.device)
+                else:
+                    buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 self._headers[key] = (self._post_recv(buf, key, peer, 0), buf)
-            if payload and key in self._known:
+            if payload and known is not None and not self._packs(known):
                 self._post_ahead(key, peer)
 
     def _post_ahead(self, key: MessageKey, peer: int) -> None:
@@ -319,7 +412,8 @@ class DistCommunicator(Communicator):
 
     def _post_recv(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
         try:
-            return dist.irecv(t, src=peer, group=self.group, tag=self._tag(key, part))
+            wire = torch.view_as_real(t) if t.is_complex() else t
+            return self._pg.recv([wire], self._group_rank(peer), self._tag(key, part))
         except RuntimeError as exc:
             raise self._explain(exc, key, peer, None, "receive of") from exc
 

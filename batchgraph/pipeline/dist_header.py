@@ -93,8 +93,8 @@ def encode_header(key: MessageKey, payload: Payload) -> Tensor:
             f"{key}: the tensors' shapes {[None if t is None else tuple(t.shape) for t in payload]} "
             f"need {len(values)} header entries, more than {HEADER_LEN}"
         )
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    values += [0] * (HEADER_LEN - len(values))
+    header = torch.tensor(values, dtype=torch.int64)
     return header
 
 
