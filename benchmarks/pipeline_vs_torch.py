@@ -19,6 +19,11 @@ implementation), one intra-op thread per rank:
     ping-pong with one microbatch's activation tensor over plain gloo ``send``/``recv``
     (30 round trips after 5 warm-up ones); the median round trip over two, averaged over
     the pairs, is the one-way transfer cost (printed, and stored as ``transfer_s``).
+    Then every rank times its virtual stage alone, at the same time as the others (F, B,
+    I, W after idle gaps; ``_stage_alone`` in ``benchmarks/pipeline.py``), and the
+    simulator is run once more with those costs: the "alone" ratio is what is left for
+    the runtime itself (the stage's own autograd bookkeeping runs slower right after a
+    sleep, by more than a millisecond per action with four processes on two cores).
 
 Schedules compared: ``gpipe`` vs ``ScheduleGPipe``, ``1f1b`` vs ``Schedule1F1B``, and
 ``zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB-H1 case).
@@ -58,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pipeline import VirtualStage, _machine  # noqa: E402  (benchmarks/pipeline.py)
+from pipeline import VirtualStage, _machine, _stage_alone  # noqa: E402  (benchmarks/pipeline.py)
 
 from batchgraph.pipeline import ActionCosts, DistributedPipeline, make_schedule, simulate  # noqa: E402
 
@@ -194,10 +199,14 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        transfer = None
-        if job["case"] == "virtual":
+        transfer, alone = None, None
+        if job["case"] == "virtual" and "torch" in job["impls"]:
             _, x, _ = case_setup(job["case"], rank, world, job["unit"])
             transfer = gloo_one_way(torch.tensor_split(x, job["m"])[0].contiguous(), rank, world)
+            dist.barrier()
+            per_rank: list[Any] = [None] * world
+            dist.all_gather_object(per_rank, _stage_alone(job["unit"]))
+            alone = {k: statistics.mean(r[k] for r in per_rank) for k in per_rank[0]}
         steppers = _steppers(job, rank, world)
         times: dict[str, list[float]] = {k: [] for k in steppers}
         makespans: list[float] = []
@@ -221,6 +230,7 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
             "peak_mib": max(0.0, _peak_mib() - base),
             "makespan_s": statistics.median(makespans) if makespans else None,
             "transfer_s": transfer,
+            "stage_alone_s": alone,
         }
         dist.destroy_process_group()
         queue.put((rank, result))
@@ -291,6 +301,20 @@ def run_case(
             )
             sim_free = simulate(plan, costs).makespan
             sim = simulate(plan, replace(costs, transfer=transfer)).makespan
+            alone = timed[0]["stage_alone_s"]
+            sim_alone = simulate(
+                plan,
+                ActionCosts(
+                    forward=alone["F"],
+                    backward=alone["B"],
+                    backward_input=alone["I"],
+                    backward_weight=alone["W"],
+                    transfer=transfer,
+                ),
+            ).makespan
+            row["stage_alone_s"] = alone
+            row["simulated_makespan_stage_alone_s"] = sim_alone
+            row["makespan_vs_alone"] = timed[0]["makespan_s"] / sim_alone
             measured = timed[0]["makespan_s"]
             row["batchgraph"]["makespan_s"] = measured
             row["transfer_s"] = transfer
@@ -317,7 +341,8 @@ def _format(row: dict[str, Any]) -> str:
             f"  makespan {row['batchgraph']['makespan_s'] * 1e3:.1f} / sim "
             f"{row['simulated_makespan_s'] * 1e3:.1f} ms = {row['makespan_vs_sim']:.3f} "
             f"(transfer {row['transfer_s'] * 1e3:.3f} ms, gloo ping-pong; sim without it "
-            f"{row['simulated_makespan_no_transfer_s'] * 1e3:.1f} ms)"
+            f"{row['simulated_makespan_no_transfer_s'] * 1e3:.1f} ms); vs alone "
+            f"{row['simulated_makespan_stage_alone_s'] * 1e3:.1f} ms = {row['makespan_vs_alone']:.3f}"
         )
     return f"{row['case']:>7} {row['schedule']:>6} {cell('batchgraph')} {cell('torch')} {ratio:>6}{sim}"
 
