@@ -1,7 +1,8 @@
 """A :class:`~batchgraph.pipeline.comm.Communicator` on ``torch.distributed`` point-to-point.
 
 One process per pipeline device (started by ``torchrun`` or ``init_process_group``); gloo
-on CPU, NCCL on GPU. A message between two ranks travels as two or more transfers::
+on CPU, NCCL on GPU. The first time a message key is used, its message travels as two or
+more transfers::
 
     sender (rank a)                                   receiver (rank b)
     ───────────────                                   ─────────────────
@@ -12,7 +13,14 @@ on CPU, NCCL on GPU. A message between two ranks travels as two or more transfer
 The header names the message and every tensor's dtype and shape, so the receiver
 allocates exactly what was sent (a mismatched send can never be silently truncated) and
 checks that the header names the message it expected (a mismatch raises instead of
-mixing microbatches up). Every transfer has its own tag, derived from the message key,
+mixing microbatches up). Both ends then remember the key's signature (dtypes and
+shapes), so in later steps the receiver posts the buffers ahead: with gloo, a message of
+up to 256 KiB travels as *one* transfer, the header followed by the tensors in one buffer
+(the receiver checks the header and takes the tensors as views); a larger one, or any on
+NCCL, as the header plus one transfer per tensor into the buffers posted ahead. If the
+signature changed, the sender fills what the receiver posted for the old one (carrying
+the new header) and sends the tensors again under fresh tags, sized by that header.
+Every transfer has its own tag, derived from the message key,
 so gloo matches sends and receives by name, in whatever order the two schedules post
 them: no two ranks ever block on each other's ordering, and since every send is
 asynchronous (seed 004) a rank that sends an activation goes straight on to receive a
@@ -370,7 +378,9 @@ class DistCommunicator(Communicator):
         keys whose signature (dtypes and shapes) is known from an earlier step: the sender
         then transmits at once instead of waiting for the receiver to read the header
         (one round trip less on the critical path). Post payloads only a few actions
-        ahead: each posted buffer holds memory until its message arrives.
+        ahead: each posted buffer holds memory until its message arrives. A key whose
+        known signature travels as one transfer (gloo, at most 256 KiB) gets its one
+        buffer, header and tensors, at once, whatever ``payload`` says.
         """
         self._check()
         for key in keys:

@@ -93,7 +93,8 @@ class DistributedPipeline:
         device: where this rank's stages run; default CPU (gloo) or ``cuda:LOCAL_RANK`` (NCCL).
         timeout: seconds any wait or collective may take before the step fails.
         collect_stats: gather every rank's timeline to rank 0 after each step (one small
-            collective); ``False`` skips it.
+            point-to-point message per rank, which rank 0 posts for when the step begins,
+            so no rank waits for another at the end of a step); ``False`` skips it.
 
     Raises:
         PipelineConfigError: if the ranks disagree on the configuration (checked by an
