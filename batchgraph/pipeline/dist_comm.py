@@ -66,7 +66,7 @@ from batchgraph.pipeline.dist_header import (
     KINDS,
     Signature,
     decode_header,
-    encode_header,
+    encode_signature,
     payload_specs,
     signature_of,
 )
@@ -158,6 +158,14 @@ class _RemoteRecv(RecvWork):
         work, buf = self._header
         comm._wait(work, key, peer, timeout, "header of")
         packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
+        known = comm._known.get(key)
+        if packed and known is not None:
+            expected = comm._header(key, known).view(torch.uint8)
+            if torch.equal(buf[:_HEADER_BYTES], expected):
+                # Exactly the header expected (this message, the known signature): the
+                # tensors are in the same transfer, taken as views.
+                self._payload = _unpack(buf, known)
+                return self._payload
         got, specs = decode_header(buf[:_HEADER_BYTES].view(torch.int64) if packed else buf)
         if got != key:
             raise PipelineConfigError(
@@ -165,15 +173,12 @@ class _RemoteRecv(RecvWork):
                 "run different schedules"
             )
         sig = signature_of(specs)
-        known = comm._known.get(key)
         tensors: list[Tensor | None]
         if packed:
-            assert known is not None
-            if sig == known:
-                # The tensors are in the same transfer as the header: views into it.
-                self._payload = _unpack(buf, known)
+            if sig == known:  # (cannot happen: the same key and signature encode alike)
+                self._payload = _unpack(buf, sig)
                 return self._payload
-            # The signature changed: the tensors follow under fresh tags, sized by the header.
+            # The signature changed: the tensors follow under fresh tags.
         elif known is not None:
             # The sender used the buffers posted ahead for the known signature: with the
             # payload if it still matches, with filler (to drain them) if it changed.
@@ -258,6 +263,7 @@ class DistCommunicator(Communicator):
         # Last signature sent or received per key; both ends keep the same table, so
         # both know which buffers the receiver posted ahead.
         self._known: dict[MessageKey, Signature] = {}
+        self._header_cache: dict[tuple[MessageKey, Signature], Tensor] = {}
         self._ahead: dict[MessageKey, list[tuple[Any, Tensor] | None]] = {}
         self._error: BaseException | None = None
         self._closed = False
@@ -304,32 +310,35 @@ class DistCommunicator(Communicator):
             None if t is None else (t if t.device == device else t.to(device)).detach().contiguous()
             for t in payload
         ]
-        header = encode_header(key, tuple(tensors))
         sig = signature_of(payload_specs(tensors))
+        header = self._header(key, sig)
         known = self._known.get(key)
         self._known[key] = sig
         if known is not None and self._packs(known):
             # The receiver posted one buffer for header and tensors of the known signature:
-            # one transfer, the tensors copied in after the header. If the signature
-            # changed, the same buffer carries the new header and the tensors follow under
-            # fresh tags.
+            # one transfer, the tensors after the header. If the signature changed, that
+            # buffer carries the new header and the tensors follow under fresh tags.
             spots, total = _layout(known)
+            if sig == known:
+                parts = [header.view(torch.uint8)]
+                pos = _HEADER_BYTES
+                for t, spot in zip(tensors, spots):
+                    if t is None or spot is None:
+                        continue
+                    if spot[0] > pos:
+                        parts.append(torch.zeros(spot[0] - pos, dtype=torch.uint8, device=device))
+                    parts.append(t.reshape(-1).view(torch.uint8))
+                    pos = spot[0] + spot[1]
+                buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+                return _SendWork(self, key, peer, [self._post_send(buf, key, peer, 0)], [buf])
             buf = torch.empty(total, dtype=torch.uint8, device=device)
             buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
             buffers: list[Tensor] = [buf]
-            later: list[tuple[int, Tensor]] = []
-            if sig == known:
-                for t, spot in zip(tensors, spots):
-                    if t is not None and spot is not None:
-                        buf[spot[0] : spot[0] + spot[1]].view(t.dtype).view(t.shape).copy_(t)
-            else:
-                later = [
-                    (part + FRESH, t) for part, t in enumerate(tensors, start=1) if t is not None
-                ]
             works = [self._post_send(buf, key, peer, 0)]
-            for part, t in later:
-                buffers.append(t)
-                works.append(self._post_send(t, key, peer, part))
+            for part, t in enumerate(tensors, start=1):
+                if t is not None:
+                    buffers.append(t)
+                    works.append(self._post_send(t, key, peer, part + FRESH))
             return _SendWork(self, key, peer, works, buffers)
         buffers, works = [header], [self._post_send(header, key, peer, 0)]
         fresh = 0
@@ -347,6 +356,14 @@ class DistCommunicator(Communicator):
                 buffers.append(t)
                 works.append(self._post_send(t, key, peer, part + fresh))
         return _SendWork(self, key, peer, works, buffers)
+
+    def _header(self, key: MessageKey, sig: Signature) -> Tensor:
+        """The header of ``key`` with ``sig`` (the same every step: encoded once, never
+        written to, so sends in flight can share it)."""
+        header = self._header_cache.get((key, sig))
+        if header is None:
+            header = self._header_cache[(key, sig)] = encode_signature(key, sig)
+        return header
 
     def _packs(self, sig: Signature) -> bool:
         """Whether a message of ``sig`` travels as one transfer (both ends decide alike)."""
