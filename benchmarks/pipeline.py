@@ -12,6 +12,12 @@ Run:  python benchmarks/pipeline.py            (2-3 minutes; --quick: p=4 only, 
     the runtime's own overhead (thread hand-offs, autograd bookkeeping, sleep overshoot).
     A "replay" column feeds the simulator the measured duration of every action, which
     isolates the hand-off (coordination) overhead from the per-action overhead.
+    An "alone" column feeds it instead what one virtual stage takes run by itself, no
+    pipeline: F and a plain B, and I and W of a two-stage backward, each timed after an
+    idle gap as long as one action (code that runs right after a sleep runs slower than in
+    a tight loop, on this kind of machine several times slower, so the stage's own
+    autograd bookkeeping costs a good part of a millisecond per action). What is left
+    between that and the measured makespan is the pipeline runtime's own overhead.
     With F = I = W the ZB-H1 bubble is compared with 1F1B's.
 (b) Two-stage backprop on an MLP (8 x Linear(1024) + ReLU, batch 256, 1 intra-op
     thread): I + W time vs one full ``backward()``, plus the naive split (``autograd.grad``
@@ -124,6 +130,45 @@ def _sleep_overshoot(seconds: float, n: int = 20) -> float:
     return statistics.mean(extra)
 
 
+def _stage_alone(unit: float, n: int = 12) -> dict[str, float]:
+    """Mean time of each action of one virtual stage run alone (no pipeline), in seconds.
+
+    F and a plain ``backward`` (B), then F recorded for a two-stage backward and its I and
+    W; each action starts after an idle gap of ``unit``, as in a pipeline.
+    """
+    stage = VirtualStage(unit, unit, unit)
+    split = TwoStageBackward(stage)
+    x0 = torch.zeros(1, 4)
+    times: dict[str, list[float]] = {k: [] for k in "FBIW"}
+    for rep in range(n + 2):
+        x = x0.detach().requires_grad_(True)
+        time.sleep(unit)
+        t0 = time.perf_counter()
+        y = stage(x)
+        t1 = time.perf_counter()
+        g = torch.ones_like(y)
+        time.sleep(unit)
+        t2 = time.perf_counter()
+        torch.autograd.backward([y], [g])
+        t3 = time.perf_counter()
+        x = x0.detach().requires_grad_(True)
+        with split.record() as tape:
+            y = stage(x)
+        time.sleep(unit)
+        t4 = time.perf_counter()
+        tape.backward_input([y], [g], [x])
+        t5 = time.perf_counter()
+        time.sleep(unit)
+        t6 = time.perf_counter()
+        tape.backward_weight()
+        t7 = time.perf_counter()
+        if rep >= 2:  # two warm-up rounds
+            for k, v in zip("FBIW", (t1 - t0, t3 - t2, t5 - t4, t7 - t6)):
+                times[k].append(v)
+    split.close()
+    return {k: statistics.mean(v) for k, v in times.items()}
+
+
 def _replay(schedule: PipelineSchedule, events: list[TimelineEvent]) -> float:
     """The simulator's makespan with each action's *measured* duration.
 
@@ -136,12 +181,24 @@ def _replay(schedule: PipelineSchedule, events: list[TimelineEvent]) -> float:
     return run.makespan
 
 
-def _virtual_run(schedule: str, p: int, m: int, unit: float, repeat: int) -> dict[str, Any]:
+def _virtual_run(
+    schedule: str, p: int, m: int, unit: float, repeat: int, alone: dict[str, float]
+) -> dict[str, Any]:
     chunks = 2 if schedule == "interleaved-1f1b" else 1
     stages = [VirtualStage(unit, unit, unit) for _ in range(p * chunks)]
     x = torch.zeros(m, 4)
     costs = ActionCosts(forward=unit, backward=2 * unit, backward_input=unit, backward_weight=unit)
-    sim = simulate(make_schedule(schedule, stages=p, microbatches=m, chunks=chunks), costs)
+    plan = make_schedule(schedule, stages=p, microbatches=m, chunks=chunks)
+    sim = simulate(plan, costs)
+    sim_alone = simulate(
+        plan,
+        ActionCosts(
+            forward=alone["F"],
+            backward=alone["B"],
+            backward_input=alone["I"],
+            backward_weight=alone["W"],
+        ),
+    ).makespan
     makespans, walls, bubbles, utils, replayed = [], [], [], [], []
     durations: dict[str, list[float]] = {}
     with Pipeline(
@@ -170,6 +227,8 @@ def _virtual_run(schedule: str, p: int, m: int, unit: float, repeat: int) -> dic
         "makespan_ratio": makespan / sim.makespan,
         "simulated_with_measured_durations_s": statistics.median(replayed),
         "coordination_ratio": makespan / statistics.median(replayed),
+        "simulated_with_stage_alone_s": sim_alone,
+        "runtime_ratio": makespan / sim_alone,
         "simulated_bubble_s": sim.bubble_time,
         "measured_bubble_s": statistics.median(bubbles),
         "simulated_bubble_fraction": sim.bubble_fraction,
@@ -286,21 +345,28 @@ def main() -> None:
         f"(a) virtual stages, F = I = W = {args.unit_ms:g} ms, B = I + W; "
         f"median of {args.repeat} steps"
     )
+    alone = _stage_alone(unit)
+    print(
+        "one virtual stage alone (no pipeline), after an idle gap: "
+        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in alone.items())
+        + " ms (the 'alone' columns simulate with these)"
+    )
     header = (
         f"{'schedule':>17} {'p':>2} {'m':>3} {'v':>2} {'simulated s':>12} "
-        f"{'measured s':>11} {'ratio':>6} {'replay s':>9} {'ratio':>6} {'sim bubble':>11} "
-        f"{'meas bubble':>12} {'util':>6}"
+        f"{'measured s':>11} {'ratio':>6} {'replay s':>9} {'ratio':>6} {'alone s':>8} "
+        f"{'ratio':>6} {'sim bubble':>11} {'meas bubble':>12} {'util':>6}"
     )
     print(header)
     virtual = []
     for p, m in configs:
         for name in SCHEDULE_NAMES:
-            r = _virtual_run(name, p, m, unit, args.repeat)
+            r = _virtual_run(name, p, m, unit, args.repeat, alone)
             virtual.append(r)
             print(
                 f"{name:>17} {p:>2} {m:>3} {r['chunks_v']:>2} {r['simulated_makespan_s']:12.4f} "
                 f"{r['measured_makespan_s']:11.4f} {r['makespan_ratio']:6.3f} "
                 f"{r['simulated_with_measured_durations_s']:9.4f} {r['coordination_ratio']:6.3f} "
+                f"{r['simulated_with_stage_alone_s']:8.4f} {r['runtime_ratio']:6.3f} "
                 f"{r['simulated_bubble_s']:11.4f} {r['measured_bubble_s']:12.4f} "
                 f"{r['measured_utilization']:6.1%}"
             )
@@ -329,7 +395,12 @@ def main() -> None:
         )
         + f"; a bare time.sleep({args.unit_ms:g} ms) overshoots by {overshoot * 1e3:.3f} ms here"
     )
+    runtime = max(abs(r["runtime_ratio"] - 1) for r in virtual)
     print(f"largest |measured / simulated - 1|: {worst:.2%} (target <= 5%)")
+    print(
+        f"largest |measured / alone - 1|: {runtime:.2%} (alone: the simulator fed what one "
+        "stage takes by itself; the rest is the pipeline runtime's own overhead)"
+    )
     print(
         f"largest |measured / replay - 1|: {coord:.2%} (replay: the simulator fed the "
         "measured action durations; the rest is thread hand-off overhead)\n"
@@ -366,6 +437,8 @@ def main() -> None:
                 "zb_h1_over_1f1b_bubble": zb_vs_1f1b,
                 "worst_makespan_error": worst,
                 "worst_coordination_error": coord,
+                "stage_alone_s": alone,
+                "worst_runtime_error": runtime,
                 "sleep_overshoot_s": overshoot,
                 "two_stage_backward": b,
             },

@@ -13,7 +13,17 @@ implementation), one intra-op thread per rank:
     p = 4 ranks, m = 8. Sleeping releases the CPU, so the 4 ranks overlap on 2 cores like
     devices would. batchgraph's measured makespan (first action start to last action end
     over all ranks, from the timelines gathered to rank 0) is compared with
-    ``simulate()``'s for the same costs.
+    ``simulate()``'s for the same costs. Across processes a message costs real time, so
+    the simulator is given a transfer cost measured here, independently of either
+    implementation: before the timed steps each pair of neighbouring ranks plays
+    ping-pong with one microbatch's activation tensor over plain gloo ``send``/``recv``
+    (30 round trips after 5 warm-up ones); the median round trip over two, averaged over
+    the pairs, is the one-way transfer cost (printed, and stored as ``transfer_s``).
+    Then every rank times its virtual stage alone, at the same time as the others (F, B,
+    I, W after idle gaps; ``_stage_alone`` in ``benchmarks/pipeline.py``), and the
+    simulator is run once more with those costs: the "alone" ratio is what is left for
+    the runtime itself (the stage's own autograd bookkeeping runs slower right after a
+    sleep, by more than a millisecond per action with four processes on two cores).
 
 Schedules compared: ``gpipe`` vs ``ScheduleGPipe``, ``1f1b`` vs ``Schedule1F1B``, and
 ``zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB-H1 case).
@@ -38,6 +48,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from queue import Empty
@@ -52,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pipeline import VirtualStage, _machine  # noqa: E402  (benchmarks/pipeline.py)
+from pipeline import VirtualStage, _machine, _stage_alone  # noqa: E402  (benchmarks/pipeline.py)
 
 from batchgraph.pipeline import ActionCosts, DistributedPipeline, make_schedule, simulate  # noqa: E402
 
@@ -148,6 +159,39 @@ def _steppers(job: dict[str, Any], rank: int, world: int) -> dict[str, tuple[Any
     return out
 
 
+def gloo_one_way(sample: torch.Tensor, rank: int, world: int, rounds: int = 30) -> float:
+    """Mean over neighbouring rank pairs of the one-way gloo latency of ``sample`` (seconds).
+
+    Plain ``dist.send``/``dist.recv`` ping-pong, one pair at a time (the others wait at a
+    barrier); a collective, every rank calls it and gets the same value.
+    """
+    buf = torch.empty_like(sample)
+    mine: list[float] = []
+    for a in range(world - 1):
+        dist.barrier()
+        if rank not in (a, a + 1):
+            continue
+        peer = a + 1 if rank == a else a
+        trips = []
+        for i in range(rounds + 5):
+            start = time.perf_counter()
+            if rank == a:
+                dist.send(sample, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(sample, peer)
+            if i >= 5:
+                trips.append(time.perf_counter() - start)
+        if rank == a:
+            mine.append(statistics.median(trips) / 2)
+    dist.barrier()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    pairs = [v for part in gathered for v in part]
+    return statistics.mean(pairs) if pairs else 0.0
+
+
 def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) -> None:
     """Run ``job``: time the implementations step by step in turn (so the machine's load
     hits both alike), or, with one implementation, measure its peak memory."""
@@ -155,6 +199,14 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        transfer, alone = None, None
+        if job["case"] == "virtual" and "torch" in job["impls"]:
+            _, x, _ = case_setup(job["case"], rank, world, job["unit"])
+            transfer = gloo_one_way(torch.tensor_split(x, job["m"])[0].contiguous(), rank, world)
+            dist.barrier()
+            per_rank: list[Any] = [None] * world
+            dist.all_gather_object(per_rank, _stage_alone(job["unit"]))
+            alone = {k: statistics.mean(r[k] for r in per_rank) for k in per_rank[0]}
         steppers = _steppers(job, rank, world)
         times: dict[str, list[float]] = {k: [] for k in steppers}
         makespans: list[float] = []
@@ -177,6 +229,8 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
             "step_s": {k: statistics.median(v) for k, v in times.items()},
             "peak_mib": max(0.0, _peak_mib() - base),
             "makespan_s": statistics.median(makespans) if makespans else None,
+            "transfer_s": transfer,
+            "stage_alone_s": alone,
         }
         dist.destroy_process_group()
         queue.put((rank, result))
@@ -240,12 +294,31 @@ def run_case(
         ok = not errors
         row["ratio"] = row["batchgraph"]["step_s"] / row["torch"]["step_s"] if ok else None
         if case == "virtual" and ok:
+            transfer = timed[0]["transfer_s"]
+            plan = make_schedule(schedule, stages=world, microbatches=m)
             costs = ActionCosts(
                 forward=unit, backward=2 * unit, backward_input=unit, backward_weight=unit
             )
-            sim = simulate(make_schedule(schedule, stages=world, microbatches=m), costs).makespan
+            sim_free = simulate(plan, costs).makespan
+            sim = simulate(plan, replace(costs, transfer=transfer)).makespan
+            alone = timed[0]["stage_alone_s"]
+            sim_alone = simulate(
+                plan,
+                ActionCosts(
+                    forward=alone["F"],
+                    backward=alone["B"],
+                    backward_input=alone["I"],
+                    backward_weight=alone["W"],
+                    transfer=transfer,
+                ),
+            ).makespan
+            row["stage_alone_s"] = alone
+            row["simulated_makespan_stage_alone_s"] = sim_alone
+            row["makespan_vs_alone"] = timed[0]["makespan_s"] / sim_alone
             measured = timed[0]["makespan_s"]
             row["batchgraph"]["makespan_s"] = measured
+            row["transfer_s"] = transfer
+            row["simulated_makespan_no_transfer_s"] = sim_free
             row["simulated_makespan_s"] = sim
             row["makespan_vs_sim"] = measured / sim
         rows.append(row)
@@ -264,7 +337,13 @@ def _format(row: dict[str, Any]) -> str:
     ratio = f"{row['ratio']:.3f}" if row.get("ratio") else "  -  "
     sim = ""
     if row.get("makespan_vs_sim"):
-        sim = f"  makespan {row['batchgraph']['makespan_s'] * 1e3:.1f} / sim {row['simulated_makespan_s'] * 1e3:.1f} ms = {row['makespan_vs_sim']:.3f}"
+        sim = (
+            f"  makespan {row['batchgraph']['makespan_s'] * 1e3:.1f} / sim "
+            f"{row['simulated_makespan_s'] * 1e3:.1f} ms = {row['makespan_vs_sim']:.3f} "
+            f"(transfer {row['transfer_s'] * 1e3:.3f} ms, gloo ping-pong; sim without it "
+            f"{row['simulated_makespan_no_transfer_s'] * 1e3:.1f} ms); vs alone "
+            f"{row['simulated_makespan_stage_alone_s'] * 1e3:.1f} ms = {row['makespan_vs_alone']:.3f}"
+        )
     return f"{row['case']:>7} {row['schedule']:>6} {cell('batchgraph')} {cell('torch')} {ratio:>6}{sim}"
 
 

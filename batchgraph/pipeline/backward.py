@@ -78,12 +78,16 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from batchgraph.pipeline import _autograd
+
 __all__ = ["BackwardTape", "TwoStageBackward", "find_units"]
 
 # Several stages may share a parameter (tied weights across stages) and run their W on
 # different threads; ``p.grad += g`` on one tensor from two threads is a data race, so
 # accumulation is serialised. It is one add per parameter: the lock is never contended long.
 _ACCUMULATE_LOCK = threading.Lock()
+
+_PLAIN = (Tensor, nn.Parameter)
 
 
 def find_units(module: nn.Module) -> list[nn.Module]:
@@ -127,6 +131,7 @@ class _UnitCall:
     unit: nn.Module
     outputs: tuple[Tensor, ...]
     leaves: tuple[Tensor, ...]
+    params: tuple[nn.Parameter, ...] = ()  # the unit's parameters (looked up once per unit)
     grads: tuple[Tensor | None, ...] | None = None
 
 
@@ -159,12 +164,11 @@ class _Junction(torch.autograd.Function):
         used = [(y, g) for y, g in zip(call.outputs, grad_outputs) if g is not None]
         if wanted and used:
             # retain_graph: W walks this local graph again, for the parameters.
-            grads = torch.autograd.grad(
+            grads = _autograd.grad(
                 [y for y, _ in used],
-                [call.leaves[i] for i in wanted],
                 [g for _, g in used],
+                [call.leaves[i] for i in wanted],
                 retain_graph=True,
-                allow_unused=True,
             )
             for i, g in zip(wanted, grads):
                 result[i] = g
@@ -231,9 +235,7 @@ class BackwardTape:
             return tuple(result)
         wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
         targets: list[Tensor] = [self._anchor, *(inputs[i] for i in wanted), *self._params]
-        grads = torch.autograd.grad(
-            [o for o, _ in used], targets, [g for _, g in used], allow_unused=True
-        )
+        grads = _autograd.grad([o for o, _ in used], [g for _, g in used], targets)
         for i, g in zip(wanted, grads[1 : 1 + len(wanted)]):
             result[i] = g
         for p, g in zip(self._params, grads[1 + len(wanted) :]):
@@ -262,7 +264,7 @@ class BackwardTape:
                 if g is not None:
                     roots.append(y)
                     root_grads.append(g)
-            for p in call.unit.parameters():
+            for p in call.params:
                 if p.requires_grad:
                     params.setdefault(id(p), p)
         pending: list[tuple[nn.Parameter, Tensor]] = list(self._loose)
@@ -270,7 +272,7 @@ class BackwardTape:
             order = list(params.values())
             # One engine call over all local graphs: each is one layer, so nothing repeats,
             # and a parameter shared by several units gets the sum of its uses exactly once.
-            grads = torch.autograd.grad(roots, order, root_grads, allow_unused=True)
+            grads = _autograd.grad(roots, root_grads, order)
             pending.extend((p, g) for p, g in zip(order, grads) if g is not None)
         with _ACCUMULATE_LOCK:
             for p, g in pending:
@@ -310,6 +312,7 @@ class TwoStageBackward:
         self.module = module
         self.units = find_units(module)
         self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self._unit_params = {id(unit): tuple(unit.parameters()) for unit in self.units}
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
         for unit in self.units:
@@ -361,9 +364,24 @@ class TwoStageBackward:
             # that unit's local graph already.
             frames.append(_Frame(capture=False))
             return None
+        if not kwargs and all(type(a) in _PLAIN for a in args):
+            # The common call, tensors only: the same as below without the pytree walk.
+            originals: list[Tensor] = []
+            leaves: list[Tensor] = []
+            new_args: list[Any] = []
+            for a in args:
+                if a.requires_grad:
+                    leaf = a.detach().requires_grad_(True)
+                    originals.append(a)
+                    leaves.append(leaf)
+                    new_args.append(leaf)
+                else:
+                    new_args.append(a)
+            frames.append(_Frame(capture=True, originals=tuple(originals), leaves=tuple(leaves)))
+            return tuple(new_args), kwargs
         flat, spec = tree_flatten((args, kwargs))
-        originals: list[Tensor] = []
-        leaves: list[Tensor] = []
+        originals = []
+        leaves = []
         new_flat: list[Any] = []
         for value in flat:
             if isinstance(value, Tensor) and value.requires_grad:
@@ -386,12 +404,22 @@ class TwoStageBackward:
         frame = self._local.frames.pop()
         if not frame.capture:
             return None
+        if type(output) in _PLAIN:
+            # One tensor out: no pytree walk.
+            if not output.requires_grad:
+                return None
+            call = _UnitCall(module, (output,), frame.leaves, self._unit_params[id(module)])
+            tape._add(call)
+            (linked_one,) = _Junction.apply(  # type: ignore[no-untyped-call]
+                tape._anchor, call, *frame.originals
+            )
+            return linked_one
         flat, spec = tree_flatten(output)
         positions = [i for i, v in enumerate(flat) if isinstance(v, Tensor) and v.requires_grad]
         if not positions:
             return None
         call = _UnitCall(
-            unit=module, outputs=tuple(flat[i] for i in positions), leaves=frame.leaves
+            module, tuple(flat[i] for i in positions), frame.leaves, self._unit_params[id(module)]
         )
         tape._add(call)
         linked: tuple[Tensor, ...] = _Junction.apply(  # type: ignore[no-untyped-call]

@@ -14,7 +14,7 @@ a step. Receives are asynchronous too (``irecv``); a torch.distributed implement
 ``irecv`` early and waits on the handle when the data is needed.
 
 :class:`ThreadCommunicator` is the in-process implementation: a mailbox shared by all
-stage threads, with one event per message key so a send wakes only its receiver. Sends
+stage threads, with one gate (a lock) per message key so a send wakes only its receiver. Sends
 complete immediately and hand the tensors over by reference; ``abort`` wakes every
 blocked receiver with an error so that no thread stays blocked after a failure.
 """
@@ -218,23 +218,40 @@ class _MailboxRecv(RecvWork):
 
 
 class _Slot:
-    """One message's place in the mailbox: the receiver waits on ``event``."""
+    """One message's place in the mailbox.
 
-    __slots__ = ("delivered", "event", "payload")
+    ``gate`` is a lock taken at creation; the receiver blocks acquiring it and whoever
+    delivers the message (or aborts or closes the communicator) releases it, once
+    (``opened``). A bare lock is the cheapest wake-up CPython has: no condition
+    variable, no per-wait allocation.
+    """
+
+    __slots__ = ("delivered", "gate", "opened", "payload")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.opened = False
         self.payload: Payload = ()
         self.delivered = False
+
+    def open(self) -> None:
+        """Wake the receiver (call with the communicator's lock held)."""
+        if not self.opened:
+            self.opened = True
+            self.gate.release()
+
+
+_DONE = _DoneWork()
 
 
 class ThreadCommunicator(Communicator):
     """In-process communicator for stages running on threads of one process.
 
-    Each message key has its own slot with an event, so a send wakes exactly the one
+    Each message key has its own slot with a gate, so a send wakes exactly the one
     thread waiting for it (one shared condition variable would wake every waiting stage
     thread on every message, and each of them would fight for the GIL just to go back to
-    sleep).
+    sleep). A message that arrives before its receiver asks is picked up without waiting.
 
     Args:
         default_timeout: seconds a receive waits before raising
@@ -261,20 +278,27 @@ class ThreadCommunicator(Communicator):
 
     def isend(self, key: MessageKey, payload: Payload) -> Work:
         with self._lock:
-            self._check_open()
-            slot = self._slots.setdefault(key, _Slot())
-            if slot.delivered:
+            if self._closed:
+                self._check_open()
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            elif slot.delivered:
                 # Two sends under one key mean the schedule ran an action twice: a bug upstream.
                 raise RuntimeError(f"duplicate message: {key} was sent twice in one step")
             slot.payload = tuple(payload)
             slot.delivered = True
-        slot.event.set()
-        return _DoneWork()
+            slot.open()
+        return _DONE
 
     def irecv(self, key: MessageKey) -> RecvWork:
         with self._lock:
             self._check_open()
         return _MailboxRecv(self, key)
+
+    def recv(self, key: MessageKey, timeout: float | None = None) -> Payload:
+        """Blocking receive of the message named ``key`` (no handle object on this path)."""
+        return self._take(key, timeout)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -296,18 +320,23 @@ class ThreadCommunicator(Communicator):
         if timeout is None:
             timeout = self.default_timeout
         with self._lock:
-            self._check_error(key)
-            slot = self._slots.setdefault(key, _Slot())
-        if not slot.event.wait(timeout):
-            with self._lock:
+            if self._error is not None or self._closed:
                 self._check_error(key)
-            raise PipelineTimeoutError(
-                f"waited {timeout:g} s for {key}; the sender never sent it (a stage is stuck "
-                "or the schedule is inconsistent)"
-            )
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            elif slot.delivered:
+                del self._slots[key]  # it arrived first: no waiting, no wake-up
+                return slot.payload
+        woke = slot.gate.acquire(True, -1 if timeout is None else timeout)
         with self._lock:
-            # abort and close set every event too: check why we woke up.
+            # abort and close open every gate too: check why we woke up.
             self._check_error(key)
+            if not woke and not slot.delivered:
+                raise PipelineTimeoutError(
+                    f"waited {timeout:g} s for {key}; the sender never sent it (a stage is "
+                    "stuck or the schedule is inconsistent)"
+                )
             if self._slots.get(key) is slot:
                 del self._slots[key]
             return slot.payload
@@ -316,9 +345,8 @@ class ThreadCommunicator(Communicator):
         with self._lock:
             if self._error is None:
                 self._error = error
-            slots = list(self._slots.values())
-        for slot in slots:
-            slot.event.set()
+            for slot in self._slots.values():
+                slot.open()
 
     @property
     def aborted(self) -> BaseException | None:
@@ -335,7 +363,6 @@ class ThreadCommunicator(Communicator):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            slots = list(self._slots.values())
+            for slot in self._slots.values():
+                slot.open()
             self._slots = {}
-        for slot in slots:
-            slot.event.set()

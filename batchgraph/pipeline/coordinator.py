@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from batchgraph import gcpause
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import (
     COORDINATOR,
@@ -61,6 +62,11 @@ from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = ["Coordinator"]
+
+# One planned action: its stage, the action, the key it receives and the key it sends.
+_Step = tuple[Stage, Action, MessageKey | None, MessageKey | None]
+# What a device thread records per action: the action, its start and its end.
+_Record = tuple[Action, float, float]
 
 
 class Coordinator:
@@ -130,6 +136,19 @@ class Coordinator:
                 max_workers=1, thread_name_prefix=f"batchgraph-pipeline-device{d}"
             )
             for d in range(schedule.devices)
+        }
+        # Per device, each action with its stage and message keys, for training and for
+        # forward-only steps: the schedule is static, so nothing is looked up per action.
+        self._plans: dict[bool, dict[int, list[_Step]]] = {
+            train: {
+                d: [
+                    (self.stages[a.stage], a, *self.stages[a.stage].message_keys(a))
+                    for a in actions
+                    if train or a.kind is ActionKind.FORWARD
+                ]
+                for d, actions in schedule.order.items()
+            }
+            for train in (True, False)
         }
         self._checked: set[tuple[object, ...]] = set()
         self._events: list[TimelineEvent] = []
@@ -204,21 +223,24 @@ class Coordinator:
             )
         mbs = split_microbatches(inputs, m)
         tgs = split_microbatches(targets, m)
-        total: list[Tensor] = []
+        values: list[tuple[Tensor, float]] = []
 
         def on_output(mb: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
-            leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outputs)
+            # Runs on the critical path (the last stage's B waits for it): weighting the
+            # values for the batch loss waits until the step is over. Detached, so no
+            # microbatch's output is kept alive through its loss graph.
+            leaves = tuple([o.detach().requires_grad_(o.is_floating_point()) for o in outputs])
             out = leaves[0] if len(leaves) == 1 else leaves
             tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
+            weight = loss.weight(mbs[mb][0].shape[0], n)
             with torch.enable_grad():
                 value = loss.compute_loss(out, tgt)
-                weight = loss.weight(mbs[mb][0].shape[0], n)
                 grads = loss.compute_gradient(value, out, weight=weight)
-            total.append(value.detach() * weight)
+            values.append((value.detach(), weight))
             return grads
 
         self._run(mbs, train=True, on_output=on_output)
-        return torch.stack(total).sum()
+        return torch.stack([value * weight for value, weight in values]).sum()
 
     def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
         """Run the forward pass only (no gradients), microbatch by microbatch.
@@ -258,23 +280,19 @@ class Coordinator:
         self._check_open()
         self._probe(mbs[0])
         self.reset()
-        plan = {
-            d: [a for a in actions if train or a.kind is ActionKind.FORWARD]
-            for d, actions in self.schedule.order.items()
-        }
-        events: dict[int, list[TimelineEvent]] = {d: [] for d in plan}
-        futures: list[Future[None]] = [
-            self._workers[d].submit(self._device_job, d, actions, train, events[d])
-            for d, actions in plan.items()
-        ]
+        plan = self._plans[train]
+        events: dict[int, list[_Record]] = {d: [] for d in plan}
         first, last = 0, len(self.stages) - 1
+        loss_keys = [
+            MessageKey(MessageKind.GRADIENT, COORDINATOR, last, mb) for mb in range(len(mbs))
+        ]
 
         def handle_output(key: MessageKey, payload: Payload) -> None:
             # Runs in the last stage's thread right after its forward (seed 000's
             # immediate loss): no other thread has to wake up on the critical path.
             mb = key.microbatch
             try:
-                grads = on_output(mb, tuple(t for t in payload if t is not None))
+                grads = on_output(mb, tuple([t for t in payload if t is not None]))
             except Exception as exc:
                 raise StageError(
                     f"the loss failed on microbatch {mb} (in the coordinator): "
@@ -284,25 +302,36 @@ class Coordinator:
                     microbatch=mb,
                 ) from exc
             if train and grads is not None:
-                self.comm.send(MessageKey(MessageKind.GRADIENT, COORDINATOR, last, mb), grads)
+                self.comm.send(loss_keys[mb], grads)
 
         self.comm.set_handler(COORDINATOR, handle_output)
         failure: BaseException | None = None
+        # A collector pass holds the GIL and so stalls every stage thread at once; while
+        # the step runs, young-generation passes come less often (see batchgraph.gcpause).
+        gcpause.enter()
         try:
-            for mb, inputs in enumerate(mbs):
-                self.comm.send(MessageKey(MessageKind.ACTIVATION, COORDINATOR, first, mb), inputs)
-        except BaseException as exc:  # also KeyboardInterrupt: never leave threads blocked
-            failure = exc
-            self.comm.abort(exc)
-        try:
-            for future in futures:
-                error = future.exception()
-                if error is not None and failure is None:
-                    failure = error
-        except BaseException as exc:  # interrupted while waiting: stop the threads too
-            self.comm.abort(exc)
-            raise
+            futures: list[Future[None]] = [
+                self._workers[d].submit(self._device_job, steps, train, events[d])
+                for d, steps in plan.items()
+            ]
+            try:
+                for mb, inputs in enumerate(mbs):
+                    self.comm.send(
+                        MessageKey(MessageKind.ACTIVATION, COORDINATOR, first, mb), inputs
+                    )
+            except BaseException as exc:  # also KeyboardInterrupt: never leave threads blocked
+                failure = exc
+                self.comm.abort(exc)
+            try:
+                for future in futures:
+                    error = future.exception()
+                    if error is not None and failure is None:
+                        failure = error
+            except BaseException as exc:  # interrupted while waiting: stop the threads too
+                self.comm.abort(exc)
+                raise
         finally:
+            gcpause.leave()
             self.comm.set_handler(COORDINATOR, None)
         if failure is not None:
             root = self.comm.aborted or failure
@@ -310,21 +339,25 @@ class Coordinator:
                 root = root.__cause__
             raise root
         self.comm.wait_sends()
-        flat = [e for d in sorted(events) for e in events[d]]
-        t0 = min((e.start for e in flat), default=0.0)
-        self._events = [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in flat]
+        # Timeline and stats are built here, after the step, not in the device threads.
+        t0 = min((start for d in events for _, start, _ in events[d]), default=0.0)
+        self._events = [
+            TimelineEvent(d, action, start - t0, end - t0)
+            for d in sorted(events)
+            for action, start, end in events[d]
+        ]
         self._stats = PipelineStats.from_events(self._events, devices=self.schedule.devices)
 
-    def _device_job(
-        self, device: int, actions: list[Action], train: bool, events: list[TimelineEvent]
-    ) -> None:
+    def _device_job(self, steps: list[_Step], train: bool, events: list[_Record]) -> None:
+        comm = self.comm
+        record = events.append
         with torch.set_grad_enabled(train):
-            for action in actions:
+            for stage, action, recv_key, send_key in steps:
                 try:
-                    start, end = self.stages[action.stage].run(action, self.comm, train=train)
+                    start, end = stage.run_keyed(action, recv_key, send_key, comm, train)
                 except PipelineAbortedError:
                     return  # another task failed first; its error ends the step
                 except BaseException as exc:
-                    self.comm.abort(exc)
+                    comm.abort(exc)
                     raise
-                events.append(TimelineEvent(device, action, start, end))
+                record((action, start, end))

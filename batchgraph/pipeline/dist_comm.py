@@ -1,7 +1,8 @@
 """A :class:`~batchgraph.pipeline.comm.Communicator` on ``torch.distributed`` point-to-point.
 
 One process per pipeline device (started by ``torchrun`` or ``init_process_group``); gloo
-on CPU, NCCL on GPU. A message between two ranks travels as two or more transfers::
+on CPU, NCCL on GPU. The first time a message key is used, its message travels as two or
+more transfers::
 
     sender (rank a)                                   receiver (rank b)
     ───────────────                                   ─────────────────
@@ -12,7 +13,14 @@ on CPU, NCCL on GPU. A message between two ranks travels as two or more transfer
 The header names the message and every tensor's dtype and shape, so the receiver
 allocates exactly what was sent (a mismatched send can never be silently truncated) and
 checks that the header names the message it expected (a mismatch raises instead of
-mixing microbatches up). Every transfer has its own tag, derived from the message key,
+mixing microbatches up). Both ends then remember the key's signature (dtypes and
+shapes), so in later steps the receiver posts the buffers ahead: with gloo, a message of
+up to 256 KiB travels as *one* transfer, the header followed by the tensors in one buffer
+(the receiver checks the header and takes the tensors as views); a larger one, or any on
+NCCL, as the header plus one transfer per tensor into the buffers posted ahead. If the
+signature changed, the sender fills what the receiver posted for the old one (carrying
+the new header) and sends the tensors again under fresh tags, sized by that header.
+Every transfer has its own tag, derived from the message key,
 so gloo matches sends and receives by name, in whatever order the two schedules post
 them: no two ranks ever block on each other's ordering, and since every send is
 asynchronous (seed 004) a rank that sends an activation goes straight on to receive a
@@ -32,6 +40,8 @@ original failure of another rank when one was published on the abort board
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -56,7 +66,7 @@ from batchgraph.pipeline.dist_header import (
     KINDS,
     Signature,
     decode_header,
-    encode_header,
+    encode_signature,
     payload_specs,
     signature_of,
 )
@@ -68,6 +78,41 @@ from batchgraph.pipeline.errors import (
 )
 
 __all__ = ["DistCommunicator"]
+
+_HEADER_BYTES = HEADER_LEN * 8
+#: A message whose header and tensors take at most this many bytes travels as one transfer
+#: (gloo): copying it into one buffer costs far less than a second transfer.
+_PACK_LIMIT = 256 * 1024
+_ALIGN = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(sig: Signature) -> tuple[tuple[tuple[int, int] | None, ...], int]:
+    """Where each tensor of ``sig`` sits in a one-transfer message: (byte offset, bytes),
+    after the header, each aligned to 64 bytes; and the message's total size in bytes."""
+    spots: list[tuple[int, int] | None] = []
+    offset = _HEADER_BYTES
+    for spec in sig:
+        if spec is None:
+            spots.append(None)
+            continue
+        dtype, shape = spec
+        offset = -(-offset // _ALIGN) * _ALIGN
+        size = math.prod(shape) * dtype.itemsize
+        spots.append((offset, size))
+        offset += size
+    return tuple(spots), offset
+
+
+def _unpack(buf: Tensor, sig: Signature) -> Payload:
+    """The tensors of a one-transfer message: views into ``buf`` (no copy)."""
+    out: list[Tensor | None] = []
+    for spot, spec in zip(_layout(sig)[0], sig):
+        if spot is None or spec is None:
+            out.append(None)
+        else:
+            out.append(buf[spot[0] : spot[0] + spot[1]].view(spec[0]).view(spec[1]))
+    return tuple(out)
 
 
 class _SendWork(Work):
@@ -112,16 +157,29 @@ class _RemoteRecv(RecvWork):
         comm, key, peer = self._comm, self._key, self._peer
         work, buf = self._header
         comm._wait(work, key, peer, timeout, "header of")
-        got, specs = decode_header(buf)
+        packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
+        known = comm._known.get(key)
+        if packed and known is not None:
+            expected = comm._header(key, known).view(torch.uint8)
+            if torch.equal(buf[:_HEADER_BYTES], expected):
+                # Exactly the header expected (this message, the known signature): the
+                # tensors are in the same transfer, taken as views.
+                self._payload = _unpack(buf, known)
+                return self._payload
+        got, specs = decode_header(buf[:_HEADER_BYTES].view(torch.int64) if packed else buf)
         if got != key:
             raise PipelineConfigError(
                 f"rank {comm.rank} expected the {key} but rank {peer} sent the {got}: the ranks "
                 "run different schedules"
             )
         sig = signature_of(specs)
-        known = comm._known.get(key)
         tensors: list[Tensor | None]
-        if known is not None:
+        if packed:
+            if sig == known:  # (cannot happen: the same key and signature encode alike)
+                self._payload = _unpack(buf, sig)
+                return self._payload
+            # The signature changed: the tensors follow under fresh tags.
+        elif known is not None:
             # The sender used the buffers posted ahead for the known signature: with the
             # payload if it still matches, with filler (to drain them) if it changed.
             posted = comm._take_ahead(key, peer)
@@ -130,7 +188,6 @@ class _RemoteRecv(RecvWork):
                     comm._wait(item[0], key, peer, timeout, "payload of")
             if sig == known:
                 tensors = [None if item is None else item[1] for item in posted]
-                comm._known[key] = sig
                 self._payload = tuple(tensors)
                 return self._payload
         fresh = FRESH if known is not None else 0
@@ -196,6 +253,8 @@ class DistCommunicator(Communicator):
         super().__init__(default_timeout)
         self.rank = dist.get_rank()
         self.group = group
+        self._pg: Any = group if group is not None else dist.group.WORLD
+        self._group_ranks: dict[int, int] = {}
         self.device = torch.device(device)
         self.board = board
         self._rank_of_stage = rank_of_stage
@@ -204,6 +263,7 @@ class DistCommunicator(Communicator):
         # Last signature sent or received per key; both ends keep the same table, so
         # both know which buffers the receiver posted ahead.
         self._known: dict[MessageKey, Signature] = {}
+        self._header_cache: dict[tuple[MessageKey, Signature], Tensor] = {}
         self._ahead: dict[MessageKey, list[tuple[Any, Tensor] | None]] = {}
         self._error: BaseException | None = None
         self._closed = False
@@ -245,10 +305,41 @@ class DistCommunicator(Communicator):
         peer = self._peer(key)
         if peer == self.rank:
             return self._local.isend(key, payload)
-        tensors = [None if t is None else t.detach().to(self.device).contiguous() for t in payload]
-        header = encode_header(key, tuple(tensors))
+        device = self.device
+        tensors = [
+            None if t is None else (t if t.device == device else t.to(device)).detach().contiguous()
+            for t in payload
+        ]
         sig = signature_of(payload_specs(tensors))
+        header = self._header(key, sig)
         known = self._known.get(key)
+        self._known[key] = sig
+        if known is not None and self._packs(known):
+            # The receiver posted one buffer for header and tensors of the known signature:
+            # one transfer, the tensors after the header. If the signature changed, that
+            # buffer carries the new header and the tensors follow under fresh tags.
+            spots, total = _layout(known)
+            if sig == known:
+                parts = [header.view(torch.uint8)]
+                pos = _HEADER_BYTES
+                for t, spot in zip(tensors, spots):
+                    if t is None or spot is None:
+                        continue
+                    if spot[0] > pos:
+                        parts.append(torch.zeros(spot[0] - pos, dtype=torch.uint8, device=device))
+                    parts.append(t.reshape(-1).view(torch.uint8))
+                    pos = spot[0] + spot[1]
+                buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+                return _SendWork(self, key, peer, [self._post_send(buf, key, peer, 0)], [buf])
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+            buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
+            buffers: list[Tensor] = [buf]
+            works = [self._post_send(buf, key, peer, 0)]
+            for part, t in enumerate(tensors, start=1):
+                if t is not None:
+                    buffers.append(t)
+                    works.append(self._post_send(t, key, peer, part + FRESH))
+            return _SendWork(self, key, peer, works, buffers)
         buffers, works = [header], [self._post_send(header, key, peer, 0)]
         fresh = 0
         if known is not None and known != sig:
@@ -257,19 +348,41 @@ class DistCommunicator(Communicator):
             fresh = FRESH
             for part, spec in enumerate(known, start=1):
                 if spec is not None:
-                    filler = torch.zeros(spec[1], dtype=spec[0], device=self.device)
+                    filler = torch.zeros(spec[1], dtype=spec[0], device=device)
                     buffers.append(filler)
                     works.append(self._post_send(filler, key, peer, part))
         for part, t in enumerate(tensors, start=1):
             if t is not None:
                 buffers.append(t)
                 works.append(self._post_send(t, key, peer, part + fresh))
-        self._known[key] = sig
         return _SendWork(self, key, peer, works, buffers)
+
+    def _header(self, key: MessageKey, sig: Signature) -> Tensor:
+        """The header of ``key`` with ``sig`` (the same every step: encoded once, never
+        written to, so sends in flight can share it)."""
+        header = self._header_cache.get((key, sig))
+        if header is None:
+            header = self._header_cache[(key, sig)] = encode_signature(key, sig)
+        return header
+
+    def _packs(self, sig: Signature) -> bool:
+        """Whether a message of ``sig`` travels as one transfer (both ends decide alike)."""
+        return self.device.type == "cpu" and _layout(sig)[1] <= _PACK_LIMIT
+
+    # Transfers are posted on the process group object itself: what ``dist.isend`` and
+    # ``dist.irecv`` do after their per-call argument checks (a complex tensor travels as
+    # its real view, as there), without those checks' cost on every message.
+
+    def _group_rank(self, peer: int) -> int:
+        rank = self._group_ranks.get(peer)
+        if rank is None:
+            rank = self._group_ranks[peer] = dist.get_group_rank(self._pg, peer)
+        return rank
 
     def _post_send(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
         try:
-            return dist.isend(t, dst=peer, group=self.group, tag=self._tag(key, part))
+            wire = torch.view_as_real(t) if t.is_complex() else t
+            return self._pg.send([wire], self._group_rank(peer), self._tag(key, part))
         except RuntimeError as exc:  # posting to a peer whose connection is gone fails at once
             raise self._explain(exc, key, peer, None, "send of") from exc
 
@@ -282,17 +395,24 @@ class DistCommunicator(Communicator):
         keys whose signature (dtypes and shapes) is known from an earlier step: the sender
         then transmits at once instead of waiting for the receiver to read the header
         (one round trip less on the critical path). Post payloads only a few actions
-        ahead: each posted buffer holds memory until its message arrives.
+        ahead: each posted buffer holds memory until its message arrives. A key whose
+        known signature travels as one transfer (gloo, at most 256 KiB) gets its one
+        buffer, header and tensors, at once, whatever ``payload`` says.
         """
         self._check()
         for key in keys:
             peer = self._peer(key)
             if peer == self.rank:
                 continue
+            known = self._known.get(key)
             if key not in self._headers:
-                buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                if known is not None and self._packs(known):
+                    # Small and known: one buffer for the header and the tensors.
+                    buf = torch.empty(_layout(known)[1], dtype=torch.uint8, device=self.device)
+                else:
+                    buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 self._headers[key] = (self._post_recv(buf, key, peer, 0), buf)
-            if payload and key in self._known:
+            if payload and known is not None and not self._packs(known):
                 self._post_ahead(key, peer)
 
     def _post_ahead(self, key: MessageKey, peer: int) -> None:
@@ -319,7 +439,8 @@ class DistCommunicator(Communicator):
 
     def _post_recv(self, t: Tensor, key: MessageKey, peer: int, part: int) -> Any:
         try:
-            return dist.irecv(t, src=peer, group=self.group, tag=self._tag(key, part))
+            wire = torch.view_as_real(t) if t.is_complex() else t
+            return self._pg.recv([wire], self._group_rank(peer), self._tag(key, part))
         except RuntimeError as exc:
             raise self._explain(exc, key, peer, None, "receive of") from exc
 

@@ -20,6 +20,7 @@ __all__ = [
     "Signature",
     "decode_header",
     "encode_header",
+    "encode_signature",
     "payload_specs",
     "signature_of",
 ]
@@ -76,26 +77,39 @@ def encode_header(key: MessageKey, payload: Payload) -> Tensor:
         >>> encode_header(key, (torch.zeros(2, 5), None))[:12].tolist()
         [0, 0, 1, 3, 2, 0, 2, 2, 5, -1, 0, 0]
     """
-    if len(payload) > MAX_TENSORS:
+    return encode_signature(key, signature_of(payload_specs(list(payload))))
+
+
+def encode_signature(key: MessageKey, sig: Signature) -> Tensor:
+    """The header of a message under ``key`` whose tensors have signature ``sig``.
+
+    The same as :func:`encode_header` for a payload of that signature: the header depends
+    on the key and the signature only, so a sender can reuse it step after step and a
+    receiver can compare what arrives with it instead of decoding.
+
+    Raises:
+        PipelineConfigError: like :func:`encode_header`.
+    """
+    if len(sig) > MAX_TENSORS:
         raise PipelineConfigError(
-            f"{key}: {len(payload)} tensors in one message; at most {MAX_TENSORS} cross a cut"
+            f"{key}: {len(sig)} tensors in one message; at most {MAX_TENSORS} cross a cut"
         )
-    values = [KINDS.index(key.kind), key.src, key.dst, key.microbatch, len(payload)]
-    for t in payload:
-        if t is None:
+    values = [KINDS.index(key.kind), key.src, key.dst, key.microbatch, len(sig)]
+    for spec in sig:
+        if spec is None:
             values += [-1, 0]
         else:
-            if t.dtype not in _CODE:
-                raise PipelineConfigError(f"{key}: cannot send dtype {t.dtype} between ranks")
-            values += [_CODE[t.dtype], t.dim(), *t.shape]
+            dtype, shape = spec
+            if dtype not in _CODE:
+                raise PipelineConfigError(f"{key}: cannot send dtype {dtype} between ranks")
+            values += [_CODE[dtype], len(shape), *shape]
     if len(values) > HEADER_LEN:
         raise PipelineConfigError(
-            f"{key}: the tensors' shapes {[None if t is None else tuple(t.shape) for t in payload]} "
+            f"{key}: the tensors' shapes {[None if s is None else s[1] for s in sig]} "
             f"need {len(values)} header entries, more than {HEADER_LEN}"
         )
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    return header
+    values += [0] * (HEADER_LEN - len(values))
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def decode_header(header: Tensor) -> tuple[MessageKey, list[Spec]]:

@@ -36,7 +36,12 @@ from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
-from batchgraph.pipeline.dist_sync import allreduce_gradients, stash_gradients, step_timeline
+from batchgraph.pipeline.dist_sync import (
+    TimelineGather,
+    allreduce_gradients,
+    stash_gradients,
+    step_timeline,
+)
 from batchgraph.pipeline.dist_topology import (
     ProcessGroups,
     Topology,
@@ -88,7 +93,8 @@ class DistributedPipeline:
         device: where this rank's stages run; default CPU (gloo) or ``cuda:LOCAL_RANK`` (NCCL).
         timeout: seconds any wait or collective may take before the step fails.
         collect_stats: gather every rank's timeline to rank 0 after each step (one small
-            collective); ``False`` skips it.
+            point-to-point message per rank, which rank 0 posts for when the step begins,
+            so no rank waits for another at the end of a step); ``False`` skips it.
 
     Raises:
         PipelineConfigError: if the ranks disagree on the configuration (checked by an
@@ -165,6 +171,12 @@ class DistributedPipeline:
         )
         self.collect_stats = collect_stats
         self._offsets = clock_offsets(self.groups.control)
+        self._gather: TimelineGather | None = None
+        if collect_stats:
+            t = self.topology
+            self._gather = TimelineGather(
+                self.schedule, t.rank, t.world, self.groups.control, self._offsets, timeout
+            )
         self._plan = self.schedule.order[self.topology.device]
         self._step = 0
         self._events: list[TimelineEvent] = []
@@ -197,6 +209,8 @@ class DistributedPipeline:
         if self._failed is None:
             # A peer may be gone already; then there is nothing left to wait for.
             with contextlib.suppress(Exception):
+                if self._gather is not None:
+                    self._gather.close()
                 dist.barrier(group=self.groups.control)
         self.comm.close()
         for stage in self.stages.values():
@@ -276,6 +290,8 @@ class DistributedPipeline:
         params = self.parameters() if train and self.groups.replica is not None else []
         saved = stash_gradients(params) if params else []
         try:
+            if self._gather is not None:
+                self._gather.begin(train)  # rank 0 posts its receives of the step's times
             result, events = self._run(inputs, targets, train=train)
             if params:
                 allreduce_gradients(params, self.groups.replica, saved)
@@ -392,10 +408,12 @@ class DistributedPipeline:
         return keys
 
     def _record(self, events: list[tuple[float, float]], train: bool) -> None:
-        group = self.groups.control if self.collect_stats else None
-        self._events = step_timeline(
-            events, self.schedule, self.topology.rank, self.topology.world, train, group,
-            self._offsets,
-        )  # fmt: skip
+        if self._gather is not None:
+            self._events = self._gather.finish(events)
+        else:
+            self._events = step_timeline(
+                events, self.schedule, self.topology.rank, self.topology.world, train, None,
+                self._offsets,
+            )  # fmt: skip
         devices = self.topology.world if self.collect_stats and self.topology.rank == 0 else None
         self._stats = PipelineStats.from_events(self._events, devices=devices)

@@ -1,8 +1,9 @@
-"""Collectives after a step: replica gradient all-reduce and gathering timelines to rank 0."""
+"""After a step: replica gradient all-reduce, and every rank's timeline gathered to rank 0."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -12,7 +13,13 @@ from torch import Tensor, nn
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.trace import TimelineEvent
 
-__all__ = ["allreduce_gradients", "gather_events", "stash_gradients", "step_timeline"]
+__all__ = [
+    "TimelineGather",
+    "allreduce_gradients",
+    "gather_events",
+    "stash_gradients",
+    "step_timeline",
+]
 
 
 def stash_gradients(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
@@ -126,3 +133,108 @@ def step_timeline(
             return gathered
     t0 = min((s for s, _ in events), default=0.0)
     return [TimelineEvent(rank, a, s - t0, e - t0) for a, (s, e) in zip(plans[rank], events)]
+
+
+def _plans(schedule: PipelineSchedule, world: int, train: bool) -> dict[int, list[Action]]:
+    """What every rank runs in a step (rank ``r`` runs device ``r % devices``)."""
+    return {
+        r: [
+            a for a in schedule.order[r % schedule.devices] if train or a.kind is ActionKind.FORWARD
+        ]
+        for r in range(world)
+    }
+
+
+class TimelineGather:
+    """Gathers every rank's measured (start, end) times to rank 0, step after step.
+
+    The same data as :func:`gather_events`, moved with point-to-point messages instead of
+    a collective, so no rank waits for another at the end of a step: rank 0 posts one
+    receive per rank when a step begins (the times land while it still computes), every
+    other rank sends its times when its step ends and returns at once; that send's handle
+    and buffer are kept until the rank's next step begins (or :meth:`close`). Rank 0
+    waits for the receives when its own step ends, by then usually complete.
+
+    Args:
+        schedule: the schedule (every rank knows every rank's plan, so only times travel).
+        rank: this rank; world: the number of ranks (all in ``group``, rank 0 receives).
+        group: a group of all ranks, used for nothing else point-to-point.
+        offsets: per-rank clock offsets (see
+            :func:`~batchgraph.pipeline.dist_topology.clock_offsets`).
+        timeout: seconds any wait may take.
+    """
+
+    _TAG = 1
+
+    def __init__(
+        self,
+        schedule: PipelineSchedule,
+        rank: int,
+        world: int,
+        group: Any,
+        offsets: Sequence[float],
+        timeout: float,
+    ) -> None:
+        self.schedule, self.rank, self.world = schedule, rank, world
+        self.group, self.offsets = group, list(offsets)
+        self.timeout = timedelta(seconds=timeout)
+        self._plans = {train: _plans(schedule, world, train) for train in (True, False)}
+        self._recvs: list[tuple[int, Any, Tensor]] = []
+        self._send: tuple[Any, Tensor] | None = None
+        self._train = True
+
+    def begin(self, train: bool) -> None:
+        """Start a step: rank 0 posts its receives; the others finish their last send."""
+        self._train = train
+        if self.rank != 0:
+            self._finish_send()
+            return
+        self._recvs = []
+        for r in range(1, self.world):
+            buf = torch.empty((max(len(self._plans[train][r]), 1), 2), dtype=torch.float64)
+            work = dist.irecv(buf, src=r, group=self.group, tag=self._TAG)
+            self._recvs.append((r, work, buf))
+
+    def finish(self, events: Sequence[tuple[float, float]]) -> list[TimelineEvent]:
+        """End a step: every rank's timeline on rank 0, this rank's own elsewhere."""
+        plans = self._plans[self._train]
+        if self.rank != 0:
+            length = max(len(plans[self.rank]), 1)
+            mine = torch.full((length, 2), float("nan"), dtype=torch.float64)
+            if events:
+                mine[: len(events)] = torch.tensor(events, dtype=torch.float64)
+            work = dist.isend(mine, dst=0, group=self.group, tag=self._TAG)
+            self._send = (work, mine)
+            t0 = min((s for s, _ in events), default=0.0)
+            return [
+                TimelineEvent(self.rank, a, s - t0, e - t0)
+                for a, (s, e) in zip(plans[self.rank], events)
+            ]
+        out = [
+            TimelineEvent(0, a, s - self.offsets[0], e - self.offsets[0])
+            for a, (s, e) in zip(plans[0], events)
+        ]
+        recvs, self._recvs = self._recvs, []
+        for r, work, buf in recvs:
+            work.wait(self.timeout)
+            for action, (start, end) in zip(plans[r], buf.tolist()):
+                if start == start:  # not NaN: the action ran
+                    out.append(
+                        TimelineEvent(r, action, start - self.offsets[r], end - self.offsets[r])
+                    )
+        out.sort(key=lambda e: e.device)
+        t0 = min((e.start for e in out), default=0.0)
+        return [TimelineEvent(e.device, e.action, e.start - t0, e.end - t0) for e in out]
+
+    def _finish_send(self) -> None:
+        if self._send is not None:
+            work, _ = self._send
+            self._send = None
+            work.wait(self.timeout)
+
+    def close(self) -> None:
+        """Wait for this rank's last send (bounded); drop receives that never completed."""
+        try:
+            self._finish_send()
+        finally:
+            self._recvs = []

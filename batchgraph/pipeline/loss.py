@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.errors import PipelineConfigError
 
 __all__ = ["Loss", "Reduction"]
@@ -112,6 +113,13 @@ class Loss:
         """
         outputs: Sequence[Tensor] = output if isinstance(output, tuple) else (output,)
         targets = [o for o in outputs if o.requires_grad]
-        grads = torch.autograd.grad(loss * weight, targets, allow_unused=True) if targets else ()
+        if not targets:
+            grads: tuple[Tensor | None, ...] = ()
+        elif loss.numel() == 1:
+            # ``weight`` seeds the backward: the same numbers as differentiating
+            # ``weight * loss``, one graph node fewer.
+            grads = _autograd.grad([loss], [torch.full_like(loss, weight)], targets)
+        else:  # not a scalar: let autograd say so
+            grads = torch.autograd.grad(loss * weight, targets, allow_unused=True)
         by_id = {id(o): g for o, g in zip(targets, grads)}
         return tuple(by_id.get(id(o)) for o in outputs)

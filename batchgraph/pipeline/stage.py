@@ -17,13 +17,13 @@ handles are kept by the communicator until the end of the step.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 from torch import Tensor, nn
 
+from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.actions import Action, ActionKind
 from batchgraph.pipeline.backward import BackwardTape, TwoStageBackward
 from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
@@ -39,11 +39,20 @@ _KIND_WORDS = {
 }
 
 
-@dataclass(eq=False)
 class _Saved:
-    inputs: tuple[Tensor | None, ...]
-    outputs: tuple[Tensor, ...]
-    tape: BackwardTape | None
+    """What one microbatch's forward keeps for its backward."""
+
+    __slots__ = ("inputs", "outputs", "tape")
+
+    def __init__(
+        self,
+        inputs: tuple[Tensor | None, ...],
+        outputs: tuple[Tensor, ...],
+        tape: BackwardTape | None,
+    ) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.tape = tape
 
 
 def _default_device(module: nn.Module) -> torch.device:
@@ -131,7 +140,7 @@ class Stage:
         Raises:
             TypeError: if the module returns something other than tensors.
         """
-        xs = tuple(self._prepare(t, train) for t in inputs)
+        xs = tuple([self._prepare(t, train) for t in inputs])
         if not train:
             with torch.no_grad():
                 return self._as_outputs(self.module(*xs))
@@ -144,7 +153,7 @@ class Stage:
         else:
             outputs = self._as_outputs(self.module(*xs))
         self._saved[microbatch] = _Saved(xs, outputs, tape)
-        return tuple(o.detach() for o in outputs)
+        return tuple([o.detach() for o in outputs])
 
     def backward(self, microbatch: int, grad_outputs: Payload) -> Payload:
         """Full backward (``B``): parameter gradients into ``.grad``; returns dL/d(inputs)."""
@@ -160,7 +169,7 @@ class Stage:
             if g is not None and o.requires_grad
         ]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return tuple(x.grad if x is not None and x.requires_grad else None for x in saved.inputs)
 
     def backward_input(self, microbatch: int, grad_outputs: Payload) -> Payload:
@@ -199,6 +208,27 @@ class Stage:
 
     # -- one action: receive, compute, send ----------------------------------------------
 
+    def message_keys(self, action: Action) -> tuple[MessageKey | None, MessageKey | None]:
+        """The message ``action`` receives before it computes and the one it sends after.
+
+        ``None`` where there is none (``W`` receives and sends nothing; stage 0's ``B``/``I``
+        sends nothing). The schedule is static, so a runtime computes these once.
+        """
+        mb = action.microbatch
+        if action.kind is ActionKind.FORWARD:
+            return (
+                MessageKey(MessageKind.ACTIVATION, self._prev(), self.index, mb),
+                MessageKey(MessageKind.ACTIVATION, self.index, self._next(), mb),
+            )
+        if action.kind is ActionKind.BACKWARD_WEIGHT:
+            return None, None
+        send = (
+            None
+            if self.is_first
+            else MessageKey(MessageKind.GRADIENT, self.index, self.index - 1, mb)
+        )
+        return MessageKey(MessageKind.GRADIENT, self._next(), self.index, mb), send
+
     def run(self, action: Action, comm: Communicator, *, train: bool = True) -> tuple[float, float]:
         """Run one action: receive its input, compute, send its result.
 
@@ -216,32 +246,40 @@ class Stage:
                 chains the original exception.
             PipelineAbortedError: if another task failed while this one waited.
         """
-        mb = action.microbatch
+        recv_key, send_key = self.message_keys(action)
+        return self.run_keyed(action, recv_key, send_key, comm, train)
+
+    def run_keyed(
+        self,
+        action: Action,
+        recv_key: MessageKey | None,
+        send_key: MessageKey | None,
+        comm: Communicator,
+        train: bool,
+    ) -> tuple[float, float]:
+        """:meth:`run` with the keys from :meth:`message_keys` computed ahead (a runtime's loop)."""
+        kind = action.kind
         try:
-            if action.kind is ActionKind.FORWARD:
-                payload = comm.recv(
-                    MessageKey(MessageKind.ACTIVATION, self._prev(), self.index, mb)
-                )
-                start = time.perf_counter()
-                outputs = self.forward(mb, payload, train=train)
-                comm.send(MessageKey(MessageKind.ACTIVATION, self.index, self._next(), mb), outputs)
-            elif action.kind is ActionKind.BACKWARD_WEIGHT:
-                start = time.perf_counter()
-                self.backward_weight(mb)
+            if kind is ActionKind.BACKWARD_WEIGHT:
+                start = perf_counter()
+                self.backward_weight(action.microbatch)
+                return start, perf_counter()
+            assert recv_key is not None
+            payload = comm.recv(recv_key)
+            start = perf_counter()
+            if kind is ActionKind.FORWARD:
+                result = self.forward(action.microbatch, payload, train=train)
+            elif kind is ActionKind.BACKWARD:
+                result = self.backward(action.microbatch, payload)
             else:
-                grads = comm.recv(MessageKey(MessageKind.GRADIENT, self._next(), self.index, mb))
-                start = time.perf_counter()
-                if action.kind is ActionKind.BACKWARD:
-                    grad_inputs = self.backward(mb, grads)
-                else:
-                    grad_inputs = self.backward_input(mb, grads)
-                if not self.is_first:
-                    key = MessageKey(MessageKind.GRADIENT, self.index, self.index - 1, mb)
-                    comm.send(key, grad_inputs)
-            return start, time.perf_counter()
+                result = self.backward_input(action.microbatch, payload)
+            if send_key is not None:
+                comm.send(send_key, result)
+            return start, perf_counter()
         except (PipelineAbortedError, StageError):
             raise  # already names where it failed (e.g. the loss, run from this thread)
         except Exception as exc:
+            mb = action.microbatch
             raise StageError(
                 f"stage {self.index} failed in action {action} ({_KIND_WORDS[action.kind]} "
                 f"of microbatch {mb}): {type(exc).__name__}: {exc}",
@@ -272,7 +310,8 @@ class Stage:
     def _prepare(self, value: Tensor | None, train: bool) -> Tensor | None:
         if value is None:
             return None
-        value = value.to(self.device)
+        if value.device != self.device:
+            value = value.to(self.device)
         if train and not self.is_first and (value.is_floating_point() or value.is_complex()):
             # A leaf of its own: the stage's graph stops here and dL/dx is read off it.
             return value.detach().requires_grad_(True)
@@ -298,4 +337,5 @@ class Stage:
             ) from None
 
     def _grads(self, grad_outputs: Payload) -> list[Tensor | None]:
-        return [None if g is None else g.to(self.device) for g in grad_outputs]
+        device = self.device
+        return [g if g is None or g.device == device else g.to(device) for g in grad_outputs]

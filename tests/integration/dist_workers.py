@@ -284,3 +284,58 @@ def job_fault(rank: int, world: int, *, bad_rank: int, mode: str, timeout: float
             pipe.stages[rank].module.register_forward_pre_hook(fault)
         pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
     return "finished"
+
+
+def _signature_payloads(step: int, mb: int) -> tuple[torch.Tensor | None, ...]:
+    """Payloads whose signatures change from step to step: small ones (one transfer with
+    their header), one past the one-transfer limit, several dtypes, absent tensors."""
+    gen = torch.Generator().manual_seed(100 * step + mb)
+    kind = step % 6
+    if kind in (0, 1):
+        return (torch.randn(2, 4, generator=gen),)
+    if kind == 2:
+        return (
+            torch.randn(3, 5, generator=gen, dtype=torch.float64),
+            None,
+            torch.randint(0, 9, (7,), generator=gen),
+        )
+    if kind in (3, 4):
+        return (torch.randn(300, 300, generator=gen),)  # 360 KB: header + tensor transfers
+    return (
+        None,
+        torch.rand(3, generator=gen) > 0.5,
+        torch.tensor(float(step)),
+        torch.randn(2, generator=gen, dtype=torch.complex64),
+    )
+
+
+def job_message_signatures(rank: int, world: int) -> list[int]:
+    """Rank 0 sends, rank 1 receives, 14 steps of changing signatures; rank 1 returns the
+    steps where a received message differed from what was sent (none expected)."""
+    from batchgraph.pipeline.comm import MessageKey, MessageKind
+    from batchgraph.pipeline.dist_comm import DistCommunicator
+
+    comm = DistCommunicator({0: 0, 1: 1}.__getitem__, default_timeout=20.0)
+    keys = [MessageKey(MessageKind.ACTIVATION, 0, 1, mb) for mb in range(3)]
+    wrong: list[int] = []
+    for step in range(1, 15):
+        comm.begin_step(step, 2)
+        if rank == 1:
+            comm.prefetch(keys)
+            comm.prefetch(keys[:2], payload=True)
+        for mb, key in enumerate(keys):
+            want = _signature_payloads(step, mb)
+            if rank == 0:
+                comm.send(key, want)
+                continue
+            got = comm.recv(key)
+            same = len(got) == len(want) and all(
+                (a is None and b is None)
+                or (a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b))
+                for a, b in zip(got, want)
+            )
+            if not same:
+                wrong.append(step)
+        comm.wait_sends()
+    comm.close()
+    return wrong

@@ -115,3 +115,10 @@ def test_hung_rank_makes_the_others_time_out() -> None:
     kind, message = run.error(0)
     assert "PipelineTimeoutError" in kind + message, message
     assert "waited 3 s" in message and "rank 1" in message
+
+
+def test_messages_survive_signature_changes_between_steps() -> None:
+    """One-transfer (small) and header + tensor (large) messages, changing every step."""
+    launch = W.launch(W.job_message_signatures, world=2, limit=60)
+    assert launch.ok(0) == []
+    assert launch.ok(1) == []
