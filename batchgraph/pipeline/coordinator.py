@@ -28,7 +28,7 @@ are stopped by :meth:`Coordinator.close`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
@@ -60,6 +60,7 @@ from batchgraph.pipeline.microbatch import (
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
+from batchgraph.threads import compute_pool
 
 __all__ = ["Coordinator"]
 
@@ -132,9 +133,8 @@ class Coordinator:
         for stage in self.stages:
             stage.split_backward = stage.index in split
         self._workers = {
-            d: ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"batchgraph-pipeline-device{d}"
-            )
+            # Each device's thread runs its kernels with the caller's intra-op threads.
+            d: compute_pool(f"batchgraph-pipeline-device{d}")
             for d in range(schedule.devices)
         }
         # Per device, each action with its stage and message keys, for training and for
