@@ -135,11 +135,16 @@ class CallSignature:
         return default
 
     def with_arg(self, position: int, name: str, value: Any) -> CallSignature:
-        """A copy with the static argument at ``position``/``name`` replaced."""
+        """A copy with the static argument at ``position``/``name`` replaced (passed
+        by keyword when the call left it to its default)."""
+        by_keyword = any(k == name for k, _ in self.kwargs)
         kwargs = tuple((k, value if k == name else v) for k, v in self.kwargs)
         args = self.args
-        if position < len(args) and not any(k == name for k, _ in self.kwargs):
-            args = (*args[:position], value, *args[position + 1 :])
+        if not by_keyword:
+            if position < len(args):
+                args = (*args[:position], value, *args[position + 1 :])
+            else:
+                kwargs = (*kwargs, (name, value))
         return CallSignature(args, kwargs, self.input_specs, self.statics)
 
 

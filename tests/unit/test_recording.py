@@ -287,3 +287,16 @@ def test_reductions_batch_with_a_fast_rule_and_per_example_semantics(op: object,
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert type(policy.graph.keys[-1]).__name__ == key
     assert policy.stats is not None and policy.stats.launches == 2
+
+
+def test_dim_ops_left_at_their_default_dim_still_batch_per_example() -> None:
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    ys = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    ops = [lambda a, b: torch.stack([a, b]), lambda a, b: torch.cat([a, b]),
+           lambda a, b: torch.stack([a, b]).sum(0)]
+    for op in ops:
+        eager = [op(x, y) for x, y in zip(xs, ys)]
+        with bg.BatchingPolicy():
+            handles = [op(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys)]
+        for got, want in zip(bg.compute(handles), eager):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
