@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from batchgraph.errors import PolicyClosedError
 from batchgraph.handle import ResultHandle
-from batchgraph.policy import BatchingPolicy, _collect
+from batchgraph.policy import _collect, policy_of
 from batchgraph.recording import _ACTIVE, function_site, module_site
 
 __all__ = ["batched_func", "batched_value", "compute"]
@@ -89,7 +88,4 @@ def compute(obj: Any) -> Any:
     _collect(obj, handles)
     if not handles:
         return obj
-    policy = handles[0]._graph.policy
-    if not isinstance(policy, BatchingPolicy):
-        raise PolicyClosedError(f"{handles[0]!r} has no policy to compute it")
-    return policy.compute(obj)
+    return policy_of(handles[0]._graph).compute(obj)

@@ -18,6 +18,8 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 from __future__ import annotations
 
 import itertools
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +54,10 @@ class Graph:
         self.name = name
         self.uid = next(_graph_uids)  # never reused, unlike id()
         self.open = True
-        self.policy: Any = None  # the BatchingPolicy recording into this graph
+        # The BatchingPolicy recording into this graph, held weakly: policy -> graph ->
+        # nothing back, so a batch's graph, handles and stores are freed by reference
+        # counting as soon as the caller lets go of them (no cyclic GC pass over them).
+        self._policy: Callable[[], Any] = _no_policy
         self.dedupe_table: dict[Any, int] = {}
         self.keys: list[BatchKey] = []
         self.key_ids: dict[BatchKey, int] = {}
@@ -67,6 +72,9 @@ class Graph:
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
+        # The recording policy's settings, for computing after it was freed.
+        self.scheduler = "agenda"
+        self.rules: dict[Any, Any] = {}
         self.merged = 0  # constants and calls merged so far
         self.merged_calls = 0  # of which calls
         self.node_loc: list[int] = []
@@ -76,6 +84,15 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self.node_key)
+
+    @property
+    def policy(self) -> Any:
+        """The policy recording into this graph, or None once it was freed."""
+        return self._policy()
+
+    @policy.setter
+    def policy(self, policy: Any) -> None:
+        self._policy = weakref.ref(policy)
 
     def key_id(self, key: BatchKey) -> int:
         kid = self.key_ids.get(key)
@@ -166,6 +183,10 @@ class Graph:
 
 # Constants up to this many elements are merged by value; larger ones never.
 _VALUE_DEDUPE_NUMEL = 16
+
+
+def _no_policy() -> None:
+    return None
 
 
 def constant_signature(kid: int, value: Any) -> Any:

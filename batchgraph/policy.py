@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,12 +80,15 @@ class BatchingPolicy:
         self.graph.policy = self
         self.graph.open = False
         self.graph.dedupe = dedupe
+        self.graph.scheduler = scheduler
+        self.graph.rules = self.rules
         self._merged_before = 0
         self.stats: ScheduleStats | None = None
         # Only the last schedule is kept: a coroutine run computes thousands of times.
         self.last_schedule: Schedule | None = None
         self.computes = 0
         self._token: Any = None
+        self._quiet = False
         self._mark = time.perf_counter()
 
     @property
@@ -98,7 +102,12 @@ class BatchingPolicy:
             raise RuntimeError(f"{self.name} is already active; policies are not reentrant")
         self._token = _ACTIVE.set(self)
         self.graph.open = True
-        gcpause.enter()
+        if not self._quiet:
+            # Fewer GC passes until the graph is freed (computing and the backward pass
+            # come after the `with` block): its many small objects are not rescanned.
+            gcpause.enter()
+            weakref.finalize(self.graph, gcpause.leave)
+            self._quiet = True
         self._mark = time.perf_counter()
         return self
 
@@ -106,7 +115,6 @@ class BatchingPolicy:
         _ACTIVE.reset(self._token)
         self._token = None
         self.graph.open = False
-        gcpause.leave()
 
     @property
     def recording(self) -> bool:
@@ -246,6 +254,23 @@ def _rebuild(obj: Any) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, _rebuild(v)) for k, v in obj.items())
     return obj
+
+
+def policy_of(graph: Graph) -> BatchingPolicy:
+    """The policy of ``graph``; a stand-in with its settings if that one was freed.
+
+    ``with bg.BatchingPolicy():`` without ``as`` leaves nothing holding the policy, so
+    ``bg.compute(handles)`` may find only its graph.
+    """
+    policy = graph.policy
+    if policy is None:
+        policy = BatchingPolicy(
+            scheduler=graph.scheduler, dedupe=graph.dedupe, rules=graph.rules, name=graph.name
+        )
+        policy.graph = graph
+        graph.policy = policy
+    assert isinstance(policy, BatchingPolicy)
+    return policy
 
 
 def current_policy() -> BatchingPolicy | None:
