@@ -76,12 +76,11 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("children", "dedupe", "key", "memo", "n_leaves", "rules_token", "single", "spec")
+    __slots__ = ("children", "dedupe", "key", "memo", "rules_token", "single", "spec")
 
     def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int) -> None:
         self.key = key
         self.spec = spec
-        self.n_leaves = count_leaves(spec)
         # A call with several outputs returns a tuple of handles, as the eager call
         # returns a tuple of tensors: ``h, c = cell(...)`` is then a plain tuple
         # unpacking. For a flat tuple these are (leaf, spec) per output; None for a
