@@ -12,13 +12,16 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from batchgraph import gcpause
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
-from batchgraph.graph import Graph
+from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
@@ -30,6 +33,7 @@ from batchgraph.scheduling import (
     ScheduleStats,
     build_schedule,
 )
+from batchgraph.specs import TensorSpec
 
 __all__ = ["BatchingPolicy"]
 
@@ -160,7 +164,7 @@ class BatchingPolicy:
         self.computes += 1
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
         schedule.stats = self.stats
-        result = _rebuild(obj)
+        result = _rebuild(obj, _row_views(graph, handles))
         self._mark = time.perf_counter()
         return result
 
@@ -243,16 +247,40 @@ def _collect(obj: Any, out: list[ResultHandle]) -> None:
             _collect(x, out)
 
 
-def _rebuild(obj: Any) -> Any:
+# From this many requested rows of one batched output on, their per-example values
+# are taken by one unbind (and, in backward, one stack) instead of a select each.
+_UNBIND_FROM = 8
+
+
+def _row_views(graph: Graph, handles: list[ResultHandle]) -> dict[tuple[int, int], Any]:
+    """Per (store, leaf) from which many handles are requested: its rows, unbound."""
+    loc = graph.node_loc
+    counts = Counter(
+        (loc[h.node] >> STORE_SHIFT, h.leaf) for h in handles if type(h.spec) is TensorSpec
+    )
+    views: dict[tuple[int, int], Any] = {}
+    for (store, leaf), count in counts.items():
+        column = graph.stores[store][leaf]
+        if count >= _UNBIND_FROM and isinstance(column, torch.Tensor):
+            views[(store, leaf)] = column.unbind(0)
+    return views
+
+
+def _rebuild(obj: Any, views: dict[tuple[int, int], Any]) -> Any:
     if type(obj) is ResultHandle:
+        if views and type(obj.spec) is TensorSpec:
+            where = obj._graph.node_loc[obj.node]
+            rows = views.get((where >> STORE_SHIFT, obj.leaf))
+            if rows is not None:
+                return rows[where & ROW_MASK]
         return obj.value
     if isinstance(obj, list):
-        return [_rebuild(x) for x in obj]
+        return [_rebuild(x, views) for x in obj]
     if isinstance(obj, tuple):
-        values = [_rebuild(x) for x in obj]
+        values = [_rebuild(x, views) for x in obj]
         return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
     if isinstance(obj, dict):
-        return type(obj)((k, _rebuild(v)) for k, v in obj.items())
+        return type(obj)((k, _rebuild(v, views)) for k, v in obj.items())
     return obj
 
 

@@ -300,3 +300,20 @@ def test_dim_ops_left_at_their_default_dim_still_batch_per_example() -> None:
             handles = [op(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys)]
         for got, want in zip(bg.compute(handles), eager):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_many_outputs_of_one_step_come_back_as_rows_with_eager_gradients() -> None:
+    lin = nn.Linear(3, 2).double()
+    f = bg.batched_func(lin)
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(12)]
+    weights = torch.arange(1.0, 25.0, dtype=torch.float64).reshape(12, 2)
+    eager = (torch.stack([lin(x) for x in xs]) * weights).sum()
+    want = torch.autograd.grad(eager, [lin.weight, lin.bias])
+    with bg.BatchingPolicy():
+        handles = [f(x) for x in xs]
+    rows = bg.compute(handles)  # 12 rows of one batched output: one unbind
+    assert len({r._base.data_ptr() for r in rows if r._base is not None}) == 1
+    got = (torch.stack(rows) * weights).sum()
+    have = torch.autograd.grad(got, [lin.weight, lin.bias])
+    for a, b in zip(have, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
