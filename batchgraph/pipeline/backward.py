@@ -366,32 +366,12 @@ class TwoStageBackward:
             return None
         if not kwargs and all(type(a) in _PLAIN for a in args):
             # The common call, tensors only: the same as below without the pytree walk.
-            originals: list[Tensor] = []
-            leaves: list[Tensor] = []
-            new_args: list[Any] = []
-            for a in args:
-                if a.requires_grad:
-                    leaf = a.detach().requires_grad_(True)
-                    originals.append(a)
-                    leaves.append(leaf)
-                    new_args.append(leaf)
-                else:
-                    new_args.append(a)
-            frames.append(_Frame(capture=True, originals=tuple(originals), leaves=tuple(leaves)))
+            new_args, originals, leaves = _cut(args)
+            frames.append(_Frame(capture=True, originals=originals, leaves=leaves))
             return tuple(new_args), kwargs
         flat, spec = tree_flatten((args, kwargs))
-        originals = []
-        leaves = []
-        new_flat: list[Any] = []
-        for value in flat:
-            if isinstance(value, Tensor) and value.requires_grad:
-                leaf = value.detach().requires_grad_(True)
-                originals.append(value)
-                leaves.append(leaf)
-                new_flat.append(leaf)
-            else:
-                new_flat.append(value)
-        frames.append(_Frame(capture=True, originals=tuple(originals), leaves=tuple(leaves)))
+        new_flat, originals, leaves = _cut(flat)
+        frames.append(_Frame(capture=True, originals=originals, leaves=leaves))
         new_args, new_kwargs = tree_unflatten(new_flat, spec)
         return tuple(new_args), dict(new_kwargs)
 
@@ -428,3 +408,19 @@ class TwoStageBackward:
         for i, y in zip(positions, linked):
             flat[i] = y
         return tree_unflatten(flat, spec)
+
+
+def _cut(values: Sequence[Any]) -> tuple[list[Any], tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Each tensor that requires grad replaced by a detached leaf: (values, originals, leaves)."""
+    out: list[Any] = []
+    originals: list[Tensor] = []
+    leaves: list[Tensor] = []
+    for value in values:
+        if isinstance(value, Tensor) and value.requires_grad:
+            leaf = value.detach().requires_grad_(True)
+            originals.append(value)
+            leaves.append(leaf)
+            out.append(leaf)
+        else:
+            out.append(value)
+    return out, tuple(originals), tuple(leaves)
