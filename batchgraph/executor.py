@@ -16,9 +16,9 @@ callable, the batch and the failing example.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -157,24 +157,22 @@ class Executor:
         return [*(list(column) for column in zip(*flat)), list(out)]
 
     def _index_all(self, schedule: Schedule) -> None:
-        # Every index list of the schedule becomes a slice of one tensor: one
-        # torch.tensor call (one copy to a GPU) per run instead of one per gather.
-        lists = [
-            rows
-            for step in schedule.steps
-            for plan in step.gathers
-            for rows in (plan.perm, *(r for _, _, r in plan.parts))
-            if type(rows) is list
-        ]
+        # Every index list of the schedule becomes a slice of one tensor (one copy
+        # to a GPU per run instead of one per gather). The lists fill one int64
+        # array (array.fromlist is a C loop, ~5x faster than torch.tensor(list)),
+        # and the tensor is a view of its memory.
         self._spans = {}
         self._flat_on = {}
-        if not lists:
-            return
-        start = 0
-        for rows in lists:
-            self._spans[id(rows)] = (rows, start)
-            start += len(rows)
-        self._flat_on[_CPU] = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+        flat = array("q")
+        spans = self._spans
+        for step in schedule.steps:
+            for plan in step.gathers:
+                for rows in (plan.perm, *(r for _, _, r in plan.parts)):
+                    if type(rows) is list:
+                        spans[id(rows)] = (rows, len(flat))
+                        flat.fromlist(rows)
+        if flat:
+            self._flat_on[_CPU] = _long_tensor(flat)
 
     def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
         span = self._spans.get(id(rows))
@@ -187,7 +185,7 @@ class Executor:
         cache_key = (id(rows), device)
         cached = self._index_cache.get(cache_key)
         if cached is None:
-            cached = (rows, torch.tensor(rows, dtype=torch.long, device=device))
+            cached = (rows, _long_tensor(array("q", rows)).to(device))
             self._index_cache[cache_key] = cached
         return cached[1]
 
@@ -246,3 +244,10 @@ class Executor:
 
     def _example(self, node: int) -> int | None:
         return self._example_of(node) if self._example_of is not None else None
+
+
+def _long_tensor(rows: array[int]) -> torch.Tensor:
+    """An int64 CPU tensor over ``rows`` (an ``array("q")``), sharing its memory."""
+    if not rows:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(rows, dtype=torch.long)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, cast
+from typing import Any
 
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT
 from batchgraph.specs import OutSpec, TensorSpec
@@ -157,14 +157,14 @@ class GatherPlanner:
             parts.append((store, leaf, range(0, size)))
             row_of.update(zip(range(first, first + size), range(offset, offset + size)))
             offset += size
-        found = list(map(row_of.get, codes))
-        if None in found:  # rows of older stores
-            missing = {c for c, row in zip(codes, found) if row is None}
+        try:
+            perm = list(map(row_of.__getitem__, codes))
+        except KeyError:  # rows of older stores
+            missing = {c for c in codes if c not in row_of}
             more, where, offset = _store_parts(sorted(missing), self.sizes, offset)
             parts.extend(more)
             row_of.update(where)
-            found = list(map(row_of.get, codes))
-        perm = cast(list[int], found)
+            perm = list(map(row_of.__getitem__, codes))
         used_until = self.last_use.get
         survivors = [c for c in row_of if used_until(c, -1) > step]
         if survivors:

@@ -103,7 +103,7 @@ class Graph:
         return kid
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:
-        # CallSite.record inlines this for speed: keep the two in step.
+        # CallSite.__call__ inlines this for speed: keep the two in step.
         n = len(self.node_key)
         self.node_key.append(kid)
         self.node_inputs.append(inputs)
@@ -147,12 +147,10 @@ class Graph:
             kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
         n = len(self.node_key)
         if self.dedupe:
-            signature = (kid, value)
-            existing = self.dedupe_table.get(signature)
-            if existing is not None:
+            existing = self.dedupe_table.setdefault((kid, value), n)  # one hash
+            if existing != n:
                 self.merged += 1
                 return existing
-            self.dedupe_table[signature] = n
         # add_node, inlined: this runs once per distinct token.
         self.node_key.append(kid)
         self.node_inputs.append(())

@@ -1,7 +1,7 @@
 """Graph passes run before scheduling.
 
 * Merging identical calls (same key and inputs, or the same small constant) happens
-  as calls are recorded (hash-consing in ``CallSite.record`` and
+  as calls are recorded (hash-consing in ``CallSite.__call__`` and
   ``Graph.add_constant``): a repeated call returns the node that already exists, so
   the same token embedded twice — and everything built only from it — is computed
   once, and no later pass has to map aliases. Random calls (dropout) never merge.

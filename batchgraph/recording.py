@@ -117,17 +117,18 @@ class CallSite:
         self.name = callable_name(fn)
         self.cache: dict[Any, _Entry] = {}
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        policy = _ACTIVE.get()
-        if policy is None:
-            return self.fn(*args, **kwargs)
-        return self.record(policy, args, kwargs)
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.name}>"
 
-    def record(self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Add one call to ``policy``'s graph and return its handle."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Record the call into the active policy's graph (and return its handle), or
+        run it eagerly when no policy is active.
+
+        This is the hot path, one Python frame per recorded call.
+        """
+        policy = _ACTIVE.get()
+        if policy is None:
+            return self.fn(*args, **kwargs)
         graph = policy.graph
         node_depth = graph.node_depth
         inputs: list[Ref] = []
@@ -172,19 +173,16 @@ class CallSite:
             entry.memo = (graph.uid, kid)
         refs = tuple(inputs)
         spec = entry.spec
-        node = -1
+        fresh = node = len(graph.node_key)
         if entry.dedupe and graph.dedupe:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
-            signature = (kid, refs)
-            node = graph.dedupe_table.get(signature, -1)
-            if node >= 0:
-                graph.merged += 1
-                graph.merged_calls += 1
-            else:
-                graph.dedupe_table[signature] = len(graph.node_key)
-        if node < 0:
+            # One setdefault hashes the signature once (a tuple's hash is not cached).
+            node = graph.dedupe_table.setdefault((kid, refs), fresh)
+        if node != fresh:
+            graph.merged += 1
+            graph.merged_calls += 1
+        else:
             # Graph.add_node, inlined: this runs once per recorded call.
-            node = len(graph.node_key)
             graph.node_key.append(kid)
             graph.node_inputs.append(refs)
             graph.node_depth.append(deepest + 1)
@@ -398,9 +396,18 @@ def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         handle = next(h for h in _handles(args, kwargs))
         _foreign(handle, graph)  # raises PolicyClosedError
     active = _ACTIVE.get()
-    if active is not None and active is not policy:
+    site = function_site(fn)
+    if active is policy:
+        return site(*args, **kwargs)
+    if active is not None:
         _foreign(next(h for h in _handles(args, kwargs)), active.graph)
-    return function_site(fn).record(policy, args, kwargs)
+    # The handles' policy records in another context (another thread, or after a
+    # coroutine switched contexts): record there for the length of this one call.
+    token = _ACTIVE.set(policy)
+    try:
+        return site(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
 
 
 def _handles(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[ResultHandle]:
