@@ -88,12 +88,17 @@ class Executor:
             raise
         finally:
             self._carry.clear()
-        node_loc = graph.node_loc
-        setloc = node_loc.__setitem__
-        for step in schedule.steps:
-            base = step.store << STORE_SHIFT
-            # node_loc[n] = base | row for each node, looped in C.
-            deque(map(setloc, step.nodes, range(base, base + len(step.nodes))), maxlen=0)
+        planned, schedule.planned_loc = schedule.planned_loc, None
+        if planned is not None and planned[0] == graph.uid and len(planned[1]) == len(graph.node_loc):
+            # build_schedule already worked out every location (on a copy).
+            graph.node_loc = node_loc = planned[1]
+        else:
+            node_loc = graph.node_loc
+            setloc = node_loc.__setitem__
+            for step in schedule.steps:
+                base = step.store << STORE_SHIFT
+                # node_loc[n] = base | row for each node, looped in C.
+                deque(map(setloc, step.nodes, range(base, base + len(step.nodes))), maxlen=0)
         try:
             graph.first_uncomputed = node_loc.index(-1, graph.first_uncomputed)
         except ValueError:  # everything is computed

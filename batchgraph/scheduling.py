@@ -112,6 +112,17 @@ class Schedule:
     base_store: int
     scheduler: str
     stats: ScheduleStats | None = None
+    # Every node's location once the steps have run, as planned: (graph uid, list).
+    # The executor adopts the list instead of setting each location again; it stays
+    # in this process (not pickled) and is used once.
+    planned_loc: tuple[int, list[int]] | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "planned_loc"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.planned_loc = None
 
 
 def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
@@ -121,27 +132,33 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
     keys = graph.keys
     pending = live.pending[:]  # consumed as steps are taken
     consumers = live.consumers
-    depth_sum: dict[int, float] = defaultdict(float)
-    count: dict[int, int] = defaultdict(int)
-    ready: dict[int, list[int]] = defaultdict(list)
+    # Per key id (small ints): lists beat dicts here, this runs once per node.
+    depth_sum = [0] * len(keys)
+    count = [0] * len(keys)
+    # ready[k]: the ready nodes of key k, or None when k is not on the heap.
+    ready: list[list[int] | None] = [None] * len(keys)
     for n in live.nodes:
         k = node_key[n]
         depth_sum[k] += node_depth[n]
         count[k] += 1
         if not pending[n]:
-            ready[k].append(n)
+            waiting = ready[k]
+            if waiting is None:
+                ready[k] = [n]
+            else:
+                waiting.append(n)
     # Unbatchable keys sort before everything (priority -1); the rest by mean depth.
-    priority = {
-        k: (depth_sum[k] / count[k] if keys[k].batchable else -1.0, k) for k in count
-    }
-    heap = [priority[k] for k in ready]
+    priority = [
+        (depth_sum[k] / c if keys[k].batchable else -1.0, k) if c else (0.0, k)
+        for k, c in enumerate(count)
+    ]
+    heap = [priority[k] for k, waiting in enumerate(ready) if waiting is not None]
     heapq.heapify(heap)
-    queued = set(ready)
     steps: list[tuple[int, list[int]]] = []
     while heap:
         _, k = heapq.heappop(heap)
-        queued.discard(k)
-        nodes = ready.pop(k)
+        nodes = cast(list[int], ready[k])
+        ready[k] = None
         steps.append((k, nodes))
         for n in nodes:
             users = consumers[n]
@@ -152,10 +169,12 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
                 pending[c] = left
                 if not left:
                     kc = node_key[c]
-                    ready[kc].append(c)
-                    if kc not in queued:
-                        queued.add(kc)
+                    waiting = ready[kc]
+                    if waiting is None:
+                        ready[kc] = [c]
                         heapq.heappush(heap, priority[kc])
+                    else:
+                        waiting.append(c)
     return steps
 
 
@@ -223,7 +242,7 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
         key = keys[step.key]
         if key.combine == "stack":
             planner.produced(step.store, _leaf_specs(key, graph.node_spec[step.nodes[0]]))
-    return Schedule(steps, base, scheduler)
+    return Schedule(steps, base, scheduler, planned_loc=(graph.uid, loc))
 
 
 def _requests(
