@@ -20,12 +20,12 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from batchgraph.keys import BatchKey, ConstantKey
-from batchgraph.specs import OutSpec, TensorSpec
+from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
 __all__ = ["Graph", "Ref"]
 
@@ -41,9 +41,8 @@ ROW_MASK = (1 << LEAF_SHIFT) - 1
 _CPU = torch.device("cpu")
 # Python scalars become 0-d constants of torch's default type for that scalar.
 _SCALAR_SPECS: dict[type, TensorSpec] = {
-    bool: TensorSpec((), torch.bool, _CPU),
-    int: TensorSpec((), torch.int64, _CPU),
-    float: TensorSpec((), torch.get_default_dtype(), _CPU),
+    kind: cast(TensorSpec, intern_spec(TensorSpec((), dtype, _CPU)))
+    for kind, dtype in ((bool, torch.bool), (int, torch.int64), (float, torch.get_default_dtype()))
 }
 
 

@@ -39,6 +39,7 @@ from batchgraph.specs import (
     OutSpec,
     TensorSpec,
     count_leaves,
+    intern_spec,
     make_seq,
     spec_of,
 )
@@ -110,12 +111,15 @@ class CallSite:
         tensor([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "cache", "fn", "name")
+    __slots__ = ("__weakref__", "cache", "fn", "last", "name")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.name = callable_name(fn)
         self.cache: dict[Any, _Entry] = {}
+        # The last signature of handle-only arguments and its entry: one tuple, so it
+        # is replaced atomically (sites are shared by threads).
+        self.last: tuple[list[Any] | None, Any] = (None, None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.name}>"
@@ -134,6 +138,7 @@ class CallSite:
         inputs: list[Ref] = []
         deepest = 0
         sig: list[Any] = []
+        only_handles = True
         for a in args:
             if type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec:
                 # The common case, inlined: a handle for one tensor of this graph.
@@ -144,27 +149,25 @@ class CallSite:
                 if d > deepest:
                     deepest = d
             else:
+                only_handles = False
                 box = [deepest]
                 sig.append(_encode(a, graph, inputs, box))
                 deepest = box[0]
-        key_sig: Any = tuple(sig)
         if kwargs:
             box = [deepest]
-            key_sig = (key_sig, tuple((k, _encode(v, graph, inputs, box)) for k, v in kwargs.items()))
+            key_sig: Any = (tuple(sig), tuple((k, _encode(v, graph, inputs, box)) for k, v in kwargs.items()))
             deepest = box[0]
-        try:
-            entry = self.cache.get(key_sig)
-            cacheable = True
-        except TypeError:
-            # An unhashable static argument: key on its identity, and do not cache
-            # (the cache would keep the object alive forever).
-            key_sig = _identity_signature(key_sig)
-            entry = None
-            cacheable = False
-        if entry is None or entry.rules_token != policy.rules_token:
-            entry = self._resolve(policy, args, kwargs, key_sig)
-            if cacheable:
-                self.cache[key_sig] = entry
+            entry = self._entry(policy, args, kwargs, key_sig)
+        else:
+            # A site is mostly called with one signature over and over: compare with the
+            # last one (specs are interned, so this is identity checks) before hashing.
+            last = self.last
+            if only_handles and last[0] == sig and last[1].rules_token == policy.rules_token:
+                entry = last[1]
+            else:
+                entry = self._entry(policy, args, kwargs, tuple(sig))
+                if only_handles:
+                    self.last = (sig, entry)
         memo = entry.memo
         if memo[0] == graph.uid:
             kid = memo[1]
@@ -200,6 +203,25 @@ class CallSite:
             )
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 
+    def _entry(
+        self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
+    ) -> _Entry:
+        """The cached entry for ``key_sig``, resolved (and cached) when new."""
+        try:
+            entry = self.cache.get(key_sig)
+            cacheable = True
+        except TypeError:
+            # An unhashable static argument: key on its identity, and do not cache
+            # (the cache would keep the object alive forever).
+            key_sig = _identity_signature(key_sig)
+            entry = None
+            cacheable = False
+        if entry is None or entry.rules_token != policy.rules_token:
+            entry = self._resolve(policy, args, kwargs, key_sig)
+            if cacheable:
+                self.cache[key_sig] = entry
+        return entry
+
     def _resolve(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
     ) -> _Entry:
@@ -215,7 +237,7 @@ class CallSite:
             key = UnbatchedKey(self.fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(self.fn, call)
-        return _Entry(key, spec, policy.rules_token)
+        return _Entry(key, intern_spec(spec), policy.rules_token)
 
     def _infer_spec(self, call: CallSignature) -> OutSpec:
         if any(s is None for s in call.input_specs):

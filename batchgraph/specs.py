@@ -14,11 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Union, cast
 
 import torch
 
-__all__ = ["CallSignature", "InputSlot", "OutSpec", "TensorSpec", "count_leaves", "spec_of"]
+__all__ = [
+    "CallSignature",
+    "InputSlot",
+    "OutSpec",
+    "TensorSpec",
+    "count_leaves",
+    "intern_spec",
+    "spec_of",
+]
 
 
 class TensorSpec(NamedTuple):
@@ -38,6 +46,26 @@ class TensorSpec(NamedTuple):
 
 
 OutSpec = Union[TensorSpec, tuple["OutSpec", ...], None]
+
+# One object per distinct TensorSpec that call results carry, so the recording hot
+# path can compare signatures by identity (equal specs are the same object).
+_INTERNED: dict[TensorSpec, TensorSpec] = {}
+
+
+def intern_spec(spec: OutSpec) -> OutSpec:
+    """``spec`` with each ``TensorSpec`` replaced by the one interned equal to it.
+
+    Example:
+        >>> a = TensorSpec((3,), torch.float32, torch.device("cpu"))
+        >>> b = TensorSpec((3,), torch.float32, torch.device("cpu"))
+        >>> intern_spec(a) is intern_spec(b)
+        True
+    """
+    if type(spec) is TensorSpec:
+        return _INTERNED.setdefault(spec, spec)
+    if type(spec) is tuple:
+        return tuple(intern_spec(s) for s in cast(tuple[OutSpec, ...], spec))
+    return spec
 
 
 def count_leaves(spec: OutSpec) -> int:

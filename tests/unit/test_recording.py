@@ -233,6 +233,38 @@ def test_rules_of_one_policy_do_not_leak_into_another() -> None:
         assert type(plain.graph.keys[plain.graph.node_key[g.node]]) is bg.StackKey
 
 
+def test_the_last_signature_shortcut_follows_shapes_and_rules() -> None:
+    # Handle-only calls skip the signature hash when a site sees its last signature
+    # again; a new shape or another policy's rules must still get their own key.
+    lin = nn.Linear(3, 3)
+    f = bg.batched_func(torch.tanh)
+    for _ in range(2):
+        with bg.BatchingPolicy(rules={nn.Linear: bg.VmapKey}) as custom:
+            x = bg.batched_value(torch.ones(3))
+            h = bg.batched_func(lin)(x)
+        assert type(custom.graph.keys[custom.graph.node_key[h.node]]) is bg.VmapKey
+        with bg.BatchingPolicy() as plain:
+            x = bg.batched_value(torch.ones(3))
+            g = bg.batched_func(lin)(x)
+        assert type(plain.graph.keys[plain.graph.node_key[g.node]]) is bg.StackKey
+    with bg.BatchingPolicy() as policy:
+        small, big = bg.batched_value(torch.ones(2)), bg.batched_value(torch.ones(4))
+        outs = [f(small), f(big), f(small), f(big)]
+    assert [tuple(o.shape) for o in outs] == [(2,), (4,), (2,), (4,)]
+    keys = [policy.graph.node_key[o.node] for o in outs]
+    assert keys[0] == keys[2] != keys[1] == keys[3]
+    assert [t.shape[0] for t in bg.compute(outs)] == [2, 4, 2, 4]
+
+
+def test_equal_result_specs_are_one_object() -> None:
+    # Interned specs make the shortcut's comparison an identity check.
+    cell = nn.LSTMCell(2, 3)
+    with bg.BatchingPolicy():
+        h1, c1 = bg.batched_func(cell)(bg.batched_value(torch.ones(2)))
+        h2, c2 = bg.batched_func(cell)(bg.batched_value(torch.ones(2)), (h1, c1))
+    assert h1.spec is c1.spec is h2.spec is c2.spec
+
+
 def test_submodule_reads_stay_right_after_the_class_learns_the_name() -> None:
     class Holder(bg.BatchedModule):
         def __init__(self, part: object) -> None:
