@@ -102,9 +102,11 @@ class _SubmoduleAttribute:
             return module
         # Recording: the module's stub, cached per attribute (and checked against the
         # current submodule, which may have been replaced).
-        cached = d["_batchgraph_stubs"].get(name) if "_batchgraph_stubs" in d else None
-        if cached is not None and cached[0] is module:
-            return cached[1]
+        stubs = d.get("_batchgraph_stubs")
+        if stubs is not None:
+            cached = stubs.get(name)
+            if cached is not None and cached[0] is module:
+                return cached[1]
         stub = _stub(module)
         d.setdefault("_batchgraph_stubs", {})[name] = (module, stub)
         return stub
