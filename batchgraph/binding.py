@@ -155,7 +155,7 @@ class Binder:
         graph.node_loc = [-1] * batch.num_nodes
         checked = time.perf_counter()
         executor = Executor(graph, example_of=_ExampleOf(batch))
-        executor.run(batch.schedule)
+        executor.run(batch.schedule, locate=not stack)
         if stack:
             assert batch.output_plan is not None
             # The executor's own gather: a view when outputs are contiguous and in order.

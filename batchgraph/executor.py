@@ -64,8 +64,14 @@ class Executor:
         self._spans: dict[int, tuple[list[int], int]] = {}
         self._flat_on: dict[torch.device, torch.Tensor] = {}
 
-    def run(self, schedule: Schedule) -> None:
+    def run(self, schedule: Schedule, *, locate: bool = True) -> None:
         """Run every step; on success record where each node's value lives.
+
+        Args:
+            schedule: the steps, built for this graph (or a graph of its structure).
+            locate: record each node's location (``graph.node_loc``). A caller that
+                reads results straight from the stores (a ``Binder`` stacking a
+                batch's outputs by its output plan) skips that pass over every node.
 
         Raises:
             BatchedCallError: when a call raises (names key, callable and examples).
@@ -89,6 +95,8 @@ class Executor:
         finally:
             self._carry.clear()
         planned, schedule.planned_loc = schedule.planned_loc, None
+        if not locate:
+            return
         if planned is not None and planned[0] == graph.uid and len(planned[1]) == len(graph.node_loc):
             # build_schedule already worked out every location (on a copy).
             graph.node_loc = node_loc = planned[1]
