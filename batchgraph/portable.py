@@ -247,6 +247,8 @@ class Exporter:
             if isinstance(graph.keys[step.key], ConstantKey):
                 for n in step.nodes:
                     constants[n] = _portable_constant(graph.constants[n], n)
+        output_plan = _output_plan(outputs, schedule, graph)
+        schedule.planned_loc = None  # this process does not run it: do not keep it cached
         count = len(roots)
         return PortableBatch(
             keys=keys,
@@ -254,7 +256,7 @@ class Exporter:
             constants=constants,
             schedule=schedule,
             outputs=portable_outputs,
-            output_plan=_output_plan(outputs, schedule, graph),
+            output_plan=output_plan,
             example_ends=example_ends if example_ends is not None else [len(graph)] * count,
             indices=indices if indices is not None else list(range(count)),
             cache_hit=hit,
@@ -361,13 +363,18 @@ def _output_plan(outputs: Any, schedule: Schedule, graph: Graph) -> GatherPlan |
     for h in outputs:
         if type(h) is not ResultHandle or h.spec != first.spec:
             return None
-    wanted = {h.node for h in outputs}
-    where: dict[int, int] = {}
-    for step in schedule.steps:
-        base = step.store << STORE_SHIFT
-        for row, n in enumerate(step.nodes):
-            if n in wanted:
-                where[n] = base | row
+    planned = schedule.planned_loc
+    if planned is not None and planned[0] == graph.uid:
+        # Scheduling this graph just worked out every node's location.
+        where: Any = planned[1]
+    else:
+        wanted = {h.node for h in outputs}
+        where = {}
+        for step in schedule.steps:
+            base = step.store << STORE_SHIFT
+            for row, n in enumerate(step.nodes):
+                if n in wanted:
+                    where[n] = base | row
     codes = [where[h.node] | (h.leaf << LEAF_SHIFT) for h in outputs]
     # Rows per store, as build_schedule counts them (-1: per-example lists).
     keys = graph.keys

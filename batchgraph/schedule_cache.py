@@ -14,7 +14,6 @@ much less than scheduling (agenda ordering plus gather planning).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 from batchgraph.graph import Graph
@@ -44,7 +43,9 @@ class ScheduleCache:
         self.max_entries = max_entries
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[Hashable, Schedule] = OrderedDict()
+        # A plain dict in use order (a hit is popped and re-inserted): comparing a
+        # signature costs a pass over the graph, so each hit compares once.
+        self._entries: dict[Hashable, Schedule] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -67,27 +68,51 @@ class ScheduleCache:
         """
         if graph.stores:
             raise ValueError("schedules are cached for graphs with nothing computed yet")
-        return (
-            scheduler,
-            tuple(graph.keys),
-            tuple(graph.node_key),
-            tuple(graph.node_inputs),
-            tuple(roots),
+        return _Signature(
+            (
+                scheduler,
+                tuple(graph.keys),
+                tuple(graph.node_key),
+                tuple(graph.node_inputs),
+                tuple(roots),
+            )
         )
 
     def lookup(self, signature: Hashable) -> Schedule | None:
         """The schedule stored for ``signature``, counting a hit or a miss."""
-        schedule = self._entries.get(signature)
+        schedule = self._entries.pop(signature, None)
         if schedule is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._entries.move_to_end(signature)
+        self._entries[signature] = schedule  # now the most recently used
         return schedule
 
     def store(self, signature: Hashable, schedule: Schedule) -> None:
         """Remember ``schedule`` for ``signature`` (evicting the oldest if full)."""
+        self._entries.pop(signature, None)
         self._entries[signature] = schedule
-        self._entries.move_to_end(signature)
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            del self._entries[next(iter(self._entries))]  # the least recently used
+
+
+class _Signature:
+    """A structure tuple that hashes once.
+
+    A tuple's hash is not cached, and this one holds a tuple per node: a lookup, a
+    store and the LRU reordering would each rehash the whole graph.
+    """
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is _Signature and other._hash == self._hash and other.parts == self.parts
+        )
