@@ -15,6 +15,7 @@ much less than scheduling (agenda ordering plus gather planning).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from batchgraph.graph import Graph
 from batchgraph.scheduling import Schedule
@@ -97,17 +98,20 @@ class ScheduleCache:
 
 
 class _Signature:
-    """A structure tuple that hashes once.
+    """A graph's structure, hashed once and cheaply.
 
-    A tuple's hash is not cached, and this one holds a tuple per node: a lookup, a
-    store and the LRU reordering would each rehash the whole graph.
+    The hash covers the scheduler, the key id of every node and the roots (ints: a C
+    loop), not the per-node input tuples, whose hashing would cost about a millisecond
+    per batch, a miss included (a tuple's hash is not cached). Equality compares
+    everything, so a collision only costs a comparison.
     """
 
     __slots__ = ("_hash", "parts")
 
-    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+    def __init__(self, parts: tuple[Any, ...]) -> None:
         self.parts = parts
-        self._hash = hash(parts)
+        scheduler, _, node_key, _, roots = parts
+        self._hash = hash((scheduler, node_key, roots))
 
     def __hash__(self) -> int:
         return self._hash

@@ -66,3 +66,19 @@ def test_disabled_cache_and_eviction() -> None:
     assert not small(batch_of(40)).cache_hit
     with pytest.raises(ValueError, match="max_entries must be at least 1, got 0"):
         bg.ScheduleCache(0)
+
+
+def test_same_keys_in_the_same_order_but_other_wiring_miss() -> None:
+    # The signature's hash leaves out the inputs (cheap); equality must not.
+    sub = bg.batched_func(torch.sub)
+    cache = bg.ScheduleCache()
+    graphs = []
+    for swap in (False, True):
+        with bg.BatchingPolicy() as policy:
+            x, y = bg.batched_value(torch.ones(2)), bg.batched_value(torch.zeros(2))
+            h = sub(y, x) if swap else sub(x, y)
+        graphs.append((policy.graph, [h.node]))
+    first, second = (bg.ScheduleCache.signature(g, roots, "agenda") for g, roots in graphs)
+    assert hash(first) == hash(second) and first != second
+    cache.store(first, build_schedule(graphs[0][0], prune(*graphs[0])))
+    assert cache.lookup(second) is None and cache.lookup(first) is not None
