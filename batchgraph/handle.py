@@ -62,6 +62,7 @@ class ResultHandle:
     __slots__ = ("_graph", "leaf", "node", "spec")
 
     def __init__(self, graph: Graph, node: int, leaf: int, spec: OutSpec) -> None:
+        # CallSite.__call__ sets these four fields itself (faster): keep the two in step.
         self._graph = graph
         self.node = node
         self.leaf = leaf

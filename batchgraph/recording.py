@@ -57,6 +57,8 @@ __all__ = [
     "module_site",
 ]
 
+_new_handle = object.__new__  # see the end of CallSite.__call__
+
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
 
 # Errors meaning "the structure of the result cannot be known before running".
@@ -191,16 +193,30 @@ class CallSite:
             graph.node_depth.append(deepest + 1)
             graph.node_spec.append(spec)
             graph.node_loc.append(-1)
+        # Handles are built field by field: calling the class (and its __init__) costs
+        # a third more, and this runs once or twice per recorded call.
         if entry.single:
-            return ResultHandle(graph, node, 0, spec)
+            h = _new_handle(ResultHandle)
+            h._graph = graph
+            h.node = node
+            h.leaf = 0
+            h.spec = spec
+            return h
         children = entry.children
         if children is None:
             return handles_for(graph, node, 0, spec)
         if len(children) == 2:  # (h, c) and friends, without a comprehension frame
-            return (
-                ResultHandle(graph, node, 0, children[0][1]),
-                ResultHandle(graph, node, 1, children[1][1]),
-            )
+            h = _new_handle(ResultHandle)
+            h._graph = graph
+            h.node = node
+            h.leaf = 0
+            h.spec = children[0][1]
+            c = _new_handle(ResultHandle)
+            c._graph = graph
+            c.node = node
+            c.leaf = 1
+            c.spec = children[1][1]
+            return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 
     def _entry(
