@@ -82,11 +82,6 @@ from batchgraph.pipeline import _autograd
 
 __all__ = ["BackwardTape", "TwoStageBackward", "find_units"]
 
-# Several stages may share a parameter (tied weights across stages) and run their W on
-# different threads; ``p.grad += g`` on one tensor from two threads is a data race, so
-# accumulation is serialised. It is one add per parameter: the lock is never contended long.
-_ACCUMULATE_LOCK = threading.Lock()
-
 _PLAIN = (Tensor, nn.Parameter)
 
 
@@ -267,20 +262,18 @@ class BackwardTape:
             for p in call.params:
                 if p.requires_grad:
                     params.setdefault(id(p), p)
-        pending: list[tuple[nn.Parameter, Tensor]] = list(self._loose)
         if roots and params:
-            order = list(params.values())
             # One engine call over all local graphs: each is one layer, so nothing repeats,
             # and a parameter shared by several units gets the sum of its uses exactly once.
-            grads = _autograd.grad(roots, root_grads, order)
-            pending.extend((p, g) for p, g in zip(order, grads) if g is not None)
-        with _ACCUMULATE_LOCK:
-            for p, g in pending:
-                if p.grad is None:
-                    # A fresh tensor: g may alias a gradient someone else still holds.
-                    p.grad = g.detach().clone()
-                else:
-                    p.grad.add_(g)
+            # The engine accumulates into .grad itself (like Tensor.backward): the first
+            # gradient of a step is adopted without a copy when nothing else holds it,
+            # later ones are added in place, under each parameter's own lock.
+            _autograd.backward(roots, root_grads, list(params.values()))
+        if self._loose:
+            # Gradients that I found outside any unit: accumulated the same way, by the
+            # engine, each parameter being a root of its own (the engine copies a
+            # gradient that I's result still references instead of adopting it).
+            _autograd.backward([p for p, _ in self._loose], [g for _, g in self._loose])
         self._calls.clear()
         self._loose.clear()
 
