@@ -69,13 +69,14 @@ class _Deferred:
 
     def backward_weight(self) -> None:
         """Run the backward, parameter gradients into ``.grad``."""
-        pairs = [
-            (o, g)
-            for o, g in zip(self.saved.outputs, self.grads)
-            if g is not None and o.requires_grad
-        ]
-        if pairs:
-            _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        _backward(self.saved.outputs, self.grads)
+
+
+def _backward(outputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]) -> None:
+    """Backward from the outputs that have a gradient and a graph, accumulating ``.grad``."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    if pairs:
+        _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _default_device(module: nn.Module) -> torch.device:
@@ -189,13 +190,7 @@ class Stage:
             grads = self._split_input(saved, grad_outputs)
             saved.tape.backward_weight()
             return grads
-        pairs = [
-            (o, g)
-            for o, g in zip(saved.outputs, self._grads(grad_outputs))
-            if g is not None and o.requires_grad
-        ]
-        if pairs:
-            _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        _backward(saved.outputs, self._grads(grad_outputs))
         return tuple(x.grad if x is not None and x.requires_grad else None for x in saved.inputs)
 
     def backward_input(self, microbatch: int, grad_outputs: Payload) -> Payload:
