@@ -1,6 +1,7 @@
 """batchgraph's torch.distributed backend vs ``torch.distributed.pipelining``, side by side.
 
-Run:  python benchmarks/pipeline_vs_torch.py          (a few minutes; --quick: fewer steps)
+Run:  python benchmarks/pipeline_vs_torch.py          (a few minutes; --quick: fewer steps;
+      --cases mlp,virtual and --schedules gpipe,1f1b,zb-h1 pick a subset)
 
 Both run the same stage modules, batch, microbatches and schedule under gloo on this
 machine, each in its own fresh set of spawned processes (so peak memory is per
@@ -271,10 +272,18 @@ def launch(job: dict[str, Any], world: int, limit: float = 240.0) -> list[dict[s
 
 
 def run_case(
-    case: str, world: int, m: int, unit: float, warmup: int, repeat: int
+    case: str,
+    world: int,
+    m: int,
+    unit: float,
+    warmup: int,
+    repeat: int,
+    schedules: tuple[str, ...] = tuple(SCHEDULES),
 ) -> list[dict[str, Any]]:
     rows = []
     for schedule, torch_name in SCHEDULES.items():
+        if schedule not in schedules:
+            continue
         row: dict[str, Any] = {"case": case, "ranks": world, "microbatches": m, "schedule": schedule,
                                "torch_schedule": torch_name}  # fmt: skip
         job = {"case": case, "impls": ("batchgraph", "torch"), "schedule": schedule, "m": m,
@@ -352,7 +361,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
     parser.add_argument("--unit-ms", type=float, default=10.0, help="virtual stage action time")
     parser.add_argument("--cases", default="mlp,virtual")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help="comma-separated subset of " + ", ".join(SCHEDULES),
+    )
     args = parser.parse_args()
+    schedules = tuple(args.schedules.split(","))
     warmup, repeat = (2, 5) if args.quick else (3, 15)
     unit = args.unit_ms / 1e3
     print(f"{'case':>7} {'sched':>6} {'batchgraph':>9} {'peak MiB/rank':>15} {'torch':>9} "
@@ -360,9 +375,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     cases = args.cases.split(",")
     if "mlp" in cases:
-        rows += run_case("mlp", world=2, m=8, unit=unit, warmup=warmup, repeat=repeat)
+        rows += run_case("mlp", 2, 8, unit, warmup, repeat, schedules)
     if "virtual" in cases:
-        rows += run_case("virtual", world=4, m=8, unit=unit, warmup=warmup, repeat=repeat)
+        rows += run_case("virtual", 4, 8, unit, warmup, repeat, schedules)
     out = {
         "machine": _machine(),
         "backend": "gloo",

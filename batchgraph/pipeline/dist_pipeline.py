@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError,
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import Batch, batch_size, merge_microbatches, split_microbatches
 from batchgraph.pipeline.schedules import make_schedule
+from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
 
@@ -59,6 +60,15 @@ __all__ = ["DistributedPipeline", "StageSpec"]
 
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
 _LOOKAHEAD = 3  # actions whose incoming payload buffers are posted ahead
+
+
+class _Steps(NamedTuple):
+    """A step's actions as the rank loop runs them."""
+
+    #: (stage, action, key received, key sent, keys whose receives to post before it)
+    actions: list[tuple[Stage, Action, MessageKey | None, MessageKey | None, list[MessageKey]]]
+    #: receives posted when the step begins (those of the first actions)
+    first: list[MessageKey]
 
 
 def _describe(schedule: str | PipelineSchedule) -> str:
@@ -178,6 +188,7 @@ class DistributedPipeline:
                 self.schedule, t.rank, t.world, self.groups.control, self._offsets, timeout
             )
         self._plan = self.schedule.order[self.topology.device]
+        self._step_plans: dict[bool, _Steps] = {}
         self._step = 0
         self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
@@ -322,8 +333,7 @@ class DistributedPipeline:
         self, inputs: Batch | None, targets: Batch | None, *, train: bool
     ) -> tuple[Any, list[tuple[float, float]]]:
         m, last = self.schedule.microbatches, self.schedule.stages - 1
-        plan = [a for a in self._plan if train or a.kind is ActionKind.FORWARD]
-        self.comm.prefetch(self._remote_keys(plan))
+        steps = self._steps(train)
         if self._has_first:
             if inputs is None:
                 raise PipelineConfigError(
@@ -343,13 +353,16 @@ class DistributedPipeline:
         losses: list[Tensor] = []
         outputs: dict[int, tuple[Tensor, ...]] = {}
         events: list[tuple[float, float]] = []
-        # Payload buffers are posted a few actions ahead (they hold memory until used).
-        ahead = [self._remote_keys([a]) for a in plan]
+        # Receives are posted a few actions ahead, each once: a posted buffer holds memory
+        # until its message lands, and posting costs tens of microseconds that the step's
+        # first action would otherwise wait for.
+        comm = self.comm
+        comm.prefetch(steps.first, payload=True)
         with torch.set_grad_enabled(train):
-            for i, action in enumerate(plan):
-                for keys in ahead[i : i + _LOOKAHEAD]:
-                    self.comm.prefetch(keys, payload=True)
-                start, end = self.stages[action.stage].run(action, self.comm, train=train)
+            for stage, action, recv_key, send_key, keys in steps.actions:
+                if keys:
+                    comm.prefetch(keys, payload=True)
+                start, end = stage.run_keyed(action, recv_key, send_key, comm, train)
                 if action.stage == last and action.kind is ActionKind.FORWARD:
                     out = self.comm.recv(MessageKey(_ACT, last, COORDINATOR, action.microbatch))
                     outs = tuple(t for t in out if t is not None)
@@ -396,6 +409,22 @@ class DistributedPipeline:
         count = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(count, group=self.groups.replica)
         return int(count.item())
+
+    def _steps(self, train: bool) -> _Steps:
+        """This rank's actions in a training (or forward-only) step, with their message
+        keys and what to post ahead at each, computed once: the schedule is static."""
+        steps = self._step_plans.get(train)
+        if steps is None:
+            plan = [a for a in self._plan if train or a.kind is ActionKind.FORWARD]
+            own = [self._remote_keys([a]) for a in plan]
+            actions = []
+            for i, a in enumerate(plan):
+                stage = self.stages[a.stage]
+                post = own[i + _LOOKAHEAD - 1] if i + _LOOKAHEAD - 1 < len(own) else []
+                actions.append((stage, a, *stage.message_keys(a), post))
+            first = [k for keys in own[: _LOOKAHEAD - 1] for k in keys]
+            steps = self._step_plans[train] = _Steps(actions, first)
+        return steps
 
     def _remote_keys(self, plan: Sequence[Action]) -> list[MessageKey]:
         last = self.schedule.stages - 1

@@ -8,6 +8,9 @@ A stage keeps, per microbatch, what its backward needs::
     I(mb):  recv dL/dy ─► tape.backward_input ─► send dL/dx upstream; keep tape for W
     W(mb):  tape.backward_weight (parameter gradients into .grad)
 
+A split stage whose inputs need no gradient (stage 0) records no tape: its I only keeps
+dL/dy and its W runs the whole backward, as nothing upstream waits for an I there.
+
 Each stage input is a detached leaf, so a stage's autograd graph ends at its own
 boundary: the gradient at the input is read from the leaf and sent upstream as a
 message, like it would cross a process boundary. Messages go through a
@@ -55,6 +58,27 @@ class _Saved:
         self.tape = tape
 
 
+class _Deferred:
+    """A whole backward that ``I`` left for ``W``: a stage whose inputs need no gradient."""
+
+    __slots__ = ("grads", "saved")
+
+    def __init__(self, saved: _Saved, grads: list[Tensor | None]) -> None:
+        self.saved = saved
+        self.grads = grads
+
+    def backward_weight(self) -> None:
+        """Run the backward, parameter gradients into ``.grad``."""
+        _backward(self.saved.outputs, self.grads)
+
+
+def _backward(outputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]) -> None:
+    """Backward from the outputs that have a gradient and a graph, accumulating ``.grad``."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    if pairs:
+        _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
 def _default_device(module: nn.Module) -> torch.device:
     for param in module.parameters():
         return param.device
@@ -100,7 +124,7 @@ class Stage:
         self.split_backward = False
         self._split: TwoStageBackward | None = None
         self._saved: dict[int, _Saved] = {}
-        self._weight_pending: dict[int, BackwardTape | None] = {}
+        self._weight_pending: dict[int, BackwardTape | _Deferred | None] = {}
 
     def __repr__(self) -> str:
         return (
@@ -145,7 +169,10 @@ class Stage:
             with torch.no_grad():
                 return self._as_outputs(self.module(*xs))
         tape: BackwardTape | None = None
-        if self.split_backward:
+        if self.split_backward and any(x is not None and x.requires_grad for x in xs):
+            # Only a stage that sends dL/d(inputs) upstream gains from splitting; without
+            # one (stage 0) I has nobody waiting and W runs the whole backward at once,
+            # so the forward records no tape (recording costs tens of microseconds per layer).
             if self._split is None:
                 self._split = TwoStageBackward(self.module)
             with self._split.record() as tape:
@@ -163,19 +190,18 @@ class Stage:
             grads = self._split_input(saved, grad_outputs)
             saved.tape.backward_weight()
             return grads
-        pairs = [
-            (o, g)
-            for o, g in zip(saved.outputs, self._grads(grad_outputs))
-            if g is not None and o.requires_grad
-        ]
-        if pairs:
-            _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        _backward(saved.outputs, self._grads(grad_outputs))
         return tuple(x.grad if x is not None and x.requires_grad else None for x in saved.inputs)
 
     def backward_input(self, microbatch: int, grad_outputs: Payload) -> Payload:
         """``I``: dL/d(inputs) now; the parameter gradients wait for :meth:`backward_weight`."""
         saved = self._take(microbatch)
         if saved.tape is None:
+            if self.split_backward:
+                # No input needs a gradient (see forward): nothing to send upstream, so
+                # the whole backward waits for W, which fills a bubble with it.
+                self._weight_pending[microbatch] = _Deferred(saved, self._grads(grad_outputs))
+                return tuple(None for _ in saved.inputs)
             # Not recorded for a split backward: do it all now, W has nothing left.
             self._saved[microbatch] = saved
             grads = self.backward(microbatch, grad_outputs)
@@ -294,7 +320,7 @@ class Stage:
         self._weight_pending.clear()
 
     def close(self) -> None:
-        """Drop state and remove the two-stage backprop hooks from the module."""
+        """Drop state and restore the module the two-stage backprop had prepared."""
         self.reset()
         if self._split is not None:
             self._split.close()

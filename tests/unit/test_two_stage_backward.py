@@ -197,6 +197,22 @@ def test_hooks_are_inert_outside_record_and_removed_by_close() -> None:
     assert y.grad_fn is not None and "Junction" not in type(y.grad_fn).__name__
     split.close()
     assert not lin._forward_hooks and not lin._forward_pre_hooks
+    assert "forward" not in lin.__dict__  # the class's forward again
+
+
+def test_close_restores_an_instance_forward() -> None:
+    lin = nn.Linear(3, 2)
+    own = lin.forward
+    lin.forward = lambda x: own(x) * 2  # type: ignore[method-assign]
+    patched = lin.forward
+    x = torch.randn(2, 3)
+    with TwoStageBackward(lin) as split:
+        with split.record() as tape:
+            y = lin(x)
+        torch.testing.assert_close(y, own(x) * 2)  # the instance's forward, split
+        tape.backward_input([y.sum()], [torch.ones(())])
+        tape.backward_weight()
+    assert lin.forward is patched
 
 
 def test_order_is_enforced() -> None:
