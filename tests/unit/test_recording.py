@@ -349,3 +349,26 @@ def test_many_outputs_of_one_step_come_back_as_rows_with_eager_gradients() -> No
     have = torch.autograd.grad(got, [lin.weight, lin.bias])
     for a, b in zip(have, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_handle_operators_record_into_their_policy_from_another_thread() -> None:
+    # Another thread has no active policy in its context; a handle's operator still
+    # records into the handle's own (open) policy, and the context is left as it was.
+    import threading
+
+    from batchgraph.recording import active_policy
+
+    results: list[object] = []
+    with bg.BatchingPolicy() as policy:
+        h = bg.batched_value(torch.tensor([1.0, 2.0]))
+
+        def work() -> None:
+            results.append(h * 3)
+            results.append(active_policy())
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join(timeout=30)
+    doubled, active_after = results
+    assert active_after is None
+    assert torch.equal(policy.compute(doubled), torch.tensor([3.0, 6.0]))
