@@ -69,15 +69,9 @@ class ScheduleCache:
         """
         if graph.stores:
             raise ValueError("schedules are cached for graphs with nothing computed yet")
-        return _Signature(
-            (
-                scheduler,
-                tuple(graph.keys),
-                tuple(graph.node_key),
-                tuple(graph.node_inputs),
-                tuple(roots),
-            )
-        )
+        node_key, root_ids = tuple(graph.node_key), tuple(roots)
+        parts = (scheduler, tuple(graph.keys), node_key, tuple(graph.node_inputs), root_ids)
+        return _Signature(parts, hash((scheduler, node_key, root_ids)))
 
     def lookup(self, signature: Hashable) -> Schedule | None:
         """The schedule stored for ``signature``, counting a hit or a miss."""
@@ -100,18 +94,17 @@ class ScheduleCache:
 class _Signature:
     """A graph's structure, hashed once and cheaply.
 
-    The hash covers the scheduler, the key id of every node and the roots (ints: a C
-    loop), not the per-node input tuples, whose hashing would cost about a millisecond
-    per batch, a miss included (a tuple's hash is not cached). Equality compares
-    everything, so a collision only costs a comparison.
+    ``signature`` hashes the scheduler, the key id of every node and the roots (ints:
+    a C loop), not the per-node input tuples, whose hashing would cost about a
+    millisecond per batch, a miss included (a tuple's hash is not cached). Equality
+    compares every part, so a collision only costs a comparison.
     """
 
     __slots__ = ("_hash", "parts")
 
-    def __init__(self, parts: tuple[Any, ...]) -> None:
+    def __init__(self, parts: tuple[Any, ...], hashed: int) -> None:
         self.parts = parts
-        scheduler, _, node_key, _, roots = parts
-        self._hash = hash((scheduler, node_key, roots))
+        self._hash = hashed
 
     def __hash__(self) -> int:
         return self._hash
