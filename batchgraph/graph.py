@@ -78,6 +78,8 @@ class Graph:
         self.merged_calls = 0  # of which calls
         self.node_loc: list[int] = []
         self.stores: list[list[Any]] = []
+        # Rows of the stores seen so far by scheduling (a cache; see build_schedule).
+        self.store_sizes: list[int] = []
         # Every node below this id is computed (advanced after each execution).
         self.first_uncomputed = 0
 

@@ -206,9 +206,8 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
     base = len(graph.stores)
     keys = graph.keys
     inputs = graph.node_inputs
-    # Rows per store (earlier computes' stores, then this schedule's steps); -1 for
-    # stores of per-example lists, which may be ragged and are never taken whole.
-    sizes = [-1 if not store or type(store[0]) is list else len(store[0]) for store in graph.stores]
+    # Rows per store (earlier computes' stores, then this schedule's steps).
+    sizes = _store_sizes(graph)
     # Locations are planned on a copy (the graph only changes once execution
     # succeeds), all of them first: the planner needs each value's last use.
     loc = graph.node_loc[:]
@@ -243,6 +242,21 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
         if key.combine == "stack":
             planner.produced(step.store, _leaf_specs(key, graph.node_spec[step.nodes[0]]))
     return Schedule(steps, base, scheduler, planned_loc=(graph.uid, loc))
+
+
+def _store_sizes(graph: Graph) -> list[int]:
+    """Rows of each of ``graph``'s stores (-1 for per-example lists), as a new list.
+
+    Stores of per-example lists may be ragged and are never taken whole. A coroutine
+    run computes the same graph once per step, so the sizes of the stores already seen
+    are kept on the graph: each compute looks only at the stores added since.
+    """
+    stores = graph.stores
+    known = graph.store_sizes
+    del known[len(stores) :]  # stores of a failed run are dropped again
+    for store in stores[len(known) :]:
+        known.append(-1 if not store or type(store[0]) is list else len(store[0]))
+    return known[:]
 
 
 def _requests(
