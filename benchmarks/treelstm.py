@@ -11,7 +11,7 @@ with the same loss (summed cross-entropy), optimizer (SGD) and embedding:
 - ``workers``: the same per-example code recorded and scheduled in ``--workers``
   DataLoader worker processes (``bg.GraphCollate``); the timed process only binds,
   executes, and runs backward (a fresh loader iterator per round, so the workers'
-  pipeline fill is counted).
+  pipeline fill is counted; no schedule cache, as rounds repeat the same batches).
 
 Before timing, every variant's loss on the same batch must match eager's to 1e-5
 (relative). Timing alternates the variants in rounds (the machine is shared and noisy)
@@ -83,7 +83,10 @@ class BatchFeed:
     def __init__(self, model: TreeLSTMClassifier, pool: list[Tree], workers: int) -> None:
         self.pool = pool
         self.batches: list[list[int]] = []
-        collate = bg.GraphCollate(model, "logits")
+        # Every round runs the same batches again; with the schedule cache on, the
+        # worker would reuse their schedules from the second round on, which a shuffled
+        # epoch of real training never does. (benchmarks/workers.py measures the cache.)
+        collate = bg.GraphCollate(model, "logits", cache=False)
         self.loader = bg.graph_loader(pool, collate, self, num_workers=workers,
                                       persistent_workers=True, timeout=120)
         self.binder = bg.Binder(model)
