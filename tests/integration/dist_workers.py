@@ -339,3 +339,33 @@ def job_message_signatures(rank: int, world: int) -> list[int]:
         comm.wait_sends()
     comm.close()
     return wrong
+
+
+def job_reused_send_buffer(rank: int, world: int) -> list[int]:
+    """Rank 0 sends one small key every step; its one-transfer buffer is reused only once
+    the last send from it was waited. Steps 3 and 4 skip ``wait_sends``, so their sends
+    must each get a buffer of their own; rank 1 returns the steps whose message differed
+    from what was sent (none expected)."""
+    from batchgraph.pipeline.comm import MessageKey, MessageKind
+    from batchgraph.pipeline.dist_comm import DistCommunicator
+
+    comm = DistCommunicator({0: 0, 1: 1}.__getitem__, default_timeout=20.0)
+    key = MessageKey(MessageKind.ACTIVATION, 0, 1, 0)
+    wrong: list[int] = []
+    for step in range(1, 7):
+        comm.begin_step(step, 2)
+        want = (torch.full((3, 5), float(step)), torch.arange(4) * step)
+        if rank == 0:
+            comm.send(key, want)
+            if step == 4:
+                # Overwrite the sent tensors: the message must already hold its own copy.
+                want[0].fill_(-1.0)
+        else:
+            got = comm.recv(key)
+            expect = (torch.full((3, 5), float(step)), torch.arange(4) * step)
+            if not all(torch.equal(a, b) for a, b in zip(got, expect)):
+                wrong.append(step)
+        if step not in (3, 4):
+            comm.wait_sends()
+    comm.close()
+    return wrong

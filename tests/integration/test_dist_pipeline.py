@@ -122,3 +122,10 @@ def test_messages_survive_signature_changes_between_steps() -> None:
     launch = W.launch(W.job_message_signatures, world=2, limit=60)
     assert launch.ok(0) == []
     assert launch.ok(1) == []
+
+
+def test_a_send_buffer_is_reused_only_after_its_send_was_waited() -> None:
+    """A key's one-transfer buffer, reused step after step, never overwritten in flight."""
+    launch = W.launch(W.job_reused_send_buffer, world=2, limit=60)
+    assert launch.ok(0) == []
+    assert launch.ok(1) == []
