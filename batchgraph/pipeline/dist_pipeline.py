@@ -163,6 +163,10 @@ class DistributedPipeline:
         )
         self.groups.create_data_groups()
         self.loss = loss_fn if isinstance(loss_fn, Loss) or loss_fn is None else Loss(loss_fn)
+        # A Loss that computes its own gradient keeps its separate pass (see _loss).
+        self._fused_loss = (
+            self.loss is not None and type(self.loss).compute_gradient is Loss.compute_gradient
+        )
         backend = self.groups.backend
         if device is None:
             device = "cpu" if backend != "nccl" else f"cuda:{torch.cuda.current_device()}"
@@ -397,16 +401,36 @@ class DistributedPipeline:
         tgs: list[tuple[Tensor, ...]],
         total_n: int,
     ) -> tuple[Tensor, float]:
-        """Microbatch ``mb``'s loss (detached) and weight; sends dL/d(outputs) to ``stage``."""
+        """Microbatch ``mb``'s loss (detached) and weight; sends the gradient that starts
+        the backward of ``stage`` (the last) for it.
+
+        With the default :meth:`Loss.compute_gradient` and a one-pass backward on the
+        last stage (see :meth:`Stage.attached_outputs`), the loss is computed on the
+        stage's own outputs and the stage's B starts from it, seeded with the weight:
+        the same gradients as computing dL/d(outputs) on detached copies and
+        backpropagating those, with one autograd pass fewer per microbatch on the
+        pipeline's busiest rank (1F1B's critical path). Otherwise (a split backward, or
+        a ``Loss`` that overrides ``compute_gradient``) it sends dL/d(outputs).
+        """
         assert self.loss is not None
+        last = self.stages[stage]
+        attached = last.attached_outputs(mb) if self._fused_loss else None
         try:
-            leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
-            out = leaves[0] if len(leaves) == 1 else leaves
             tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
-            with torch.enable_grad():
-                value = self.loss.compute_loss(out, tgt)
-                weight = self.loss.weight(leaves[0].shape[0], total_n)
-                grads = self.loss.compute_gradient(value, out, weight=weight)
+            weight = self.loss.weight(outs[0].shape[0], total_n)
+            if attached is not None:
+                with torch.enable_grad():
+                    value = self.loss.compute_loss(
+                        attached[0] if len(attached) == 1 else attached, tgt
+                    )
+                last.start_backward_at(mb, (value,))
+                grads: tuple[Tensor | None, ...] = (torch.full_like(value, weight),)
+            else:
+                leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
+                out = leaves[0] if len(leaves) == 1 else leaves
+                with torch.enable_grad():
+                    value = self.loss.compute_loss(out, tgt)
+                    grads = self.loss.compute_gradient(value, out, weight=weight)
         except Exception as exc:
             raise StageError(
                 f"the loss failed on microbatch {mb} (after stage {stage}): "
