@@ -199,6 +199,27 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
             x9, y9 = batch(9)
             pipe.train_step(x9 if rank == 0 else None, y9 if rank == world - 1 else None)
             out[name]["error_new_shapes"] = _grad_error(pipe.stages, reference_grads(stages, 9))
+    # A Loss that computes its own gradient: the last stage keeps the separate pass for
+    # dL/d(outputs) (the default Loss's backward starts from the loss itself).
+    from batchgraph.pipeline import Loss
+
+    class OwnGradient(Loss):
+        def compute_gradient(
+            self, loss: torch.Tensor, output: Any, *, weight: float = 1.0
+        ) -> tuple[torch.Tensor | None, ...]:
+            return super().compute_gradient(loss, output, weight=weight)
+
+    for loss_fn in (nn.MSELoss(), OwnGradient(nn.MSELoss())):
+        with DistributedPipeline(
+            factories(world), stages=world, microbatches=4, schedule="1f1b",
+            loss_fn=loss_fn, timeout=20,
+        ) as pipe:  # fmt: skip
+            loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
+            out["fused" if isinstance(loss_fn, nn.Module) else "own_gradient"] = {
+                "error": _grad_error(pipe.stages, reference_grads(world)),
+                "loss": None if loss is None else float(loss),
+                "fused": pipe._fused_loss,
+            }
     # The façade, with real modules on every rank (each uses only its own).
     mods = [make_stage(s, world) for s in range(world)]
     with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(),
