@@ -31,6 +31,11 @@ implementation), one intra-op thread per rank:
     simulator is run once more with those costs: the "alone" ratio is what is left for
     the runtime itself (the stage's own autograd bookkeeping runs slower right after a
     sleep, by more than a millisecond per action with four processes on two cores).
+    Last, "replay": the simulator with each action's duration as measured inside the
+    pipeline (from the gathered timelines) and the same transfer cost, median over the
+    timed steps; measured / replay near 1 says the makespan is what the actions and the
+    hops explain, and the gap to "alone" is in the actions themselves (each one's send
+    call and receive handling run inside it).
 
 Schedules compared: ``gpipe`` vs ``ScheduleGPipe``, ``1f1b`` vs ``Schedule1F1B``, and
 ``zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB-H1 case).
@@ -73,6 +78,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from pipeline import VirtualStage, _machine, _stage_alone  # noqa: E402  (benchmarks/pipeline.py)
 
 from batchgraph.pipeline import ActionCosts, DistributedPipeline, make_schedule, simulate  # noqa: E402
+from batchgraph.pipeline.timing import run_engine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_vs_torch.json"
 SCHEDULES = {
@@ -144,9 +150,9 @@ def _steppers(job: dict[str, Any], rank: int, world: int) -> dict[str, tuple[Any
             timeout=120,
         )  # fmt: skip
 
-        def ours() -> float | None:
+        def ours() -> tuple[float, list[Any]] | None:
             pipe.train_step(x if first else None, y if last else None)
-            return pipe.stats.makespan if rank == 0 else None
+            return (pipe.stats.makespan, pipe.timeline) if rank == 0 else None
 
         out["batchgraph"] = (ours, mine)
     if "torch" in job["impls"]:
@@ -244,6 +250,16 @@ def gloo_idle_one_way(
     return statistics.mean(pairs) if pairs else 0.0
 
 
+def _replay(job: dict[str, Any], world: int, timeline: list[Any], transfer: float) -> float:
+    """The simulator's makespan with each action's duration as measured in the pipeline
+    (``timeline``) and ``transfer`` per hop: what is left between it and the measured
+    makespan is the runtime's coordination beyond its actions and the hops (waits that
+    the dependencies do not explain); the actions' own inflation is taken out."""
+    plan = make_schedule(job["schedule"], stages=world, microbatches=job["m"])
+    durations = {e.action: e.end - e.start for e in timeline}
+    return run_engine(plan, durations.__getitem__, lambda producer, consumer: transfer).makespan
+
+
 def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) -> None:
     """Run ``job``: time the implementations step by step in turn (so the machine's load
     hits both alike), or, with one implementation, measure its peak memory."""
@@ -264,6 +280,7 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
         steppers = _steppers(job, rank, world)
         times: dict[str, list[float]] = {k: [] for k in steppers}
         makespans: list[float] = []
+        timelines: list[list[Any]] = []
         base = _rss_mib()
         for i in range(job["warmup"] + job["repeat"]):
             if i == job["warmup"]:
@@ -273,16 +290,22 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
                     p.grad = None
                 dist.barrier()
                 start = time.perf_counter()
-                makespan = step()
+                measured = step()
                 dist.barrier()
                 if i >= job["warmup"]:
                     times[name].append(time.perf_counter() - start)
-                    if makespan is not None:
-                        makespans.append(makespan)
+                    if measured is not None:
+                        makespans.append(measured[0])
+                        timelines.append(measured[1])
         result = {
             "step_s": {k: statistics.median(v) for k, v in times.items()},
             "peak_mib": max(0.0, _peak_mib() - base),
             "makespan_s": statistics.median(makespans) if makespans else None,
+            "replayed_makespan_s": (
+                statistics.median(_replay(job, world, tl, transfer) for tl in timelines)
+                if timelines and transfer is not None
+                else None
+            ),
             "transfer_s": transfer,
             "transfer_pingpong_s": pingpong,
             "stage_alone_s": alone,
@@ -389,6 +412,9 @@ def run_case(
             row["makespan_vs_sim_pingpong"] = measured / sim_pingpong
             row["simulated_makespan_s"] = sim
             row["makespan_vs_sim"] = measured / sim
+            replayed = timed[0]["replayed_makespan_s"]
+            row["replayed_makespan_s"] = replayed
+            row["makespan_vs_replay"] = measured / replayed
         rows.append(row)
         print(_format(row), flush=True)
     return rows
@@ -413,6 +439,8 @@ def _format(row: dict[str, Any]) -> str:
             f"{row['makespan_vs_sim_pingpong']:.3f}; sim without transfer "
             f"{row['simulated_makespan_no_transfer_s'] * 1e3:.1f} ms); vs alone "
             f"{row['simulated_makespan_stage_alone_s'] * 1e3:.1f} ms = {row['makespan_vs_alone']:.3f}"
+            f"; vs replay {row['replayed_makespan_s'] * 1e3:.1f} ms = "
+            f"{row['makespan_vs_replay']:.3f}"
         )
     return f"{row['case']:>7} {row['schedule']:>6} {cell('batchgraph')} {cell('torch')} {ratio:>6}{sim}"
 
