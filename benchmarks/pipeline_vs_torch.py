@@ -16,15 +16,26 @@ implementation), one intra-op thread per rank:
     over all ranks, from the timelines gathered to rank 0) is compared with
     ``simulate()``'s for the same costs. Across processes a message costs real time, so
     the simulator is given a transfer cost measured here, independently of either
-    implementation: before the timed steps each pair of neighbouring ranks plays
-    ping-pong with one microbatch's activation tensor over plain gloo ``send``/``recv``
-    (30 round trips after 5 warm-up ones); the median round trip over two, averaged over
-    the pairs, is the one-way transfer cost (printed, and stored as ``transfer_s``).
+    implementation, with plain gloo ``send``/``recv`` of one microbatch's activation
+    tensor between each pair of neighbouring ranks, both ways: the one-way time into a
+    receiver that has been blocked in its receive for one action's time, as a pipeline
+    hop's receiver is (the sender sleeps ``unit``, then sends; one host, one clock, so
+    the receiver's clock reading minus the sender's is the one-way time itself: the
+    sender's call, the wire and the receiver's wake-up), median of 20, averaged over
+    pairs and directions (printed, and stored as ``transfer_s``). A ping-pong between
+    two busy processes (half the median round trip of 30, ``transfer_pingpong_s``)
+    misses the receiver's wake-up and is several times shorter on a small VM; the ratio
+    with it is printed too.
     Then every rank times its virtual stage alone, at the same time as the others (F, B,
     I, W after idle gaps; ``_stage_alone`` in ``benchmarks/pipeline.py``), and the
     simulator is run once more with those costs: the "alone" ratio is what is left for
     the runtime itself (the stage's own autograd bookkeeping runs slower right after a
     sleep, by more than a millisecond per action with four processes on two cores).
+    Last, "replay": the simulator with each action's duration as measured inside the
+    pipeline (from the gathered timelines) and the same transfer cost, median over the
+    timed steps; measured / replay near 1 says the makespan is what the actions and the
+    hops explain, and the gap to "alone" is in the actions themselves (each one's send
+    call and receive handling run inside it).
 
 Schedules compared: ``gpipe`` vs ``ScheduleGPipe``, ``1f1b`` vs ``Schedule1F1B``, and
 ``zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB-H1 case).
@@ -67,6 +78,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from pipeline import VirtualStage, _machine, _stage_alone  # noqa: E402  (benchmarks/pipeline.py)
 
 from batchgraph.pipeline import ActionCosts, DistributedPipeline, make_schedule, simulate  # noqa: E402
+from batchgraph.pipeline.timing import run_engine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_vs_torch.json"
 SCHEDULES = {
@@ -138,9 +150,9 @@ def _steppers(job: dict[str, Any], rank: int, world: int) -> dict[str, tuple[Any
             timeout=120,
         )  # fmt: skip
 
-        def ours() -> float | None:
+        def ours() -> tuple[float, list[Any]] | None:
             pipe.train_step(x if first else None, y if last else None)
-            return pipe.stats.makespan if rank == 0 else None
+            return (pipe.stats.makespan, pipe.timeline) if rank == 0 else None
 
         out["batchgraph"] = (ours, mine)
     if "torch" in job["impls"]:
@@ -193,6 +205,61 @@ def gloo_one_way(sample: torch.Tensor, rank: int, world: int, rounds: int = 30) 
     return statistics.mean(pairs) if pairs else 0.0
 
 
+def gloo_idle_one_way(
+    sample: torch.Tensor, rank: int, world: int, idle: float, rounds: int = 20
+) -> float:
+    """Mean over neighbouring rank pairs and both directions of the one-way gloo latency of
+    ``sample`` into a receiver that has been waiting ``idle`` seconds (seconds).
+
+    The regime of a pipeline hop: the receiver sits in a blocking receive while its
+    neighbour computes, then the message has to wake it. The sender sleeps ``idle``,
+    reads the clock, sends ``sample`` with plain ``dist.send``, then sends that reading;
+    the receiver reads the clock when its ``dist.recv`` returns. All ranks run on one
+    host, so both readings come from the same monotonic clock and the difference is the
+    one-way time itself (sender's call, wire, receiver's wake-up), not half a round trip
+    between two busy processes. Median of ``rounds`` after 3 warm-up ones per pair and
+    direction; one pair at a time (the others wait at a barrier); a collective.
+    """
+    buf = torch.empty_like(sample)
+    stamp = torch.zeros(1, dtype=torch.float64)
+    mine: list[float] = []
+    for a in range(world - 1):
+        for src, dst in ((a, a + 1), (a + 1, a)):
+            dist.barrier()
+            if rank not in (src, dst):
+                continue
+            lat = []
+            for i in range(rounds + 3):
+                if rank == src:
+                    time.sleep(idle)
+                    stamp[0] = time.perf_counter()
+                    dist.send(sample, dst)
+                    dist.send(stamp, dst)
+                else:
+                    dist.recv(buf, src)
+                    arrived = time.perf_counter()
+                    dist.recv(stamp, src)
+                    if i >= 3:
+                        lat.append(arrived - float(stamp[0]))
+            if rank == dst:
+                mine.append(statistics.median(lat))
+    dist.barrier()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    pairs = [v for part in gathered for v in part]
+    return statistics.mean(pairs) if pairs else 0.0
+
+
+def _replay(job: dict[str, Any], world: int, timeline: list[Any], transfer: float) -> float:
+    """The simulator's makespan with each action's duration as measured in the pipeline
+    (``timeline``) and ``transfer`` per hop: what is left between it and the measured
+    makespan is the runtime's coordination beyond its actions and the hops (waits that
+    the dependencies do not explain); the actions' own inflation is taken out."""
+    plan = make_schedule(job["schedule"], stages=world, microbatches=job["m"])
+    durations = {e.action: e.end - e.start for e in timeline}
+    return run_engine(plan, durations.__getitem__, lambda producer, consumer: transfer).makespan
+
+
 def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) -> None:
     """Run ``job``: time the implementations step by step in turn (so the machine's load
     hits both alike), or, with one implementation, measure its peak memory."""
@@ -200,10 +267,12 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        transfer, alone = None, None
+        transfer, pingpong, alone = None, None, None
         if job["case"] == "virtual" and "torch" in job["impls"]:
             _, x, _ = case_setup(job["case"], rank, world, job["unit"])
-            transfer = gloo_one_way(torch.tensor_split(x, job["m"])[0].contiguous(), rank, world)
+            sample = torch.tensor_split(x, job["m"])[0].contiguous()
+            pingpong = gloo_one_way(sample, rank, world)
+            transfer = gloo_idle_one_way(sample, rank, world, job["unit"])
             dist.barrier()
             per_rank: list[Any] = [None] * world
             dist.all_gather_object(per_rank, _stage_alone(job["unit"]))
@@ -211,6 +280,7 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
         steppers = _steppers(job, rank, world)
         times: dict[str, list[float]] = {k: [] for k in steppers}
         makespans: list[float] = []
+        timelines: list[list[Any]] = []
         base = _rss_mib()
         for i in range(job["warmup"] + job["repeat"]):
             if i == job["warmup"]:
@@ -220,17 +290,24 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) ->
                     p.grad = None
                 dist.barrier()
                 start = time.perf_counter()
-                makespan = step()
+                measured = step()
                 dist.barrier()
                 if i >= job["warmup"]:
                     times[name].append(time.perf_counter() - start)
-                    if makespan is not None:
-                        makespans.append(makespan)
+                    if measured is not None:
+                        makespans.append(measured[0])
+                        timelines.append(measured[1])
         result = {
             "step_s": {k: statistics.median(v) for k, v in times.items()},
             "peak_mib": max(0.0, _peak_mib() - base),
             "makespan_s": statistics.median(makespans) if makespans else None,
+            "replayed_makespan_s": (
+                statistics.median(_replay(job, world, tl, transfer) for tl in timelines)
+                if timelines and transfer is not None
+                else None
+            ),
             "transfer_s": transfer,
+            "transfer_pingpong_s": pingpong,
             "stage_alone_s": alone,
         }
         dist.destroy_process_group()
@@ -310,6 +387,8 @@ def run_case(
             )
             sim_free = simulate(plan, costs).makespan
             sim = simulate(plan, replace(costs, transfer=transfer)).makespan
+            pingpong = timed[0]["transfer_pingpong_s"]
+            sim_pingpong = simulate(plan, replace(costs, transfer=pingpong)).makespan
             alone = timed[0]["stage_alone_s"]
             sim_alone = simulate(
                 plan,
@@ -327,9 +406,15 @@ def run_case(
             measured = timed[0]["makespan_s"]
             row["batchgraph"]["makespan_s"] = measured
             row["transfer_s"] = transfer
+            row["transfer_pingpong_s"] = pingpong
             row["simulated_makespan_no_transfer_s"] = sim_free
+            row["simulated_makespan_pingpong_s"] = sim_pingpong
+            row["makespan_vs_sim_pingpong"] = measured / sim_pingpong
             row["simulated_makespan_s"] = sim
             row["makespan_vs_sim"] = measured / sim
+            replayed = timed[0]["replayed_makespan_s"]
+            row["replayed_makespan_s"] = replayed
+            row["makespan_vs_replay"] = measured / replayed
         rows.append(row)
         print(_format(row), flush=True)
     return rows
@@ -349,9 +434,13 @@ def _format(row: dict[str, Any]) -> str:
         sim = (
             f"  makespan {row['batchgraph']['makespan_s'] * 1e3:.1f} / sim "
             f"{row['simulated_makespan_s'] * 1e3:.1f} ms = {row['makespan_vs_sim']:.3f} "
-            f"(transfer {row['transfer_s'] * 1e3:.3f} ms, gloo ping-pong; sim without it "
+            f"(transfer {row['transfer_s'] * 1e3:.3f} ms, gloo one-way into an idle rank; "
+            f"with the ping-pong's {row['transfer_pingpong_s'] * 1e3:.3f} ms: "
+            f"{row['makespan_vs_sim_pingpong']:.3f}; sim without transfer "
             f"{row['simulated_makespan_no_transfer_s'] * 1e3:.1f} ms); vs alone "
             f"{row['simulated_makespan_stage_alone_s'] * 1e3:.1f} ms = {row['makespan_vs_alone']:.3f}"
+            f"; vs replay {row['replayed_makespan_s'] * 1e3:.1f} ms = "
+            f"{row['makespan_vs_replay']:.3f}"
         )
     return f"{row['case']:>7} {row['schedule']:>6} {cell('batchgraph')} {cell('torch')} {ratio:>6}{sim}"
 

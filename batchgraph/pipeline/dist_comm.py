@@ -16,7 +16,9 @@ checks that the header names the message it expected (a mismatch raises instead 
 mixing microbatches up). Both ends then remember the key's signature (dtypes and
 shapes), so in later steps the receiver posts the buffers ahead: with gloo, a message of
 up to 256 KiB travels as *one* transfer, the header followed by the tensors in one buffer
-(the receiver checks the header and takes the tensors as views); a larger one, or any on
+(the receiver checks the header and takes the tensors as views; the sender copies the
+tensors into that key's buffer, allocated once with the header written in, and reused
+every step once its last send has been waited); a larger one, or any on
 NCCL, as the header plus one transfer per tensor into the buffers posted ahead. If the
 signature changed, the sender fills what the receiver posted for the old one (carrying
 the new header) and sends the tensors again under fresh tags, sized by that header.
@@ -89,7 +91,8 @@ _ALIGN = 64
 @functools.lru_cache(maxsize=256)
 def _layout(sig: Signature) -> tuple[tuple[tuple[int, int] | None, ...], int]:
     """Where each tensor of ``sig`` sits in a one-transfer message: (byte offset, bytes),
-    after the header, each aligned to 64 bytes; and the message's total size in bytes."""
+    after the header, each aligned to 64 bytes; and the message's total size in bytes,
+    rounded up to 64 too, so the whole buffer can be viewed as any of its dtypes."""
     spots: list[tuple[int, int] | None] = []
     offset = _HEADER_BYTES
     for spec in sig:
@@ -101,18 +104,85 @@ def _layout(sig: Signature) -> tuple[tuple[tuple[int, int] | None, ...], int]:
         size = math.prod(shape) * dtype.itemsize
         spots.append((offset, size))
         offset += size
-    return tuple(spots), offset
+    return tuple(spots), -(-offset // _ALIGN) * _ALIGN
 
 
-def _unpack(buf: Tensor, sig: Signature) -> Payload:
-    """The tensors of a one-transfer message: views into ``buf`` (no copy)."""
-    out: list[Tensor | None] = []
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=256)
+def _views(
+    sig: Signature,
+) -> tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None, ...]:
+    """Per tensor of ``sig``: (dtype, shape, strides, offset in elements of that dtype)
+    in a one-transfer buffer, so each view is one ``as_strided`` of the buffer viewed
+    as its dtype (offsets are 64-byte aligned, hence whole elements)."""
+    out: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None] = []
     for spot, spec in zip(_layout(sig)[0], sig):
         if spot is None or spec is None:
             out.append(None)
         else:
-            out.append(buf[spot[0] : spot[0] + spot[1]].view(spec[0]).view(spec[1]))
+            dtype, shape = spec
+            out.append((dtype, shape, _contiguous_strides(shape), spot[0] // dtype.itemsize))
     return tuple(out)
+
+
+def _unpack(buf: Tensor, sig: Signature) -> Payload:
+    """The tensors of a one-transfer message: views into ``buf`` (no copy)."""
+    return tuple(
+        None if v is None else torch.as_strided(buf.view(v[0]), v[1], v[2], v[3])
+        for v in _views(sig)
+    )
+
+
+class _Packed:
+    """A key's one-transfer send buffer for its known signature, reused step after step.
+
+    The header is written once and the padding stays zero; a send copies each tensor
+    into its slot (one copy per tensor, no concatenation). The buffer is reused only
+    once the send that last used it has been waited (:meth:`Communicator.wait_sends` at
+    the end of every step), so gloo never reads a buffer being overwritten; while it is
+    still in flight a new one is allocated.
+    """
+
+    __slots__ = ("buf", "peer", "sig", "slots", "work")
+
+    def __init__(self, header: Tensor, sig: Signature, peer: int, device: torch.device) -> None:
+        self.sig = sig
+        self.peer = peer
+        self.buf = torch.zeros(_layout(sig)[1], dtype=torch.uint8, device=device)
+        self.buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
+        self.slots = _unpack(self.buf, sig)
+        self.work: _SendWork | None = None
+
+    def matches(self, payload: Payload) -> bool:
+        """Whether ``payload`` has exactly this buffer's signature (dtypes and shapes)."""
+        sig = self.sig
+        if len(payload) != len(sig):
+            return False
+        for t, spec in zip(payload, sig):
+            if t is None or spec is None:
+                if (t is None) != (spec is None):
+                    return False
+            elif t.dtype != spec[0] or t.shape != spec[1]:
+                return False
+        return True
+
+    def fill(self, payload: Payload) -> None:
+        """Copy ``payload`` into the slots (it matches)."""
+        for t, slot in zip(payload, self.slots):
+            if t is not None and slot is not None:
+                slot.copy_(t.detach() if t.requires_grad else t)
+
+    @property
+    def free(self) -> bool:
+        """Whether no send in flight still reads the buffer."""
+        return self.work is None or self.work.is_completed()
 
 
 class _SendWork(Work):
@@ -160,8 +230,7 @@ class _RemoteRecv(RecvWork):
         packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
         known = comm._known.get(key)
         if packed and known is not None:
-            expected = comm._header(key, known).view(torch.uint8)
-            if torch.equal(buf[:_HEADER_BYTES], expected):
+            if torch.equal(buf[:_HEADER_BYTES], comm._header_bytes(key, known)):
                 # Exactly the header expected (this message, the known signature): the
                 # tensors are in the same transfer, taken as views.
                 self._payload = _unpack(buf, known)
@@ -258,13 +327,17 @@ class DistCommunicator(Communicator):
         self.device = torch.device(device)
         self.board = board
         self._rank_of_stage = rank_of_stage
+        self._stage_ranks: dict[int, int] = {}
         self._local = ThreadCommunicator(default_timeout)
         self._headers: dict[MessageKey, tuple[Any, Tensor]] = {}
         # Last signature sent or received per key; both ends keep the same table, so
         # both know which buffers the receiver posted ahead.
         self._known: dict[MessageKey, Signature] = {}
         self._header_cache: dict[tuple[MessageKey, Signature], Tensor] = {}
+        self._header_byte_cache: dict[MessageKey, tuple[Signature, Tensor]] = {}
         self._ahead: dict[MessageKey, list[tuple[Any, Tensor] | None]] = {}
+        # Per key, the send buffer of its known one-transfer signature (see _Packed).
+        self._packed: dict[MessageKey, _Packed] = {}
         self._error: BaseException | None = None
         self._closed = False
         self._parity = 0
@@ -276,8 +349,14 @@ class DistCommunicator(Communicator):
         """The other end's rank (this rank for the coordinator and same-rank stages)."""
         if key.src == COORDINATOR or key.dst == COORDINATOR:
             return self.rank
-        src = self._rank_of_stage(key.src)
-        return self._rank_of_stage(key.dst) if src == self.rank else src
+        src = self._rank_of(key.src)
+        return self._rank_of(key.dst) if src == self.rank else src
+
+    def _rank_of(self, stage: int) -> int:
+        rank = self._stage_ranks.get(stage)
+        if rank is None:
+            rank = self._stage_ranks[stage] = self._rank_of_stage(stage)
+        return rank
 
     def _tag(self, key: MessageKey, part: int) -> int:
         # Unique among the messages in flight between two ranks: (step parity, kind,
@@ -302,6 +381,12 @@ class DistCommunicator(Communicator):
 
     def isend(self, key: MessageKey, payload: Payload) -> Work:
         self._check()
+        packed = self._packed.get(key)
+        if packed is not None and packed.free and packed.matches(payload):
+            # The steady state (gloo, small, same signature as last time): one copy per
+            # tensor into the key's buffer, one transfer.
+            packed.fill(payload)
+            return self._send_packed(key, packed)
         peer = self._peer(key)
         if peer == self.rank:
             return self._local.isend(key, payload)
@@ -318,20 +403,13 @@ class DistCommunicator(Communicator):
             # The receiver posted one buffer for header and tensors of the known signature:
             # one transfer, the tensors after the header. If the signature changed, that
             # buffer carries the new header and the tensors follow under fresh tags.
-            spots, total = _layout(known)
             if sig == known:
-                parts = [header.view(torch.uint8)]
-                pos = _HEADER_BYTES
-                for t, spot in zip(tensors, spots):
-                    if t is None or spot is None:
-                        continue
-                    if spot[0] > pos:
-                        parts.append(torch.zeros(spot[0] - pos, dtype=torch.uint8, device=device))
-                    parts.append(t.reshape(-1).view(torch.uint8))
-                    pos = spot[0] + spot[1]
-                buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-                return _SendWork(self, key, peer, [self._post_send(buf, key, peer, 0)], [buf])
-            buf = torch.empty(total, dtype=torch.uint8, device=device)
+                packed = _Packed(header, sig, peer, device)
+                self._packed[key] = packed
+                packed.fill(tuple(tensors))
+                return self._send_packed(key, packed)
+            self._packed.pop(key, None)
+            buf = torch.empty(_layout(known)[1], dtype=torch.uint8, device=device)
             buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
             buffers: list[Tensor] = [buf]
             works = [self._post_send(buf, key, peer, 0)]
@@ -357,6 +435,13 @@ class DistCommunicator(Communicator):
                 works.append(self._post_send(t, key, peer, part + fresh))
         return _SendWork(self, key, peer, works, buffers)
 
+    def _send_packed(self, key: MessageKey, packed: _Packed) -> _SendWork:
+        work = _SendWork(
+            self, key, packed.peer, [self._post_send(packed.buf, key, packed.peer, 0)], [packed.buf]
+        )
+        packed.work = work
+        return work
+
     def _header(self, key: MessageKey, sig: Signature) -> Tensor:
         """The header of ``key`` with ``sig`` (the same every step: encoded once, never
         written to, so sends in flight can share it)."""
@@ -364,6 +449,13 @@ class DistCommunicator(Communicator):
         if header is None:
             header = self._header_cache[(key, sig)] = encode_signature(key, sig)
         return header
+
+    def _header_bytes(self, key: MessageKey, sig: Signature) -> Tensor:
+        """:meth:`_header` as bytes, what a one-transfer message starts with."""
+        found = self._header_byte_cache.get(key)
+        if found is None or found[0] != sig:
+            found = self._header_byte_cache[key] = (sig, self._header(key, sig).view(torch.uint8))
+        return found[1]
 
     def _packs(self, sig: Signature) -> bool:
         """Whether a message of ``sig`` travels as one transfer (both ends decide alike)."""
@@ -444,6 +536,15 @@ class DistCommunicator(Communicator):
         except RuntimeError as exc:
             raise self._explain(exc, key, peer, None, "receive of") from exc
 
+    def recv(self, key: MessageKey, timeout: float | None = None) -> Payload:
+        """Blocking receive of ``key`` (no handle object for a message from this rank)."""
+        self._check()
+        peer = self._peer(key)
+        seconds = timeout if timeout is not None else self.default_timeout
+        if peer == self.rank:
+            return self._local.recv(key, seconds)
+        return _RemoteRecv(self, key, peer).value(seconds)
+
     def irecv(self, key: MessageKey) -> RecvWork:
         self._check()
         peer = self._peer(key)
@@ -517,5 +618,6 @@ class DistCommunicator(Communicator):
         self._local.close()
         self._headers.clear()
         self._ahead.clear()
+        self._packed.clear()
         with self._inflight_lock:
             self._inflight.clear()

@@ -23,7 +23,6 @@ gradient of a mean (or sum) loss.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
-from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind
+from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
@@ -164,6 +163,10 @@ class DistributedPipeline:
         )
         self.groups.create_data_groups()
         self.loss = loss_fn if isinstance(loss_fn, Loss) or loss_fn is None else Loss(loss_fn)
+        # A Loss that computes its own gradient keeps its separate pass (see _loss).
+        self._fused_loss = (
+            self.loss is not None and type(self.loss).compute_gradient is Loss.compute_gradient
+        )
         backend = self.groups.backend
         if device is None:
             device = "cpu" if backend != "nccl" else f"cuda:{torch.cuda.current_device()}"
@@ -332,7 +335,7 @@ class DistributedPipeline:
     def _run(
         self, inputs: Batch | None, targets: Batch | None, *, train: bool
     ) -> tuple[Any, list[tuple[float, float]]]:
-        m, last = self.schedule.microbatches, self.schedule.stages - 1
+        m = self.schedule.microbatches
         steps = self._steps(train)
         if self._has_first:
             if inputs is None:
@@ -351,55 +354,91 @@ class DistributedPipeline:
             tgs = split_microbatches(targets, m)
             total_n = self._global_batch(batch_size(targets))
         losses: list[Tensor] = []
+        weights: list[float] = []
         outputs: dict[int, tuple[Tensor, ...]] = {}
+
+        def take_output(key: MessageKey, payload: Payload) -> None:
+            # The last stage's send of its output: the loss and its gradient run right
+            # here, inside that send (no mailbox, no second lookup), so the gradient is
+            # waiting when the stage's B asks for it.
+            outs = tuple(t for t in payload if t is not None)
+            if train:
+                value, weight = self._loss(key.src, key.microbatch, outs, tgs, total_n)
+                losses.append(value)
+                weights.append(weight)
+            else:
+                outputs[key.microbatch] = outs
+
         events: list[tuple[float, float]] = []
         # Receives are posted a few actions ahead, each once: a posted buffer holds memory
         # until its message lands, and posting costs tens of microseconds that the step's
         # first action would otherwise wait for.
         comm = self.comm
-        comm.prefetch(steps.first, payload=True)
-        with torch.set_grad_enabled(train):
-            for stage, action, recv_key, send_key, keys in steps.actions:
-                if keys:
-                    comm.prefetch(keys, payload=True)
-                start, end = stage.run_keyed(action, recv_key, send_key, comm, train)
-                if action.stage == last and action.kind is ActionKind.FORWARD:
-                    out = self.comm.recv(MessageKey(_ACT, last, COORDINATOR, action.microbatch))
-                    outs = tuple(t for t in out if t is not None)
-                    if train:
-                        losses.append(self._loss(action, outs, tgs, total_n))
-                    else:
-                        outputs[action.microbatch] = outs
-                    end = time.perf_counter()
-                events.append((start, end))
-        self.comm.wait_sends()
+        if self._has_last:
+            comm.set_handler(COORDINATOR, take_output)
+        try:
+            comm.prefetch(steps.first, payload=True)
+            with torch.set_grad_enabled(train):
+                for stage, action, recv_key, send_key, keys in steps.actions:
+                    if keys:
+                        comm.prefetch(keys, payload=True)
+                    events.append(stage.run_keyed(action, recv_key, send_key, comm, train))
+        finally:
+            comm.set_handler(COORDINATOR, None)
+        comm.wait_sends()
         if not self._has_last:
             return None, events
         if train:
-            return torch.stack(losses).sum(), events
+            # Weighted after the step, off the critical path.
+            return torch.stack([v * w for v, w in zip(losses, weights)]).sum(), events
         return merge_microbatches([outputs[i] for i in range(m)]), events
 
     def _loss(
-        self, action: Action, outs: tuple[Tensor, ...], tgs: list[tuple[Tensor, ...]], total_n: int
-    ) -> Tensor:
+        self,
+        stage: int,
+        mb: int,
+        outs: tuple[Tensor, ...],
+        tgs: list[tuple[Tensor, ...]],
+        total_n: int,
+    ) -> tuple[Tensor, float]:
+        """Microbatch ``mb``'s loss (detached) and weight; sends the gradient that starts
+        the backward of ``stage`` (the last) for it.
+
+        With the default :meth:`Loss.compute_gradient` and a one-pass backward on the
+        last stage (see :meth:`Stage.attached_outputs`), the loss is computed on the
+        stage's own outputs and the stage's B starts from it, seeded with the weight:
+        the same gradients as computing dL/d(outputs) on detached copies and
+        backpropagating those, with one autograd pass fewer per microbatch on the
+        pipeline's busiest rank (1F1B's critical path). Otherwise (a split backward, or
+        a ``Loss`` that overrides ``compute_gradient``) it sends dL/d(outputs).
+        """
         assert self.loss is not None
-        mb = action.microbatch
+        last = self.stages[stage]
+        attached = last.attached_outputs(mb) if self._fused_loss else None
         try:
-            leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
-            out = leaves[0] if len(leaves) == 1 else leaves
             tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
-            with torch.enable_grad():
-                value = self.loss.compute_loss(out, tgt)
-                weight = self.loss.weight(leaves[0].shape[0], total_n)
-                grads = self.loss.compute_gradient(value, out, weight=weight)
+            weight = self.loss.weight(outs[0].shape[0], total_n)
+            if attached is not None:
+                with torch.enable_grad():
+                    value = self.loss.compute_loss(
+                        attached[0] if len(attached) == 1 else attached, tgt
+                    )
+                last.start_backward_at(mb, (value,))
+                grads: tuple[Tensor | None, ...] = (torch.full_like(value, weight),)
+            else:
+                leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
+                out = leaves[0] if len(leaves) == 1 else leaves
+                with torch.enable_grad():
+                    value = self.loss.compute_loss(out, tgt)
+                    grads = self.loss.compute_gradient(value, out, weight=weight)
         except Exception as exc:
             raise StageError(
-                f"the loss failed on microbatch {mb} (after stage {action.stage}): "
+                f"the loss failed on microbatch {mb} (after stage {stage}): "
                 f"{type(exc).__name__}: {exc}",
-                stage=action.stage, action="loss", microbatch=mb,
+                stage=stage, action="loss", microbatch=mb,
             ) from exc  # fmt: skip
-        self.comm.send(MessageKey(_GRAD, COORDINATOR, action.stage, mb), grads)
-        return value.detach() * weight
+        self.comm.send(MessageKey(_GRAD, COORDINATOR, stage, mb), grads)
+        return value.detach(), weight
 
     def _global_batch(self, n: int) -> int:
         # A mean loss divides by the batch of all replicas, so each replica's gradients

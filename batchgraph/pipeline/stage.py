@@ -182,6 +182,26 @@ class Stage:
         self._saved[microbatch] = _Saved(xs, outputs, tape)
         return tuple([o.detach() for o in outputs])
 
+    def attached_outputs(self, microbatch: int) -> tuple[Tensor, ...] | None:
+        """The outputs ``microbatch``'s forward kept, still attached to the stage's graph,
+        when its backward may start from a loss computed on them instead; else ``None``.
+
+        That is when the backward is one autograd pass (no two-stage tape): a loss
+        computed on these outputs and handed to :meth:`start_backward_at` joins that
+        pass, so the last stage needs no separate pass for dL/d(outputs) (a two-stage
+        tape covers the module's own graph only, so a split stage keeps its outputs).
+        """
+        saved = self._saved.get(microbatch)
+        if saved is None or saved.tape is not None:
+            return None
+        return saved.outputs
+
+    def start_backward_at(self, microbatch: int, roots: tuple[Tensor, ...]) -> None:
+        """Run ``microbatch``'s backward from ``roots`` (computed from
+        :meth:`attached_outputs`, e.g. its loss) instead of its outputs: the gradient its
+        ``B`` (or deferred ``W``) then receives has one entry per root."""
+        self._saved[microbatch].outputs = roots
+
     def backward(self, microbatch: int, grad_outputs: Payload) -> Payload:
         """Full backward (``B``): parameter gradients into ``.grad``; returns dL/d(inputs)."""
         saved = self._take(microbatch)

@@ -199,6 +199,27 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
             x9, y9 = batch(9)
             pipe.train_step(x9 if rank == 0 else None, y9 if rank == world - 1 else None)
             out[name]["error_new_shapes"] = _grad_error(pipe.stages, reference_grads(stages, 9))
+    # A Loss that computes its own gradient: the last stage keeps the separate pass for
+    # dL/d(outputs) (the default Loss's backward starts from the loss itself).
+    from batchgraph.pipeline import Loss
+
+    class OwnGradient(Loss):
+        def compute_gradient(
+            self, loss: torch.Tensor, output: Any, *, weight: float = 1.0
+        ) -> tuple[torch.Tensor | None, ...]:
+            return super().compute_gradient(loss, output, weight=weight)
+
+    for loss_fn in (nn.MSELoss(), OwnGradient(nn.MSELoss())):
+        with DistributedPipeline(
+            factories(world), stages=world, microbatches=4, schedule="1f1b",
+            loss_fn=loss_fn, timeout=20,
+        ) as pipe:  # fmt: skip
+            loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
+            out["fused" if isinstance(loss_fn, nn.Module) else "own_gradient"] = {
+                "error": _grad_error(pipe.stages, reference_grads(world)),
+                "loss": None if loss is None else float(loss),
+                "fused": pipe._fused_loss,
+            }
     # The façade, with real modules on every rank (each uses only its own).
     mods = [make_stage(s, world) for s in range(world)]
     with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(),
@@ -337,5 +358,35 @@ def job_message_signatures(rank: int, world: int) -> list[int]:
             if not same:
                 wrong.append(step)
         comm.wait_sends()
+    comm.close()
+    return wrong
+
+
+def job_reused_send_buffer(rank: int, world: int) -> list[int]:
+    """Rank 0 sends one small key every step; its one-transfer buffer is reused only once
+    the last send from it was waited. Steps 3 and 4 skip ``wait_sends``, so their sends
+    must each get a buffer of their own; rank 1 returns the steps whose message differed
+    from what was sent (none expected)."""
+    from batchgraph.pipeline.comm import MessageKey, MessageKind
+    from batchgraph.pipeline.dist_comm import DistCommunicator
+
+    comm = DistCommunicator({0: 0, 1: 1}.__getitem__, default_timeout=20.0)
+    key = MessageKey(MessageKind.ACTIVATION, 0, 1, 0)
+    wrong: list[int] = []
+    for step in range(1, 7):
+        comm.begin_step(step, 2)
+        want = (torch.full((3, 5), float(step)), torch.arange(4) * step)
+        if rank == 0:
+            comm.send(key, want)
+            if step == 4:
+                # Overwrite the sent tensors: the message must already hold its own copy.
+                want[0].fill_(-1.0)
+        else:
+            got = comm.recv(key)
+            expect = (torch.full((3, 5), float(step)), torch.arange(4) * step)
+            if not all(torch.equal(a, b) for a, b in zip(got, expect)):
+                wrong.append(step)
+        if step not in (3, 4):
+            comm.wait_sends()
     comm.close()
     return wrong

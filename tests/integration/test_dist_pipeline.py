@@ -48,6 +48,19 @@ def test_gradients_equal_single_device(two_ranks: W.Launch, schedule: str) -> No
     assert results[0]["devices"] == [0, 1]  # rank 0 gathered both ranks' timelines
 
 
+@pytest.mark.parametrize("variant", ["fused", "own_gradient"])
+def test_last_stage_loss_with_and_without_its_own_gradient_pass(
+    two_ranks: W.Launch, variant: str
+) -> None:
+    """The default loss starts the last stage's backward itself; a Loss that overrides
+    compute_gradient keeps the separate pass; both equal one device."""
+    for r in range(2):
+        res = two_ranks.ok(r)[variant]
+        assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+        assert res["fused"] is (variant == "fused")
+    assert two_ranks.ok(1)[variant]["loss"] == pytest.approx(W.reference_loss(2), abs=TOL)
+
+
 def test_facade_backend_uses_only_own_stage(two_ranks: W.Launch) -> None:
     for r in range(2):
         res = two_ranks.ok(r)["facade"]
@@ -120,5 +133,12 @@ def test_hung_rank_makes_the_others_time_out() -> None:
 def test_messages_survive_signature_changes_between_steps() -> None:
     """One-transfer (small) and header + tensor (large) messages, changing every step."""
     launch = W.launch(W.job_message_signatures, world=2, limit=60)
+    assert launch.ok(0) == []
+    assert launch.ok(1) == []
+
+
+def test_a_send_buffer_is_reused_only_after_its_send_was_waited() -> None:
+    """A key's one-transfer buffer, reused step after step, never overwritten in flight."""
+    launch = W.launch(W.job_reused_send_buffer, world=2, limit=60)
     assert launch.ok(0) == []
     assert launch.ok(1) == []

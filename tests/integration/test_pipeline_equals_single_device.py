@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline
+from batchgraph.pipeline import SCHEDULE_NAMES, Loss, Pipeline
 from tests.pipeline_models import assert_grads_equal, mlp, reference
 
 # (stages p, microbatches m, batch size): single stage, m < p, m = p, m >> p, uneven last.
@@ -181,3 +183,29 @@ def test_weight_tied_across_stages(schedule: str) -> None:
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_loss_that_computes_its_own_gradient(schedule: str) -> None:
+    """A Loss overriding compute_gradient keeps the separate dL/d(outputs) pass on the last
+    stage (the default one starts the stage's backward from the loss); both are exact."""
+    calls: list[int] = []
+
+    class OwnGradient(Loss):
+        def compute_gradient(
+            self, loss: torch.Tensor, output: Any, *, weight: float = 1.0
+        ) -> tuple[torch.Tensor | None, ...]:
+            calls.append(1)
+            return super().compute_gradient(loss, output, weight=weight)
+
+    model = mlp(layers=4)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    want_loss, want_grads = reference(model, x, y, nn.MSELoss())
+    with Pipeline(
+        model, stages=2, microbatches=4, schedule=schedule, loss_fn=OwnGradient(nn.MSELoss())
+    ) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want_grads)
+    assert len(calls) == 4  # once per microbatch
