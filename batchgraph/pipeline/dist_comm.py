@@ -42,8 +42,6 @@ original failure of another rank when one was published on the abort board
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -72,6 +70,13 @@ from batchgraph.pipeline.dist_header import (
     payload_specs,
     signature_of,
 )
+from batchgraph.pipeline.dist_packing import (
+    HEADER_BYTES,
+    PACK_LIMIT,
+    PackedBuffer,
+    layout,
+    unpack,
+)
 from batchgraph.pipeline.errors import (
     PipelineAbortedError,
     PipelineClosedError,
@@ -80,109 +85,6 @@ from batchgraph.pipeline.errors import (
 )
 
 __all__ = ["DistCommunicator"]
-
-_HEADER_BYTES = HEADER_LEN * 8
-#: A message whose header and tensors take at most this many bytes travels as one transfer
-#: (gloo): copying it into one buffer costs far less than a second transfer.
-_PACK_LIMIT = 256 * 1024
-_ALIGN = 64
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(sig: Signature) -> tuple[tuple[tuple[int, int] | None, ...], int]:
-    """Where each tensor of ``sig`` sits in a one-transfer message: (byte offset, bytes),
-    after the header, each aligned to 64 bytes; and the message's total size in bytes,
-    rounded up to 64 too, so the whole buffer can be viewed as any of its dtypes."""
-    spots: list[tuple[int, int] | None] = []
-    offset = _HEADER_BYTES
-    for spec in sig:
-        if spec is None:
-            spots.append(None)
-            continue
-        dtype, shape = spec
-        offset = -(-offset // _ALIGN) * _ALIGN
-        size = math.prod(shape) * dtype.itemsize
-        spots.append((offset, size))
-        offset += size
-    return tuple(spots), -(-offset // _ALIGN) * _ALIGN
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-@functools.lru_cache(maxsize=256)
-def _views(
-    sig: Signature,
-) -> tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None, ...]:
-    """Per tensor of ``sig``: (dtype, shape, strides, offset in elements of that dtype)
-    in a one-transfer buffer, so each view is one ``as_strided`` of the buffer viewed
-    as its dtype (offsets are 64-byte aligned, hence whole elements)."""
-    out: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None] = []
-    for spot, spec in zip(_layout(sig)[0], sig):
-        if spot is None or spec is None:
-            out.append(None)
-        else:
-            dtype, shape = spec
-            out.append((dtype, shape, _contiguous_strides(shape), spot[0] // dtype.itemsize))
-    return tuple(out)
-
-
-def _unpack(buf: Tensor, sig: Signature) -> Payload:
-    """The tensors of a one-transfer message: views into ``buf`` (no copy)."""
-    return tuple(
-        None if v is None else torch.as_strided(buf.view(v[0]), v[1], v[2], v[3])
-        for v in _views(sig)
-    )
-
-
-class _Packed:
-    """A key's one-transfer send buffer for its known signature, reused step after step.
-
-    The header is written once and the padding stays zero; a send copies each tensor
-    into its slot (one copy per tensor, no concatenation). The buffer is reused only
-    once the send that last used it has been waited (:meth:`Communicator.wait_sends` at
-    the end of every step), so gloo never reads a buffer being overwritten; while it is
-    still in flight a new one is allocated.
-    """
-
-    __slots__ = ("buf", "peer", "sig", "slots", "work")
-
-    def __init__(self, header: Tensor, sig: Signature, peer: int, device: torch.device) -> None:
-        self.sig = sig
-        self.peer = peer
-        self.buf = torch.zeros(_layout(sig)[1], dtype=torch.uint8, device=device)
-        self.buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
-        self.slots = _unpack(self.buf, sig)
-        self.work: _SendWork | None = None
-
-    def matches(self, payload: Payload) -> bool:
-        """Whether ``payload`` has exactly this buffer's signature (dtypes and shapes)."""
-        sig = self.sig
-        if len(payload) != len(sig):
-            return False
-        for t, spec in zip(payload, sig):
-            if t is None or spec is None:
-                if (t is None) != (spec is None):
-                    return False
-            elif t.dtype != spec[0] or t.shape != spec[1]:
-                return False
-        return True
-
-    def fill(self, payload: Payload) -> None:
-        """Copy ``payload`` into the slots (it matches)."""
-        for t, slot in zip(payload, self.slots):
-            if t is not None and slot is not None:
-                slot.copy_(t.detach() if t.requires_grad else t)
-
-    @property
-    def free(self) -> bool:
-        """Whether no send in flight still reads the buffer."""
-        return self.work is None or self.work.is_completed()
 
 
 class _SendWork(Work):
@@ -230,12 +132,12 @@ class _RemoteRecv(RecvWork):
         packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
         known = comm._known.get(key)
         if packed and known is not None:
-            if torch.equal(buf[:_HEADER_BYTES], comm._header_bytes(key, known)):
+            if torch.equal(buf[:HEADER_BYTES], comm._header_bytes(key, known)):
                 # Exactly the header expected (this message, the known signature): the
                 # tensors are in the same transfer, taken as views.
-                self._payload = _unpack(buf, known)
+                self._payload = unpack(buf, known)
                 return self._payload
-        got, specs = decode_header(buf[:_HEADER_BYTES].view(torch.int64) if packed else buf)
+        got, specs = decode_header(buf[:HEADER_BYTES].view(torch.int64) if packed else buf)
         if got != key:
             raise PipelineConfigError(
                 f"rank {comm.rank} expected the {key} but rank {peer} sent the {got}: the ranks "
@@ -245,7 +147,7 @@ class _RemoteRecv(RecvWork):
         tensors: list[Tensor | None]
         if packed:
             if sig == known:  # (cannot happen: the same key and signature encode alike)
-                self._payload = _unpack(buf, sig)
+                self._payload = unpack(buf, sig)
                 return self._payload
             # The signature changed: the tensors follow under fresh tags.
         elif known is not None:
@@ -336,8 +238,8 @@ class DistCommunicator(Communicator):
         self._header_cache: dict[tuple[MessageKey, Signature], Tensor] = {}
         self._header_byte_cache: dict[MessageKey, tuple[Signature, Tensor]] = {}
         self._ahead: dict[MessageKey, list[tuple[Any, Tensor] | None]] = {}
-        # Per key, the send buffer of its known one-transfer signature (see _Packed).
-        self._packed: dict[MessageKey, _Packed] = {}
+        # Per key, the send buffer of its known one-transfer signature (see PackedBuffer).
+        self._packed: dict[MessageKey, PackedBuffer] = {}
         self._error: BaseException | None = None
         self._closed = False
         self._parity = 0
@@ -404,13 +306,13 @@ class DistCommunicator(Communicator):
             # one transfer, the tensors after the header. If the signature changed, that
             # buffer carries the new header and the tensors follow under fresh tags.
             if sig == known:
-                packed = _Packed(header, sig, peer, device)
+                packed = PackedBuffer(header, sig, peer, device)
                 self._packed[key] = packed
                 packed.fill(tuple(tensors))
                 return self._send_packed(key, packed)
             self._packed.pop(key, None)
-            buf = torch.empty(_layout(known)[1], dtype=torch.uint8, device=device)
-            buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
+            buf = torch.empty(layout(known)[1], dtype=torch.uint8, device=device)
+            buf[:HEADER_BYTES].view(torch.int64).copy_(header)
             buffers: list[Tensor] = [buf]
             works = [self._post_send(buf, key, peer, 0)]
             for part, t in enumerate(tensors, start=1):
@@ -435,7 +337,7 @@ class DistCommunicator(Communicator):
                 works.append(self._post_send(t, key, peer, part + fresh))
         return _SendWork(self, key, peer, works, buffers)
 
-    def _send_packed(self, key: MessageKey, packed: _Packed) -> _SendWork:
+    def _send_packed(self, key: MessageKey, packed: PackedBuffer) -> _SendWork:
         work = _SendWork(
             self, key, packed.peer, [self._post_send(packed.buf, key, packed.peer, 0)], [packed.buf]
         )
@@ -459,7 +361,7 @@ class DistCommunicator(Communicator):
 
     def _packs(self, sig: Signature) -> bool:
         """Whether a message of ``sig`` travels as one transfer (both ends decide alike)."""
-        return self.device.type == "cpu" and _layout(sig)[1] <= _PACK_LIMIT
+        return self.device.type == "cpu" and layout(sig)[1] <= PACK_LIMIT
 
     # Transfers are posted on the process group object itself: what ``dist.isend`` and
     # ``dist.irecv`` do after their per-call argument checks (a complex tensor travels as
@@ -500,7 +402,7 @@ class DistCommunicator(Communicator):
             if key not in self._headers:
                 if known is not None and self._packs(known):
                     # Small and known: one buffer for the header and the tensors.
-                    buf = torch.empty(_layout(known)[1], dtype=torch.uint8, device=self.device)
+                    buf = torch.empty(layout(known)[1], dtype=torch.uint8, device=self.device)
                 else:
                     buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 self._headers[key] = (self._post_recv(buf, key, peer, 0), buf)
