@@ -17,8 +17,8 @@ Before timing, every variant's loss on the same batch must match eager's to 1e-5
 (relative). Timing alternates the variants in rounds (the machine is shared and noisy)
 and reports the median trees/s over rounds, for inference (forward under ``no_grad``)
 and training (forward, loss, backward, SGD step); "best x hand" compares the variants'
-fastest time for each batch over the rounds instead (steadier on a busy host). Also reported, from ``policy.stats``:
-launches vs the lower bound (for the first batch), and recording + scheduling time in
+fastest time for each batch over the rounds instead (steadier on a busy host). Also
+reported, from ``policy.stats``: launches vs the lower bound (for the first batch), and recording + scheduling time in
 microseconds per computed node (``stats.nodes``, after identical calls are merged) and
 per recorded call (``stats.calls_recorded``).
 
@@ -127,17 +127,14 @@ class Variant:
         seconds each batch took, from the end of the one before."""
         times = []
         with torch.set_grad_enabled(mode == "training"):
+            # Logits come lazily, so each batch's time covers producing them too.
+            pairs = (zip(batches, self.feed.stream(batches)) if self.feed is not None
+                     else ((batch, self.logits(batch)) for batch in batches))
             start = time.perf_counter()
-            if self.feed is not None:
-                for batch, logits in zip(batches, self.feed.stream(batches)):
-                    self.finish(batch, logits, mode)
-                    times.append(time.perf_counter() - start)
-                    start += times[-1]
-            else:
-                for batch in batches:
-                    self.finish(batch, self.logits(batch), mode)
-                    times.append(time.perf_counter() - start)
-                    start += times[-1]
+            for batch, logits in pairs:
+                self.finish(batch, logits, mode)
+                times.append(time.perf_counter() - start)
+                start += times[-1]
         return times
 
     def finish(self, batch: Sequence[Tree], logits: torch.Tensor, mode: str) -> None:

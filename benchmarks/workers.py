@@ -155,8 +155,7 @@ class Workers(Variant):
     def train(self, batches: list[Batch], timed: bool) -> None:
         self.rounds.current = batches
         it = iter(self.loader)
-        first = True
-        for _ in batches:
+        for i in range(len(batches)):
             t0 = time.perf_counter()
             batch = next(it)
             t1 = time.perf_counter()
@@ -170,8 +169,7 @@ class Workers(Variant):
                 # The first batch of a fresh iterator waits for a whole collate (the
                 # pipeline fill, once per epoch in real training); the rest show
                 # whether the worker keeps ahead of the training process.
-                (self.fill_wait if first else self.steady_wait).append(t1 - t0)
-                first = False
+                (self.steady_wait if i else self.fill_wait).append(t1 - t0)
                 self.add("bind", stats.bind_seconds - bind_before)
                 self.add("execute", stats.execute_seconds - exec_before)
                 self.add("backward+step", time.perf_counter() - t2)
