@@ -16,6 +16,7 @@ from batchgraph.binding import Binder, ScheduleMismatchError, bind
 from batchgraph.bridge import AsyncBatcher
 from batchgraph.bucketing import BucketBatchSampler
 from batchgraph.coroutines import run_all, value
+from batchgraph.epochs import EpochStream
 from batchgraph.errors import (
     BatchedCallError,
     BatchgraphError,
@@ -62,6 +63,7 @@ __all__ = [
     "DeadlockError",
     "DimArgKey",
     "ElementwiseKey",
+    "EpochStream",
     "ExampleError",
     "Executor",
     "GraphCollate",

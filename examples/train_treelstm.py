@@ -4,7 +4,8 @@ Each example is one function of the Python standard library, parsed with ``ast``
 binarized (node type names are the tokens); its label is the stdlib package it comes
 from. Worker processes record and schedule each minibatch (``bg.GraphCollate``); the
 training process only runs the schedules with the real weights and does backward.
-Batches are bucketed by tree size (``bg.BucketBatchSampler``). Checkpoints are written
+Batches are bucketed by tree size (``bg.BucketBatchSampler``), and one loader pass
+spans all epochs (``bg.EpochStream``), so the workers never wait at an epoch's end. Checkpoints are written
 with ``torch.save`` after every epoch and read back with ``torch.load(weights_only=True)``.
 
     python examples/train_treelstm.py --workers 1 --epochs 3
@@ -126,9 +127,9 @@ def batches_in_process(model: TreeLSTM, data: list[Any], sampler: Any) -> Any:
         yield torch.stack(policy.compute(hs)), torch.tensor([data[i][1] for i in indices])
 
 
-def batches_from_workers(model: TreeLSTM, loader: Any, binder: bg.Binder) -> Any:
-    """Workers recorded and scheduled; here we only bind and execute."""
-    for batch in loader:
+def batches_from_workers(epoch: Any, binder: bg.Binder) -> Any:
+    """Workers recorded and scheduled ``epoch``'s batches; here we only bind and execute."""
+    for batch in epoch:
         if len(batch):
             # stack=True (one gather) is faster; stacking the list like the in-process
             # path keeps even the gradient summation order of merged duplicate trees
@@ -168,17 +169,21 @@ def main(argv: list[str] | None = None) -> float:
     )
     # Workers hold the model's structure only: weights loaded above never travel.
     collate = bg.GraphCollate(model, "logits", target=1, skip_errors=True)
+    # One loader pass over every epoch left: the workers build the next epoch's first
+    # batches while this epoch ends, instead of starting after each epoch.
+    stream = bg.EpochStream(sampler, max(0, args.epochs - start), start_epoch=start)
     loader = bg.graph_loader(
-        data, collate, sampler, num_workers=args.workers, timeout=300 if args.workers else 0
+        data, collate, stream, num_workers=args.workers, timeout=300 if args.workers else 0
     )
     binder = bg.Binder(model)
+    from_workers = None if args.in_process else stream.epochs(loader)
     loss = torch.zeros(())
     for epoch in range(start, args.epochs):
-        sampler.set_epoch(epoch)
-        batches = (
-            batches_in_process(model, data, sampler) if args.in_process
-            else batches_from_workers(model, loader, binder)
-        )
+        if from_workers is None:
+            sampler.set_epoch(epoch)
+            batches = batches_in_process(model, data, sampler)
+        else:
+            batches = batches_from_workers(next(from_workers), binder)
         total, seen = 0.0, 0
         bar = tqdm(total=len(data), unit="tree", desc=f"epoch {epoch}", disable=True if args.quiet else None)
         for logits, labels in batches:

@@ -3,25 +3,18 @@ worker for the workers row), JSON written."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "treelstm.py"
+from tests.integration.benchmark_scripts import load_benchmark
 
 
 def test_benchmark_runs_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = importlib.util.spec_from_file_location("treelstm_benchmark", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is created.
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("treelstm", monkeypatch)
     out_file = tmp_path / "treelstm.json"
     module.main(["--datasets", "sst", "--batch-sizes", "4", "--rounds", "1",
                  "--trees-per-round", "4", "--hidden", "8", "--sst-vocab", "50",

@@ -125,6 +125,24 @@ def test_repeated_structures_hit_the_worker_cache_across_epochs() -> None:
     assert binder.stats.cache_hits == 4 and binder.stats.keys_checked == 5
 
 
+def test_epoch_stream_through_a_worker_gives_every_epoch_its_own_batches() -> None:
+    data = random_trees(30, seed=5)
+    model = TreeModel()
+    sampler = bg.BucketBatchSampler([1 + i % 7 for i in range(30)], 8, pool=2, seed=9)
+    stream = bg.EpochStream(sampler, 3)
+    loader = bg.graph_loader(data, bg.GraphCollate(model, logits), stream, num_workers=1,
+                             timeout=30)
+    binder = bg.Binder(model)
+    for epoch, batches in enumerate(stream.epochs(loader)):
+        indices = []
+        for batch in batches:
+            indices.append(batch.indices)
+            assert binder.run(batch, stack=True).shape[0] == len(batch.indices)
+        assert indices == sampler.batches(epoch)  # that epoch's order, nothing else
+        assert sorted(i for batch in indices for i in batch) == list(range(30))
+    assert binder.stats.examples == 90
+
+
 def test_failing_example_reaches_the_main_process_with_index_and_traceback() -> None:
     data = random_trees(12, seed=4)
     data[7] = (99, 0)
