@@ -25,7 +25,7 @@ from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
-from batchgraph.recording import _ACTIVE
+from batchgraph.recording import _ACTIVE, unpin_stubs
 from batchgraph.rules import KeyFactory
 from batchgraph.scheduling import (
     SCHEDULERS,
@@ -119,6 +119,7 @@ class BatchingPolicy:
         _ACTIVE.reset(self._token)
         self._token = None
         self.graph.open = False
+        unpin_stubs()
 
     @property
     def recording(self) -> bool:

@@ -71,6 +71,34 @@ _UNKNOWABLE = (
 )
 
 
+# Stubs pinned in instance dicts while recording (see module._SubmoduleAttribute):
+# (owner, attribute name, stub). Every recording context takes them out when it
+# ends, so outside one an attribute reads as the module again.
+_PINNED: list[tuple[weakref.ref[Any], str, Any]] = []
+
+
+def pin_stub(owner: Any, name: str, stub: Any) -> None:
+    """Let ``owner.<name>`` read as ``stub`` by plain lookup until ``unpin_stubs``."""
+    owner.__dict__[name] = stub
+    _PINNED.append((weakref.ref(owner), name, stub))
+
+
+def unpin_stubs() -> None:
+    """Take every pinned stub out of its instance dict (a recording context ended).
+
+    Recording contexts of other threads lose theirs too; their next read goes
+    through the descriptor again and pins anew, which is only slower.
+    """
+    while _PINNED:
+        try:
+            ref, name, stub = _PINNED.pop()
+        except IndexError:  # another thread emptied it meanwhile
+            return
+        owner = ref()
+        if owner is not None and owner.__dict__.get(name) is stub:
+            owner.__dict__.pop(name, None)
+
+
 def active_policy() -> BatchingPolicy | None:
     """The policy recording in this context, or None (then code runs eagerly)."""
     return _ACTIVE.get()
@@ -446,6 +474,7 @@ def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         return site(*args, **kwargs)
     finally:
         _ACTIVE.reset(token)
+        unpin_stubs()
 
 
 def _handles(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[ResultHandle]:

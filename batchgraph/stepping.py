@@ -33,7 +33,7 @@ from batchgraph.awaiting import (
 from batchgraph.errors import NotComputedError, PolicyMismatchError
 from batchgraph.handle import ResultHandle
 from batchgraph.policy import BatchingPolicy
-from batchgraph.recording import _ACTIVE
+from batchgraph.recording import _ACTIVE, unpin_stubs
 from batchgraph.specs import TensorSpec
 
 __all__ = ["Example", "GradMode", "Lane"]
@@ -121,6 +121,7 @@ class Lane:
                 ex.close()
         finally:
             _ACTIVE.reset(token)
+            unpin_stubs()
         self.live = [ex for ex in self.live if not ex.done]
 
     def _with_policy(self, examples: list[Example], initial: bool) -> None:
@@ -137,6 +138,7 @@ class Lane:
         finally:
             DRIVING.reset(driving)
             _ACTIVE.reset(token)
+            unpin_stubs()
         self.live = [ex for ex in self.live if not ex.done]
 
     def _wake(self, ex: Example) -> None:
