@@ -14,7 +14,7 @@ for epoch, batches in enumerate(stream.epochs(loader)):
         ...
 ```
 
-The wrapped sampler's ``set_epoch(e)`` (if it has one) is called as its epoch ``e``
+The wrapped sampler's ``set_epoch(e)`` (if it, or the sampler it batches, has one) is called as its epoch ``e``
 is drawn, which is a little before that epoch is trained on (the loader draws indices
 ahead of the batches it hands out). Each epoch's batch lists are drawn whole first,
 so a sampler whose order depends on the epoch still gives exactly that epoch's order.
@@ -23,8 +23,8 @@ so a sampler whose order depends on the epoch still gives exactly that epoch's o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sized
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Generic, TypeVar, cast
 
 from torch.utils.data import Sampler
 
@@ -41,7 +41,8 @@ class EpochStream(Sampler[list[int]]):
 
     Args:
         batch_sampler: yields lists of dataset indices; iterated once per epoch, after
-            ``set_epoch(epoch)`` when it has that method.
+            ``set_epoch(epoch)`` when it has that method (or else the sampler it
+            batches has, as ``BatchSampler(DistributedSampler(...), n)``).
         epochs: how many epochs to chain.
         start_epoch: the first epoch's number (for a resumed run).
 
@@ -74,9 +75,9 @@ class EpochStream(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self.drawn.clear()  # in place: a splitter may hold it
+        set_epoch = _epoch_setter(self.batch_sampler)
         for epoch in range(self.start_epoch, self.start_epoch + self.count):
-            set_epoch = getattr(self.batch_sampler, "set_epoch", None)
-            if callable(set_epoch):
+            if set_epoch is not None:
                 set_epoch(epoch)
             batches = list(self.batch_sampler)
             self.drawn[epoch] = len(batches)
@@ -94,6 +95,16 @@ class EpochStream(Sampler[list[int]]):
                 was not iterated over this sampler, or was iterated twice at once).
         """
         return _Splitter(self, iter(stream)).epochs()
+
+
+def _epoch_setter(batch_sampler: object) -> Callable[[int], object] | None:
+    """``set_epoch`` of the batch sampler, or of the sampler it batches
+    (``BatchSampler(DistributedSampler(...), n)``), or None."""
+    for holder in (batch_sampler, getattr(batch_sampler, "sampler", None)):
+        set_epoch = getattr(holder, "set_epoch", None)
+        if callable(set_epoch):
+            return cast(Callable[[int], object], set_epoch)
+    return None
 
 
 class _Splitter(Generic[T]):

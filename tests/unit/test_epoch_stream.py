@@ -59,6 +59,27 @@ def test_through_a_dataloader_in_order() -> None:
     assert got == [[[100, 101, 102], [103, 104, 105], [106]]] * 3
 
 
+def test_set_epoch_reaches_the_sampler_inside_a_batch_sampler() -> None:
+    class Shuffled:
+        """A per-epoch order, as DistributedSampler gives after set_epoch."""
+
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self) -> Iterator[int]:
+            return iter([(i + self.epoch) % 4 for i in range(4)])
+
+        def __len__(self) -> int:
+            return 4
+
+    stream = bg.EpochStream(BatchSampler(Shuffled(), 2, False), 2, start_epoch=1)  # type: ignore[arg-type]
+    got = [list(batches) for batches in stream.epochs(iter(stream))]
+    assert got == [[[1, 2], [3, 0]], [[2, 3], [0, 1]]]
+
+
 def test_a_stream_of_something_else_is_refused() -> None:
     stream = bg.EpochStream(Lengths([2, 2]), 2)
     epochs = stream.epochs(iter([[0, 0]]))  # one batch, and the sampler never drawn
