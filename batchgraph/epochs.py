@@ -14,9 +14,9 @@ for epoch, batches in enumerate(stream.epochs(loader)):
         ...
 ```
 
-The wrapped sampler's ``set_epoch(e)`` (if it, or the sampler it batches, has one) is called as its epoch ``e``
-is drawn, which is a little before that epoch is trained on (the loader draws indices
-ahead of the batches it hands out). Each epoch's batch lists are drawn whole first,
+The wrapped sampler's ``set_epoch(e)`` (if it, or the sampler it batches, has one) is
+called as its epoch ``e`` is drawn, which is a little before that epoch is trained on
+(the loader draws indices ahead of the batches it hands out). Each epoch's batch lists are drawn whole first,
 so a sampler whose order depends on the epoch still gives exactly that epoch's order.
 """
 
@@ -70,7 +70,9 @@ class EpochStream(Sampler[list[int]]):
 
     def __len__(self) -> int:
         if not isinstance(self.batch_sampler, Sized):
-            raise TypeError(f"{type(self.batch_sampler).__name__} has no len(), so neither has this EpochStream")
+            raise TypeError(
+                f"{type(self.batch_sampler).__name__} has no len(), so neither has this EpochStream"
+            )
         return self.count * len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[int]]:
