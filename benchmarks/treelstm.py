@@ -18,7 +18,7 @@ with the same loss (summed cross-entropy), optimizer (SGD) and embedding:
   later batches of each round (``late_wait_ms``) shows whether they keep ahead of
   the training process, as they must for that head start not to flatter the row.
   Where a round has no later batches (batch 256: one batch per round), the whole
-  round was built ahead and the row is marked as no throughput figure.
+  round was built ahead and the row is marked "NOT COMPARABLE".
 
 Before timing, every variant's loss on the same batch must match eager's to 1e-5
 (relative). Timing alternates the variants in rounds (the machine is shared and noisy)

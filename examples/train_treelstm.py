@@ -5,8 +5,9 @@ binarized (node type names are the tokens); its label is the stdlib package it c
 from. Worker processes record and schedule each minibatch (``bg.GraphCollate``); the
 training process only runs the schedules with the real weights and does backward.
 Batches are bucketed by tree size (``bg.BucketBatchSampler``), and one loader pass
-spans all epochs (``bg.EpochStream``), so the workers never wait at an epoch's end. Checkpoints are written
-with ``torch.save`` after every epoch and read back with ``torch.load(weights_only=True)``.
+spans all epochs (``bg.EpochStream``), so the workers never wait at an epoch's end.
+Checkpoints are written with ``torch.save`` after every epoch and read back with
+``torch.load(weights_only=True)``.
 
     python examples/train_treelstm.py --workers 1 --epochs 3
     python examples/train_treelstm.py --workers 1 --epochs 5 --resume   # continues
