@@ -114,15 +114,9 @@ class _SubmoduleAttribute:
             return nn.Module.__getattr__(owner, name)
         if _ACTIVE.get() is None:
             return module
-        # Recording: the module's stub, cached per attribute (and checked against the
-        # current submodule, which may have been replaced).
-        stubs = d.get("_batchgraph_stubs")
-        cached = stubs.get(name) if stubs is not None else None
-        if cached is not None and cached[0] is module:
-            stub = cached[1]
-        else:
-            stub = _stub(module)
-            d.setdefault("_batchgraph_stubs", {})[name] = (module, stub)
+        # Recording: the module's stub (module stubs are cached per module), pinned so
+        # that this descriptor runs once per attribute per recording context.
+        stub = _stub(module)
         if stub is not module:  # nested BatchedModules are returned as they are
             pin_stub(owner, name, stub)
         return stub
@@ -172,8 +166,6 @@ class BatchedModule(nn.Module):
         super().__delattr__(name)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Stubs are a per-process cache: never pickle or deep-copy them (nor the
-        # ones pinned while recording).
-        state = {k: v for k, v in self.__dict__.items() if type(v) not in _STUB_TYPES}
-        state.pop("_batchgraph_stubs", None)
-        return state
+        # Stubs pinned while recording belong to this process: never pickle or
+        # deep-copy them.
+        return {k: v for k, v in self.__dict__.items() if type(v) not in _STUB_TYPES}
