@@ -65,7 +65,6 @@ from batchgraph.pipeline.dist_header import (
     HEADER_LEN,
     KINDS,
     Signature,
-    decode_header,
     encode_signature,
     payload_specs,
     signature_of,
@@ -75,8 +74,8 @@ from batchgraph.pipeline.dist_packing import (
     PACK_LIMIT,
     PackedBuffer,
     layout,
-    unpack,
 )
+from batchgraph.pipeline.dist_recv import RemoteRecv
 from batchgraph.pipeline.errors import (
     PipelineAbortedError,
     PipelineClosedError,
@@ -113,71 +112,6 @@ class _SendWork(Work):
 
     def is_completed(self) -> bool:
         return self._done
-
-
-class _RemoteRecv(RecvWork):
-    """A message from another rank: its header, then the tensors the header describes."""
-
-    def __init__(self, comm: DistCommunicator, key: MessageKey, peer: int) -> None:
-        self._comm, self._key, self._peer = comm, key, peer
-        self._header = comm._take_header(key, peer)
-        self._payload: Payload | None = None
-
-    def value(self, timeout: float | None = None) -> Payload:
-        if self._payload is not None:
-            return self._payload
-        comm, key, peer = self._comm, self._key, self._peer
-        work, buf = self._header
-        comm._wait(work, key, peer, timeout, "header of")
-        packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
-        known = comm._known.get(key)
-        if packed and known is not None:
-            if torch.equal(buf[:HEADER_BYTES], comm._header_bytes(key, known)):
-                # Exactly the header expected (this message, the known signature): the
-                # tensors are in the same transfer, taken as views.
-                self._payload = unpack(buf, known)
-                return self._payload
-        got, specs = decode_header(buf[:HEADER_BYTES].view(torch.int64) if packed else buf)
-        if got != key:
-            raise PipelineConfigError(
-                f"rank {comm.rank} expected the {key} but rank {peer} sent the {got}: the ranks "
-                "run different schedules"
-            )
-        sig = signature_of(specs)
-        tensors: list[Tensor | None]
-        if packed:
-            if sig == known:  # (cannot happen: the same key and signature encode alike)
-                self._payload = unpack(buf, sig)
-                return self._payload
-            # The signature changed: the tensors follow under fresh tags.
-        elif known is not None:
-            # The sender used the buffers posted ahead for the known signature: with the
-            # payload if it still matches, with filler (to drain them) if it changed.
-            posted = comm._take_ahead(key, peer)
-            for item in posted:
-                if item is not None:
-                    comm._wait(item[0], key, peer, timeout, "payload of")
-            if sig == known:
-                tensors = [None if item is None else item[1] for item in posted]
-                self._payload = tuple(tensors)
-                return self._payload
-        fresh = FRESH if known is not None else 0
-        tensors, works = [], []
-        for part, spec in enumerate(specs, start=1):
-            if spec is None:
-                tensors.append(None)
-                continue
-            t = torch.empty(spec[1], dtype=spec[0], device=comm.device)
-            works.append(comm._post_recv(t, key, peer, part + fresh))
-            tensors.append(t)
-        for w in works:
-            comm._wait(w, key, peer, timeout, "payload of")
-        comm._known[key] = sig
-        self._payload = tuple(tensors)
-        return self._payload
-
-    def is_completed(self) -> bool:
-        return self._payload is not None
 
 
 class DistCommunicator(Communicator):
@@ -445,14 +379,14 @@ class DistCommunicator(Communicator):
         seconds = timeout if timeout is not None else self.default_timeout
         if peer == self.rank:
             return self._local.recv(key, seconds)
-        return _RemoteRecv(self, key, peer).value(seconds)
+        return RemoteRecv(self, key, peer).value(seconds)
 
     def irecv(self, key: MessageKey) -> RecvWork:
         self._check()
         peer = self._peer(key)
         if peer == self.rank:
             return self._local.irecv(key)
-        return _RemoteRecv(self, key, peer)
+        return RemoteRecv(self, key, peer)
 
     # -- waiting, failures ----------------------------------------------------------------
 
