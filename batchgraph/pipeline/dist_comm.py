@@ -343,6 +343,14 @@ class DistCommunicator(Communicator):
             if payload and known is not None and not self._packs(known):
                 self._post_ahead(key, peer)
 
+    def ahead_bytes(self, key: MessageKey) -> int:
+        """The memory a :meth:`prefetch` of ``key`` without ``payload`` holds until its
+        message lands: the one-transfer buffer of a small known signature, else a header."""
+        known = self._known.get(key)
+        if known is not None and self._packs(known):
+            return layout(known)[1]
+        return HEADER_BYTES
+
     def _post_ahead(self, key: MessageKey, peer: int) -> None:
         """Post buffers for ``key``'s known signature (once)."""
         if key not in self._ahead:

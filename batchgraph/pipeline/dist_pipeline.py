@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Paylo
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
+from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
     allreduce_gradients,
@@ -51,23 +52,12 @@ from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError,
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import Batch, batch_size, merge_microbatches, split_microbatches
 from batchgraph.pipeline.schedules import make_schedule
-from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = ["DistributedPipeline", "StageSpec"]
 
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
-_LOOKAHEAD = 3  # actions whose incoming payload buffers are posted ahead
-
-
-class _Steps(NamedTuple):
-    """A step's actions as the rank loop runs them."""
-
-    #: (stage, action, key received, key sent, keys whose receives to post before it)
-    actions: list[tuple[Stage, Action, MessageKey | None, MessageKey | None, list[MessageKey]]]
-    #: receives posted when the step begins (those of the first actions)
-    first: list[MessageKey]
 
 
 def _describe(schedule: str | PipelineSchedule) -> str:
@@ -102,8 +92,9 @@ class DistributedPipeline:
         device: where this rank's stages run; default CPU (gloo) or ``cuda:LOCAL_RANK`` (NCCL).
         timeout: seconds any wait or collective may take before the step fails.
         collect_stats: gather every rank's timeline to rank 0 after each step (one small
-            point-to-point message per rank, which rank 0 posts for when the step begins,
-            so no rank waits for another at the end of a step); ``False`` skips it.
+            point-to-point message per rank, which rank 0 posts for while it waits for
+            the pipeline to fill, so no rank waits for another at the end of a step);
+            ``False`` skips it.
 
     Raises:
         PipelineConfigError: if the ranks disagree on the configuration (checked by an
@@ -191,7 +182,7 @@ class DistributedPipeline:
                 self.schedule, t.rank, t.world, self.groups.control, self._offsets, timeout
             )
         self._plan = self.schedule.order[self.topology.device]
-        self._step_plans: dict[bool, _Steps] = {}
+        self._step_plans: dict[bool, StepPlan] = {}
         self._step = 0
         self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
@@ -305,7 +296,7 @@ class DistributedPipeline:
         saved = stash_gradients(params) if params else []
         try:
             if self._gather is not None:
-                self._gather.begin(train)  # rank 0 posts its receives of the step's times
+                self._gather.begin(train)  # rank 0 posts its receives during the fill
             result, events = self._run(inputs, targets, train=train)
             if params:
                 allreduce_gradients(params, self.groups.replica, saved)
@@ -370,21 +361,27 @@ class DistributedPipeline:
                 outputs[key.microbatch] = outs
 
         events: list[tuple[float, float]] = []
-        # Receives are posted a few actions ahead, each once: a posted buffer holds memory
-        # until its message lands, and posting costs tens of microseconds that the step's
-        # first action would otherwise wait for.
+        # Receives are posted ahead, each once: by plan two actions ahead, and the rest
+        # of the step's while this rank waits for the pipeline to fill (see
+        # dist_posting); so is the gather's.
         comm = self.comm
+        gather = self._gather
+        fill = FillPosts(comm, steps, on_idle=gather.post_receives if gather else None)
+        fill_wait = steps.fill_wait
         if self._has_last:
             comm.set_handler(COORDINATOR, take_output)
         try:
             comm.prefetch(steps.first, payload=True)
             with torch.set_grad_enabled(train):
-                for stage, action, recv_key, send_key, keys in steps.actions:
+                for i, (stage, action, recv_key, send_key, keys) in enumerate(steps.actions):
+                    if i == fill_wait:
+                        fill.post()
+                    events.append(stage.run_keyed(action, recv_key, send_key, comm, train))
                     if keys:
                         comm.prefetch(keys, payload=True)
-                    events.append(stage.run_keyed(action, recv_key, send_key, comm, train))
         finally:
             comm.set_handler(COORDINATOR, None)
+        fill.finish()
         comm.wait_sends()
         if not self._has_last:
             return None, events
@@ -449,31 +446,14 @@ class DistributedPipeline:
         dist.all_reduce(count, group=self.groups.replica)
         return int(count.item())
 
-    def _steps(self, train: bool) -> _Steps:
+    def _steps(self, train: bool) -> StepPlan:
         """This rank's actions in a training (or forward-only) step, with their message
-        keys and what to post ahead at each, computed once: the schedule is static."""
+        keys and when to post each receive, computed once: the schedule is static."""
         steps = self._step_plans.get(train)
         if steps is None:
             plan = [a for a in self._plan if train or a.kind is ActionKind.FORWARD]
-            own = [self._remote_keys([a]) for a in plan]
-            actions = []
-            for i, a in enumerate(plan):
-                stage = self.stages[a.stage]
-                post = own[i + _LOOKAHEAD - 1] if i + _LOOKAHEAD - 1 < len(own) else []
-                actions.append((stage, a, *stage.message_keys(a), post))
-            first = [k for keys in own[: _LOOKAHEAD - 1] for k in keys]
-            steps = self._step_plans[train] = _Steps(actions, first)
+            steps = self._step_plans[train] = plan_step(plan, self.stages, self.schedule.stages)
         return steps
-
-    def _remote_keys(self, plan: Sequence[Action]) -> list[MessageKey]:
-        last = self.schedule.stages - 1
-        keys = []
-        for a in plan:
-            if a.kind is ActionKind.FORWARD and a.stage > 0:
-                keys.append(MessageKey(_ACT, a.stage - 1, a.stage, a.microbatch))
-            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and a.stage < last:
-                keys.append(MessageKey(_GRAD, a.stage + 1, a.stage, a.microbatch))
-        return keys
 
     def _record(self, events: list[tuple[float, float]], train: bool) -> None:
         if self._gather is not None:

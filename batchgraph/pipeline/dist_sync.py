@@ -150,7 +150,7 @@ class TimelineGather:
 
     The same data as :func:`gather_events`, moved with point-to-point messages instead of
     a collective, so no rank waits for another at the end of a step: rank 0 posts one
-    receive per rank when a step begins (the times land while it still computes), every
+    receive per rank during the step (the times land while it still computes), every
     other rank sends its times when its step ends and returns at once; that send's handle
     and buffer are kept until the rank's next step begins (or :meth:`close`). Rank 0
     waits for the receives when its own step ends, by then usually complete.
@@ -184,12 +184,22 @@ class TimelineGather:
         self._train = True
 
     def begin(self, train: bool) -> None:
-        """Start a step: rank 0 posts its receives; the others finish their last send."""
+        """Start a step: the ranks but 0 finish their last send (rank 0 posts its
+        receives with :meth:`post_receives`, when it is idle, or in :meth:`finish`)."""
         self._train = train
+        self._recvs = []
         if self.rank != 0:
             self._finish_send()
+
+    def post_receives(self) -> None:
+        """Rank 0: post the step's receives of the other ranks' times (once a step).
+
+        Any time in the step will do: a rank's send of its times waits for it, and is
+        only waited when that rank begins its next step, which needs rank 0 anyway.
+        """
+        if self.rank != 0 or self._recvs:
             return
-        self._recvs = []
+        train = self._train
         for r in range(1, self.world):
             buf = torch.empty((max(len(self._plans[train][r]), 1), 2), dtype=torch.float64)
             work = dist.irecv(buf, src=r, group=self.group, tag=self._TAG)
@@ -214,6 +224,7 @@ class TimelineGather:
             TimelineEvent(0, a, s - self.offsets[0], e - self.offsets[0])
             for a, (s, e) in zip(plans[0], events)
         ]
+        self.post_receives()
         recvs, self._recvs = self._recvs, []
         for r, work, buf in recvs:
             work.wait(self.timeout)

@@ -390,3 +390,33 @@ def job_reused_send_buffer(rank: int, world: int) -> list[int]:
             comm.wait_sends()
     comm.close()
     return wrong
+
+
+def job_shape_change_after_early_posts(rank: int, world: int) -> dict[str, Any]:
+    """Two 1F1B steps of width DIM (from step 2 on, rank 1 posts the one-transfer buffers
+    of that width early, while it waits for the fill), then a step of width DIM + 2 that
+    stage 1 cannot take: the messages still arrive as sent, and the stage's error is
+    the one reported."""
+    from batchgraph.pipeline import DistributedPipeline
+
+    early: list[int] = []
+    with DistributedPipeline([nn.Tanh, partial(make_stage, 1, 2)], stages=2, microbatches=4,
+                             schedule="1f1b", loss_fn=nn.MSELoss(), timeout=20) as pipe:  # fmt: skip
+        prefetch = pipe.comm.prefetch
+
+        def counted(keys: Any, *, payload: bool = False) -> None:
+            keys = list(keys)
+            if not payload:  # only the fill's posts leave the payload out
+                early.append(len(keys))
+            prefetch(keys, payload=payload)
+
+        pipe.comm.prefetch = counted  # type: ignore[method-assign]
+        _, y = batch()
+        for width in (DIM, DIM, DIM + 2):
+            xs = torch.randn(12, width, dtype=torch.float64)
+            try:
+                pipe.train_step(xs if rank == 0 else None, y if rank == 1 else None)
+            except Exception as exc:
+                return {"width": width, "error": type(exc).__name__, "message": str(exc),
+                        "early": early}  # fmt: skip
+    return {"width": None, "early": early}

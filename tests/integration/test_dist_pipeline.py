@@ -142,3 +142,16 @@ def test_a_send_buffer_is_reused_only_after_its_send_was_waited() -> None:
     launch = W.launch(W.job_reused_send_buffer, world=2, limit=60)
     assert launch.ok(0) == []
     assert launch.ok(1) == []
+
+
+def test_receives_posted_early_for_one_shape_take_another_and_errors_stay_clear() -> None:
+    launch = W.launch(W.job_shape_change_after_early_posts, world=2, limit=60)
+    one = launch.ok(1)
+    assert one["early"] == [3, 3, 3], one  # every step: 1F1..1F3's receives, during the fill
+    assert one["width"] == 8 and one["error"] == "RankStageError", one
+    assert "rank 1: stage 1 failed in action 1F0" in one["message"], one["message"]
+    # Microbatches of 3 rows: 8 columns arrived as sent, into buffers posted for 6.
+    assert "shapes cannot be multiplied (3x8 and 6x3)" in one["message"], one["message"]
+    zero = launch.ok(0)
+    assert zero["width"] == 8 and zero["error"] == "PeerFailedError", zero
+    assert "rank 1 failed first (stage 1, action 1F0, microbatch 0)" in zero["message"]
