@@ -74,8 +74,9 @@ from batchgraph.pipeline.dist_packing import (
     PACK_LIMIT,
     PackedBuffer,
     layout,
+    unpack,
 )
-from batchgraph.pipeline.dist_recv import RemoteRecv
+from batchgraph.pipeline.dist_recv import Expected, RemoteRecv
 from batchgraph.pipeline.errors import (
     PipelineAbortedError,
     PipelineClosedError,
@@ -165,7 +166,7 @@ class DistCommunicator(Communicator):
         self._rank_of_stage = rank_of_stage
         self._stage_ranks: dict[int, int] = {}
         self._local = ThreadCommunicator(default_timeout)
-        self._headers: dict[MessageKey, tuple[Any, Tensor]] = {}
+        self._headers: dict[MessageKey, tuple[Any, Tensor, Expected | None]] = {}
         # Last signature sent or received per key; both ends keep the same table, so
         # both know which buffers the receiver posted ahead.
         self._known: dict[MessageKey, Signature] = {}
@@ -334,12 +335,20 @@ class DistCommunicator(Communicator):
                 continue
             known = self._known.get(key)
             if key not in self._headers:
+                expect: Expected | None = None
                 if known is not None and self._packs(known):
-                    # Small and known: one buffer for the header and the tensors.
+                    # Small and known: one buffer for the header and the tensors. What
+                    # the message must start with and the tensors' views are made now,
+                    # while posting (ahead, often while idle), not when it has landed.
                     buf = torch.empty(layout(known)[1], dtype=torch.uint8, device=self.device)
+                    expect = (
+                        buf[:HEADER_BYTES],
+                        self._header_bytes(key, known),
+                        unpack(buf, known),
+                    )
                 else:
                     buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                self._headers[key] = (self._post_recv(buf, key, peer, 0), buf)
+                self._headers[key] = (self._post_recv(buf, key, peer, 0), buf, expect)
             if payload and known is not None and not self._packs(known):
                 self._post_ahead(key, peer)
 
@@ -368,7 +377,7 @@ class DistCommunicator(Communicator):
         self._post_ahead(key, peer)
         return self._ahead.pop(key)
 
-    def _take_header(self, key: MessageKey, peer: int) -> tuple[Any, Tensor]:
+    def _take_header(self, key: MessageKey, peer: int) -> tuple[Any, Tensor, Expected | None]:
         if key not in self._headers:
             self.prefetch([key])
         return self._headers.pop(key)

@@ -21,7 +21,11 @@ from batchgraph.pipeline.errors import PipelineConfigError
 if TYPE_CHECKING:
     from batchgraph.pipeline.dist_comm import DistCommunicator
 
-__all__ = ["RemoteRecv"]
+__all__ = ["Expected", "RemoteRecv"]
+
+#: For a one-transfer receive: the buffer's header part, the header it must hold (this
+#: message with its known signature) and the tensors' views into the buffer.
+Expected = tuple[Tensor, Tensor, Payload]
 
 
 class RemoteRecv(RecvWork):
@@ -36,16 +40,15 @@ class RemoteRecv(RecvWork):
         if self._payload is not None:
             return self._payload
         comm, key, peer = self._comm, self._key, self._peer
-        work, buf = self._header
+        work, buf, expect = self._header
         comm._wait(work, key, peer, timeout, "header of")
+        if expect is not None and torch.equal(expect[0], expect[1]):
+            # Exactly the header expected (this message, the known signature): the
+            # tensors are in the same transfer, as the views made when it was posted.
+            self._payload = expect[2]
+            return self._payload
         packed = buf.dtype == torch.uint8  # posted for a known small signature: header + tensors
         known = comm._known.get(key)
-        if packed and known is not None:
-            if torch.equal(buf[:HEADER_BYTES], comm._header_bytes(key, known)):
-                # Exactly the header expected (this message, the known signature): the
-                # tensors are in the same transfer, taken as views.
-                self._payload = unpack(buf, known)
-                return self._payload
         got, specs = decode_header(buf[:HEADER_BYTES].view(torch.int64) if packed else buf)
         if got != key:
             raise PipelineConfigError(
