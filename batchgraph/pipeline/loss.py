@@ -96,7 +96,8 @@ class Loss:
                 f"loss_fn must return a scalar tensor per microbatch, got {shape}; "
                 "reduce it (mean or sum) inside the loss function"
             )
-        return value.reshape(())
+        # A 0-dim loss (every torch.nn loss) as it is: a reshape is one more graph node.
+        return value if value.dim() == 0 else value.reshape(())
 
     def compute_gradient(
         self, loss: Tensor, output: Output, *, weight: float = 1.0

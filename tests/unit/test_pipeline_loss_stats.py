@@ -96,3 +96,13 @@ def test_stats_idle_device_and_empty() -> None:
     s = PipelineStats.from_events([_ev(0, "0F0", 0, 1)], devices=2)
     assert s.devices[1].forward_bubble == 1 and s.utilization == 0.5
     assert PipelineStats.from_events([]).utilization == 0.0
+
+
+def test_compute_loss_keeps_a_scalar_as_it_is_and_flattens_a_one_element_loss() -> None:
+    out = torch.ones(2, 3, requires_grad=True)
+    scalar = Loss(lambda o, t: (o - t).square().mean())
+    value = scalar.compute_loss(out, torch.zeros(2, 3))
+    assert value.dim() == 0 and value.grad_fn is not None
+    assert type(value.grad_fn).__name__ == "MeanBackward0"  # no reshape node on top
+    one = Loss(lambda o, t: (o - t).sum().reshape(1, 1), reduction="sum").compute_loss(out, out)
+    assert one.shape == ()
