@@ -141,7 +141,7 @@ class CallSite:
         tensor([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "cache", "fn", "last", "name")
+    __slots__ = ("__weakref__", "cache", "fn", "last", "last1", "name")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -150,6 +150,8 @@ class CallSite:
         # The last signature of handle-only arguments and its entry: one tuple, so it
         # is replaced atomically (sites are shared by threads).
         self.last: tuple[list[Any] | None, Any] = (None, None)
+        # The same for calls of one handle: its spec and the entry.
+        self.last1: tuple[TensorSpec | None, Any] = (None, None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.name}>"
@@ -164,47 +166,65 @@ class CallSite:
         if policy is None:
             return self.fn(*args, **kwargs)
         graph = policy.graph
-        node_depth = graph.node_depth
-        inputs: list[Ref] = []
-        deepest = 0
-        sig: list[Any] = []
-        only_handles = True
-        for a in args:
-            if type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec:
-                # The common case, inlined: a handle for one tensor of this graph.
-                source = a.node
-                inputs.append((source, a.leaf))
-                sig.append(spec)
-                d = node_depth[source]
-                if d > deepest:
-                    deepest = d
-            else:
-                only_handles = False
-                box = [deepest]
-                sig.append(_encode(a, graph, inputs, box))
-                deepest = box[0]
-        if kwargs:
-            box = [deepest]
-            key_sig: Any = (tuple(sig), tuple((k, _encode(v, graph, inputs, box)) for k, v in kwargs.items()))
-            deepest = box[0]
-            entry = self._entry(policy, args, kwargs, key_sig)
+        if (
+            len(args) == 1
+            and not kwargs
+            and type(a := args[0]) is ResultHandle
+            and a._graph is graph
+            and type(spec := a.spec) is TensorSpec
+        ):
+            # The commonest call, one handle for one tensor of this graph (an embedding,
+            # a linear layer, an activation), without the general path's lists.
+            last1 = self.last1
+            entry = last1[1]
+            if last1[0] is not spec or entry.rules_token != policy.rules_token:
+                entry = self._entry(policy, args, kwargs, (spec,))
+                self.last1 = (spec, entry)
+            source = a.node
+            refs: tuple[Ref, ...] = ((source, a.leaf),)
+            deepest = graph.node_depth[source]
         else:
-            # A site is mostly called with one signature over and over: compare with the
-            # last one (specs are interned, so this is identity checks) before hashing.
-            last = self.last
-            if only_handles and last[0] == sig and last[1].rules_token == policy.rules_token:
-                entry = last[1]
+            node_depth = graph.node_depth
+            inputs: list[Ref] = []
+            deepest = 0
+            sig: list[Any] = []
+            only_handles = True
+            for a in args:
+                if type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec:
+                    # The common case, inlined: a handle for one tensor of this graph.
+                    source = a.node
+                    inputs.append((source, a.leaf))
+                    sig.append(spec)
+                    d = node_depth[source]
+                    if d > deepest:
+                        deepest = d
+                else:
+                    only_handles = False
+                    box = [deepest]
+                    sig.append(_encode(a, graph, inputs, box))
+                    deepest = box[0]
+            if kwargs:
+                box = [deepest]
+                key_sig: Any = (tuple(sig), tuple((k, _encode(v, graph, inputs, box)) for k, v in kwargs.items()))
+                deepest = box[0]
+                entry = self._entry(policy, args, kwargs, key_sig)
             else:
-                entry = self._entry(policy, args, kwargs, tuple(sig))
-                if only_handles:
-                    self.last = (sig, entry)
+                # A site is mostly called with one signature over and over: compare with the
+                # last one (specs are interned, so this is identity checks) before hashing.
+                last = self.last
+                if only_handles and last[0] == sig and last[1].rules_token == policy.rules_token:
+                    entry = last[1]
+                else:
+                    entry = self._entry(policy, args, kwargs, tuple(sig))
+                    if only_handles:
+                        self.last = (sig, entry)
+            refs = tuple(inputs)
         memo = entry.memo
         if memo[0] == graph.uid:
             kid = memo[1]
         else:
             kid = graph.key_id(entry.key)
             entry.memo = (graph.uid, kid)
-        refs = tuple(inputs)
         spec = entry.spec
         fresh = node = len(graph.node_key)
         if entry.dedupe and graph.dedupe:
