@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from batchgraph.recording import _ACTIVE, ModuleStub, module_site, pin_stub
+from batchgraph.pinning import pin_stub
+from batchgraph.recording import _ACTIVE, ModuleStub, module_site
 
 __all__ = ["BatchedModule", "ModuleStub"]
 
@@ -94,7 +95,7 @@ class _SubmoduleAttribute:
     While recording, the stub is also *pinned* in the instance ``__dict__`` (which
     wins over this descriptor), so the next reads of ``self.cell`` are plain lookups
     (7x cheaper: per-example code reads them once per call). Every recording context
-    unpins when it ends (``recording.unpin_stubs``); until then, code of another
+    unpins when it ends (``pinning.unpin_stubs``); until then, code of another
     thread reading the attribute gets the stub too, which runs the module eagerly
     when no policy records there.
     """

@@ -25,7 +25,8 @@ from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
-from batchgraph.recording import _ACTIVE, unpin_stubs
+from batchgraph.pinning import unpin_stubs
+from batchgraph.recording import _ACTIVE
 from batchgraph.rules import KeyFactory
 from batchgraph.scheduling import (
     SCHEDULERS,

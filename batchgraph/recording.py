@@ -32,6 +32,7 @@ from batchgraph.errors import (
 )
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
+from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key, probe_vmap
 from batchgraph.specs import (
     CallSignature,
@@ -69,34 +70,6 @@ _UNKNOWABLE = (
     UnsupportedFakeTensorException,
     NotImplementedError,
 )
-
-
-# Stubs pinned in instance dicts while recording (see module._SubmoduleAttribute):
-# (owner, attribute name, stub). Every recording context takes them out when it
-# ends, so outside one an attribute reads as the module again.
-_PINNED: list[tuple[weakref.ref[Any], str, Any]] = []
-
-
-def pin_stub(owner: Any, name: str, stub: Any) -> None:
-    """Let ``owner.<name>`` read as ``stub`` by plain lookup until ``unpin_stubs``."""
-    owner.__dict__[name] = stub
-    _PINNED.append((weakref.ref(owner), name, stub))
-
-
-def unpin_stubs() -> None:
-    """Take every pinned stub out of its instance dict (a recording context ended).
-
-    Recording contexts of other threads lose theirs too; their next read goes
-    through the descriptor again and pins anew, which is only slower.
-    """
-    while _PINNED:
-        try:
-            ref, name, stub = _PINNED.pop()
-        except IndexError:  # another thread emptied it meanwhile
-            return
-        owner = ref()
-        if owner is not None and owner.__dict__.get(name) is stub:
-            owner.__dict__.pop(name, None)
 
 
 def active_policy() -> BatchingPolicy | None:

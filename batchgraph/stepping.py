@@ -32,8 +32,9 @@ from batchgraph.awaiting import (
 )
 from batchgraph.errors import NotComputedError, PolicyMismatchError
 from batchgraph.handle import ResultHandle
+from batchgraph.pinning import unpin_stubs
 from batchgraph.policy import BatchingPolicy
-from batchgraph.recording import _ACTIVE, unpin_stubs
+from batchgraph.recording import _ACTIVE
 from batchgraph.specs import TensorSpec
 
 __all__ = ["Example", "GradMode", "Lane"]
