@@ -17,13 +17,27 @@ they overlap depends on where the tensors live (``overlap="auto"``):
       driver:  launch A0 │ launch B0 │ resume A (sync A0), record A1 │ launch A1 │ resume B ...
       device:            │ A0 ──────────── B0 ─────────────────────── A1 ──────
 
-* ``"thread"`` (auto on the CPU): a lane's step runs on an executor thread while the
-  driver records another lane. Only kernels that release the GIL overlap with
-  recording, so this pays for few large kernels and costs for many small ones (the
-  two threads hand the GIL back and forth)::
+* ``"thread"``: a lane's step runs on one executor thread while the driver records
+  another lane. Only kernels that release the GIL overlap with recording, so this
+  pays for few large kernels and costs for many small ones (the two threads hand the
+  GIL back and forth)::
 
       driver thread:   record A0 │ record B0 │ wait A0, record A1 │ wait B0, record B1 │ ...
       executor thread:           │ compute A0          │ compute B0          │ compute A1
+
+* ``"parallel"``: as ``"thread"``, but each lane's step has an executor thread of its
+  own, so on a CPU with cores to spare the lanes' kernels also run at the same time,
+  each thread with the caller's intra-op thread count: ``k`` groups use up to ``k``
+  times the cores one group does (never more than the process may use).
+
+On the CPU, ``"auto"`` runs the first two batched steps of every lane inline and
+measures them. When execution (mostly kernels, which release the GIL) took longer
+than the Python around it (resuming the examples, which records, and scheduling),
+the lanes go on ``"parallel"``; otherwise they stay ``"inline"``, because threads
+would only pass the GIL back and forth. In ``benchmarks/decode.py`` on a 2-vCPU host
+with one intra-op thread (64 examples, two groups against one), a GRU decoder with
+8000 words chooses parallel (1.01-1.10x; one executor thread gave 0.71x) and one with
+50 words chooses inline (0.75x; parallel gave 0.51x).
 
 A lane is touched by one thread at a time: its examples are all suspended while it
 computes. Results are identical to one group (the same calls, batched differently).
@@ -32,11 +46,15 @@ computes. Results are identical to one group (the same calls, batched differentl
 from __future__ import annotations
 
 import inspect
+import os
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from contextlib import ExitStack
 from typing import Any
+
+import torch
 
 from batchgraph.awaiting import CoroutineExampleError, value
 from batchgraph.policy import BatchingPolicy
@@ -67,8 +85,9 @@ def run_all(
         groups: split the examples into this many lanes that take turns: one lane's
             step computes while the next lane records.
         overlap: how lanes overlap (see the module docstring): ``"inline"``,
-            ``"thread"``, or ``"auto"`` (inline when the first steps record CUDA
-            tensors, else thread). Ignored for one group.
+            ``"thread"``, ``"parallel"``, or ``"auto"`` (inline when the first steps
+            record CUDA tensors; on the CPU, inline or parallel as the first two steps
+            measure). Ignored for one group.
         return_exceptions: put a failing example's exception in its result slot
             instead of raising once the others have finished.
         max_steps: fail an example that awaits more often than this (a coroutine that
@@ -142,18 +161,55 @@ def _drive_one(lane: Lane, mode: GradMode) -> None:
         lane.resume()
 
 
-_OVERLAPS = frozenset({"auto", "inline", "thread"})
+_OVERLAPS = frozenset({"auto", "inline", "parallel", "thread"})
 
 
 def _drive_turns(lanes: list[Lane], mode: GradMode, overlap: str) -> None:
     for lane in lanes:
         lane.start()
     if overlap == "auto":
-        overlap = "inline" if any(lane.records_on_cuda() for lane in lanes) else "thread"
+        if any(lane.records_on_cuda() for lane in lanes):
+            overlap = "inline"
+        else:
+            overlap = _measure_cpu_steps(lanes, mode)
     if overlap == "inline":
         _drive_inline(lanes, mode)
     else:
-        _drive_threaded(lanes, mode)
+        workers = 1 if overlap == "thread" else max(1, _spare_threads(len(lanes)))
+        _drive_threaded(lanes, mode, workers)
+
+
+# Measured steps per lane before "auto" chooses; the first pays one-time costs (shape
+# inference, imports) that later steps do not, so only the ones after it count.
+_PROBE_STEPS = 2
+
+
+def _measure_cpu_steps(lanes: list[Lane], mode: GradMode) -> str:
+    """Step every lane inline ``_PROBE_STEPS`` times and choose how the rest overlap:
+    ``"parallel"`` when execution outweighed the Python around it, else ``"inline"``."""
+    if _spare_threads(len(lanes)) < 2:
+        return "inline"
+    execute = python = 0.0
+    for probe in range(_PROBE_STEPS):
+        for lane in lanes:
+            if not lane.live:
+                continue
+            lane.compute(lane.live, mode)
+            stats = lane.policy.stats
+            start = time.perf_counter()
+            lane.resume()
+            resumed = time.perf_counter() - start
+            if probe and stats is not None:
+                execute += stats.execute_seconds
+                python += stats.schedule_seconds + resumed
+    return "parallel" if execute > python else "inline"
+
+
+def _spare_threads(lanes: int) -> int:
+    """Executor threads that can compute at once: one per lane, as many as the cores
+    the process may use hold at the caller's intra-op thread count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(lanes, (cores or 1) // max(1, torch.get_num_threads()))
 
 
 def _drive_inline(lanes: list[Lane], mode: GradMode) -> None:
@@ -174,11 +230,12 @@ def _drive_inline(lanes: list[Lane], mode: GradMode) -> None:
             ready.append(lane)
 
 
-def _drive_threaded(lanes: list[Lane], mode: GradMode) -> None:
-    # One executor thread: the device is one resource, the lanes take turns on it.
-    # The driver waits for lanes in the order they were submitted (first in, first
-    # out), so while it waits for one lane the next lane's step is already queued.
-    with compute_pool("batchgraph-step") as pool:
+def _drive_threaded(lanes: list[Lane], mode: GradMode, workers: int) -> None:
+    # With one executor thread the lanes take turns on it; with more, their steps also
+    # run at the same time. The driver waits for lanes in the order they were submitted
+    # (first in, first out), so while it waits for one lane the next lane's step is
+    # already queued or running.
+    with compute_pool("batchgraph-step", workers) as pool:
         inflight: deque[tuple[Lane, Future[None]]] = deque()
         for lane in lanes:
             if lane.live:

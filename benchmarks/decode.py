@@ -8,7 +8,8 @@ until its own end token (value-dependent control flow) or ``--max-len``. Variant
   embedding, GRU cell, linear and argmax per step for the whole batch; finished rows
   are dropped from the batch (compaction) so no work is spent on them;
 * ``coro1`` / ``coro2``: the same per-example coroutine under ``bg.run_all`` with one
-  group, and with two groups taking turns on the executor thread.
+  group, and with two groups taking turns (``--overlap``, default ``auto``: on the CPU
+  inline or one executor thread per group, as ``run_all`` measures the first steps).
 
 Before timing, all variants must produce identical token sequences in float64 (a
 logic check that float32 near-ties cannot upset); the float32 timed runs then report
@@ -120,23 +121,25 @@ def calibrate(model: Decoder, states: list[torch.Tensor], max_len: int, rate: fl
     model.out.bias[model.eos] += torch.tensor(gaps).quantile(rate).item()
 
 
-def variants(model: Decoder, states: list[torch.Tensor], max_len: int
+def variants(model: Decoder, states: list[torch.Tensor], max_len: int, overlap: str = "auto"
              ) -> dict[str, Callable[[], list[list[int]]]]:
     stacked = torch.stack(states)
     return {
         "eager": lambda: [run_eagerly(model.greedy(h, max_len)) for h in states],
         "hand": lambda: hand_batched(model, stacked, max_len),
         "coro1": lambda: bg.run_all([model.greedy(h, max_len) for h in states]),
-        "coro2": lambda: bg.run_all([model.greedy(h, max_len) for h in states], groups=2),
+        "coro2": lambda: bg.run_all([model.greedy(h, max_len) for h in states], groups=2,
+                                    overlap=overlap),
     }
 
 
 @torch.no_grad()
-def check_identical(model: Decoder, states: list[torch.Tensor], max_len: int) -> int:
+def check_identical(model: Decoder, states: list[torch.Tensor], max_len: int,
+                    overlap: str) -> int:
     model64 = Decoder(*SIZES_OF[id(model)])
     model64.load_state_dict(model.state_dict())
     model64 = model64.double().to(model.out.weight.device)
-    runs = {k: f() for k, f in variants(model64, [s.double() for s in states], max_len).items()}
+    runs = {k: f() for k, f in variants(model64, [s.double() for s in states], max_len, overlap).items()}
     for name, seqs in runs.items():
         if seqs != runs["eager"]:
             raise AssertionError(f"{name} token sequences differ from eager (float64)")
@@ -148,7 +151,7 @@ SIZES_OF: dict[int, tuple[int, int, int]] = {}
 
 @torch.no_grad()
 def bench(size: str, counts: list[int], reps: int, max_len: int, check: int,
-          device: torch.device) -> list[dict[str, Any]]:
+          device: torch.device, overlap: str) -> list[dict[str, Any]]:
     vocab, embed, hidden = SIZES[size]
     torch.manual_seed(0)
     model = Decoder(vocab, embed, hidden).eval().to(device)
@@ -156,11 +159,11 @@ def bench(size: str, counts: list[int], reps: int, max_len: int, check: int,
     gen = torch.Generator().manual_seed(1)
     pool = [torch.randn(hidden, generator=gen).to(device) for _ in range(max(counts))]
     calibrate(model, pool[:8], max_len, rate=0.1)
-    check_identical(model, pool[:check], max_len)
+    check_identical(model, pool[:check], max_len, overlap)
     rows = []
     for count in counts:
         states = pool[:count]
-        runs = variants(model, states, max_len)
+        runs = variants(model, states, max_len, overlap)
         outputs = {k: f() for k, f in runs.items()}  # warm-up, and the float32 agreement
         agree = min(sum(a == b for a, b in zip(outputs[k], outputs["eager"])) for k in runs)
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -207,6 +210,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
     parser.add_argument("--counts", type=int, nargs="+", help="concurrent examples")
+    parser.add_argument("--overlap", default="auto", choices=["auto", "inline", "parallel", "thread"],
+                        help="how coro2's two groups overlap (run_all's overlap=)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -215,6 +220,7 @@ def main() -> None:
     print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus; "
           f"torch {torch.__version__}; intra-op threads {torch.get_num_threads()}; "
           f"max_len {args.max_len}; medians of {reps} interleaved repetitions; "
+          f"coro2 overlap {args.overlap}; "
           f"device {device}" + (f" ({torch.cuda.get_device_name(device)})"
                                 if device.type == "cuda" else ""))
     print(f"{'size':10} {'conc':>5} {'eager/s':>9} {'hand/s':>9} {'coro1/s':>9} {'coro2/s':>9} "
@@ -222,13 +228,14 @@ def main() -> None:
           f"{'agree':>8}")
     rows = []
     for size in args.sizes:
-        rows += bench(size, counts, reps, args.max_len, 8 if args.quick else 16, device)
+        rows += bench(size, counts, reps, args.max_len, 8 if args.quick else 16, device,
+                      args.overlap)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "threads": 1, "device": str(device)},
-        "max_len": args.max_len, "reps": reps, "rows": rows,
+        "max_len": args.max_len, "reps": reps, "overlap": args.overlap, "rows": rows,
     }, indent=2))
     print(f"(sequences/s; coro/hd = coroutines vs hand-batched; 2g/1g = two groups vs one; "
           f"ovh us = (coro1 - hand) time per example step; agree = float32 sequences equal "

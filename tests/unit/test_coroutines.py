@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -73,7 +74,7 @@ def test_value_accepts_nested_structures() -> None:
     assert got["n"] == 3 and got["b"][0] is x
 
 
-@pytest.mark.parametrize("overlap", ["auto", "thread", "inline"])
+@pytest.mark.parametrize("overlap", ["auto", "thread", "inline", "parallel"])
 @pytest.mark.parametrize("groups", [2, 3, 7])
 def test_groups_give_identical_results(groups: int, overlap: str) -> None:
     model = make_decoder(2)
@@ -126,7 +127,7 @@ def test_groups_compute_on_an_executor_thread_with_no_policy_active() -> None:
         return x
 
     xs = [torch.randn(4, dtype=torch.float64) for _ in range(6)]
-    bg.run_all([example(x) for x in xs], groups=2)  # CPU tensors: "auto" is a thread
+    bg.run_all([example(x) for x in xs], groups=2, overlap="thread")
     assert recorded_on == {threading.get_ident()}
     assert all(not active for _, active in probe.seen)
     assert {tid for tid, _ in probe.seen} != {threading.get_ident()}
@@ -135,6 +136,111 @@ def test_groups_compute_on_an_executor_thread_with_no_policy_active() -> None:
     bg.run_all([example(x) for x in xs], groups=2, overlap="inline")
     assert {tid for tid, _ in probe.seen} == {threading.get_ident()}
     assert all(not active for _, active in probe.seen) and len(probe.seen) == 6
+
+
+class _Rendezvous(nn.Module):
+    """A batched call that waits (GIL released) until ``parties`` calls are inside it
+    at once: it only gets through when lanes compute at the same time."""
+
+    def __init__(self, parties: int, timeout: float) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(parties, timeout=timeout)
+        self.threads: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_fake(x):
+            self.threads.add(threading.get_ident())
+            self.barrier.wait()
+        return x * 2
+
+
+@pytest.fixture
+def one_intra_op_thread() -> Generator[None, None, None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cores() -> int:
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+async def _meet_three_times(meet: Any, x: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):
+        x = await bg.value(meet(x))
+    return x
+
+
+@pytest.mark.skipif(_cores() < 2, reason="lanes compute at the same time only with 2+ cores")
+@pytest.mark.usefixtures("one_intra_op_thread")
+def test_parallel_lanes_compute_at_the_same_time_on_threads_of_their_own() -> None:
+    rendezvous = _Rendezvous(2, timeout=10)
+    meet = bg.batched_func(rendezvous)
+    xs = [torch.full((2,), float(i)) for i in range(4)]
+    got = bg.run_all([_meet_three_times(meet, x) for x in xs], groups=2, overlap="parallel")
+    for x, y in zip(xs, got):
+        torch.testing.assert_close(y, x * 8)
+    assert len(rendezvous.threads) == 2 and threading.get_ident() not in rendezvous.threads
+
+
+@pytest.mark.usefixtures("one_intra_op_thread")
+def test_lanes_on_one_executor_thread_take_turns() -> None:
+    # The counterpart: served in turn, the first call waits for a second that never
+    # comes, the barrier breaks, and every example fails with it.
+    meet = bg.batched_func(_Rendezvous(2, timeout=0.2))
+    xs = [torch.full((2,), float(i)) for i in range(4)]
+    got = bg.run_all([_meet_three_times(meet, x) for x in xs], groups=2, overlap="thread",
+                     return_exceptions=True)
+    assert all(isinstance(g, bg.BatchedCallError) for g in got)
+
+
+class _Slow(nn.Module):
+    """A batched call whose execution (a GIL-free wait) outweighs any Python around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_fake(x):
+            self.threads.append(threading.get_ident())
+            time.sleep(0.02)
+        return x + 1
+
+
+@pytest.mark.skipif(_cores() < 2, reason="auto goes parallel only with 2+ cores")
+@pytest.mark.usefixtures("one_intra_op_thread")
+def test_auto_measures_the_first_steps_and_chooses_parallel_when_execution_dominates() -> None:
+    slow = _Slow()
+    step = bg.batched_func(slow)
+    xs = [torch.zeros(2) for _ in range(4)]
+    got = bg.run_all([_meet_three_times(step, x) for x in xs], groups=2)
+    assert all(float(y.sum()) == 6.0 for y in got)
+    main = threading.get_ident()
+    # Two lanes x three steps: the first two steps of each lane are measured inline.
+    assert slow.threads[:4] == [main] * 4
+    assert main not in slow.threads[4:] and len(slow.threads) == 6
+
+
+@pytest.mark.usefixtures("one_intra_op_thread")
+def test_auto_stays_inline_when_python_dominates() -> None:
+    probe = _Probe()
+    f = bg.batched_func(probe)
+
+    async def example(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            for _ in range(100):  # much Python per step, one tiny batched call
+                x = x + 0
+            x = await bg.value(f(x))
+        return x
+
+    bg.run_all([example(torch.randn(4, dtype=torch.float64)) for _ in range(6)], groups=2)
+    assert {tid for tid, _ in probe.seen} == {threading.get_ident()}
 
 
 @pytest.mark.parametrize("groups", [1, 2])
