@@ -16,9 +16,14 @@ examples = st.lists(
 )
 
 
-@given(seed=st.integers(0, 2**16), batch=examples, groups=st.integers(1, 3))
+@given(
+    seed=st.integers(0, 2**16),
+    batch=examples,
+    groups=st.integers(1, 3),
+    overlap=st.sampled_from(["auto", "inline", "thread", "parallel"]),
+)
 def test_greedy_decoding_equals_eager(
-    seed: int, batch: list[tuple[int, int, int]], groups: int
+    seed: int, batch: list[tuple[int, int, int]], groups: int, overlap: str
 ) -> None:
     model = make_decoder(seed)
     states = [
@@ -27,7 +32,9 @@ def test_greedy_decoding_equals_eager(
     ]
     eager = [run_eagerly(model.greedy(h, stop, n)) for h, (_, stop, n) in zip(states, batch)]
     got = bg.run_all(
-        [model.greedy(h, stop, n) for h, (_, stop, n) in zip(states, batch)], groups=groups
+        [model.greedy(h, stop, n) for h, (_, stop, n) in zip(states, batch)],
+        groups=groups,
+        overlap=overlap,
     )
     assert got == eager
 

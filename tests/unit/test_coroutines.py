@@ -243,8 +243,11 @@ def test_auto_stays_inline_when_python_dominates() -> None:
     assert {tid for tid, _ in probe.seen} == {threading.get_ident()}
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_gradients_flow_and_grad_mode_reaches_the_executor_thread(groups: int) -> None:
+@pytest.mark.parametrize(("groups", "overlap"), [(1, "auto"), (2, "auto"), (2, "inline"),
+                                               (2, "thread"), (2, "parallel")])
+def test_gradients_flow_and_grad_mode_reaches_the_executor_thread(
+    groups: int, overlap: str
+) -> None:
     model = make_decoder(3)
 
     async def loss(h: torch.Tensor) -> Any:
@@ -254,11 +257,12 @@ def test_gradients_flow_and_grad_mode_reaches_the_executor_thread(groups: int) -
 
     eager = torch.stack([run_eagerly(loss(h)) for h in STATES]).sum()
     (want,) = torch.autograd.grad(eager, model.out.weight)
-    got = torch.stack(bg.run_all([loss(h) for h in STATES], groups=groups)).sum()
+    got = torch.stack(bg.run_all([loss(h) for h in STATES], groups=groups,
+                                 overlap=overlap)).sum()
     (have,) = torch.autograd.grad(got, model.out.weight)
     torch.testing.assert_close(have, want)
     with torch.no_grad():
-        values = bg.run_all([loss(h) for h in STATES], groups=groups)
+        values = bg.run_all([loss(h) for h in STATES], groups=groups, overlap=overlap)
     assert not any(v.requires_grad for v in values)
 
 
