@@ -7,7 +7,7 @@ until its own end token (value-dependent control flow) or ``--max-len``. Variant
 * ``hand``: hand-written batched decoding with padding and masks — the ceiling. One
   embedding, GRU cell, linear and argmax per step for the whole batch; finished rows
   are dropped from the batch (compaction) so no work is spent on them;
-* ``floor``: the most any coroutine batcher could reach in Python: per-example
+* ``floor``: about the most any coroutine batcher could reach in Python: per-example
   coroutines of the same shape (three calls, one await a step) whose calls only note
   their arguments, under a driver written for this one decoder that runs the
   hand-batched kernels each step. ``coro1`` against ``floor`` is batchgraph's own cost;
@@ -142,8 +142,8 @@ async def _floor_example(h: Any, max_len: int, eos: int) -> list[int]:
 
 
 def floor_driver(model: Decoder, states: torch.Tensor, max_len: int) -> list[list[int]]:
-    """The most a coroutine batcher could reach here in Python: a driver written for
-    this one decoder. Each step reads every waiting example's token, runs the
+    """About the most a coroutine batcher could reach here in Python: a driver written
+    for this one decoder. Each step reads every waiting example's token, runs the
     hand-batched kernels on the live rows (argmax included) and sends each example its
     token as an int; no graph, no scheduling, nothing general."""
     count = states.shape[0]
@@ -155,8 +155,9 @@ def floor_driver(model: Decoder, states: torch.Tensor, max_len: int) -> list[lis
     h = states
     while live:
         tokens = [waits[i].call.args[0].args[0].args[0] for i in live]
-        rows = torch.tensor([row_of[i] for i in live], device=h.device)
-        h = model.cell(model.embed(torch.tensor(tokens, device=h.device)), h.index_select(0, rows))
+        if len(live) < h.shape[0]:  # some ended: keep the rows of those still running
+            h = h.index_select(0, torch.tensor([row_of[i] for i in live], device=h.device))
+        h = model.cell(model.embed(torch.tensor(tokens, device=h.device)), h)
         chosen = model.out(h).argmax(-1).tolist()
         still = []
         for j, i in enumerate(live):
