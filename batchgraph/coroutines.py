@@ -36,8 +36,8 @@ than the Python around it (resuming the examples, which records, and scheduling)
 the lanes go on ``"parallel"``; otherwise they stay ``"inline"``, because threads
 would only pass the GIL back and forth. In ``benchmarks/decode.py`` on a 2-vCPU host
 with one intra-op thread (64 examples, two groups against one), a GRU decoder with
-8000 words chooses parallel (1.01-1.10x; one executor thread gave 0.71x) and one with
-50 words chooses inline (0.75x; parallel gave 0.51x).
+8000 words chooses parallel (0.97-1.17x; one executor thread gave 0.71x) and one with
+50 words chooses inline (0.73-0.75x; parallel gave 0.51x).
 
 A lane is touched by one thread at a time: its examples are all suspended while it
 computes. Results are identical to one group (the same calls, batched differently).
