@@ -56,13 +56,14 @@ class Decoder(bg.BatchedModule):
     async def greedy(self, h: Any, max_len: int) -> list[int]:
         tok, out = BOS, []
         device = self.out.weight.device
+        on_cpu, where = device.type == "cpu", _scalar_device(device)
         for _ in range(max_len):
-            h = self.cell(self.embed(bg.batched_value(tok, device=_scalar_device(device))), h)
+            h = self.cell(self.embed(bg.batched_value(tok, device=where)), h)
             # On the CPU the example takes the argmax of its own row (measured faster at
             # the tiny size than recording it); on a GPU the argmax and the copy to the
             # host are recorded, so they run batched: one copy per batch, no sync per example.
             logits = self.out(h)
-            if device.type == "cpu":
+            if on_cpu:
                 tok = int((await bg.value(logits)).argmax())
             else:
                 tok = int(await bg.value(logits.argmax().cpu()))
