@@ -46,7 +46,6 @@ computes. Results are identical to one group (the same calls, batched differentl
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
@@ -59,7 +58,7 @@ import torch
 from batchgraph.awaiting import CoroutineExampleError, value
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, GradMode, Lane, grad_mode
-from batchgraph.threads import compute_pool
+from batchgraph.threads import compute_pool, usable_cores
 
 __all__ = ["run_all", "value"]
 
@@ -208,8 +207,7 @@ def _measure_cpu_steps(lanes: list[Lane], mode: GradMode) -> str:
 def _spare_threads(lanes: int) -> int:
     """Executor threads that can compute at once: one per lane, as many as the cores
     the process may use hold at the caller's intra-op thread count."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(lanes, (cores or 1) // max(1, torch.get_num_threads()))
+    return min(lanes, usable_cores() // max(1, torch.get_num_threads()))
 
 
 def _drive_inline(lanes: list[Lane], mode: GradMode) -> None:

@@ -10,11 +10,12 @@ tensor work on behalf of the caller is therefore made here.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["compute_pool"]
+__all__ = ["compute_pool", "usable_cores"]
 
 
 def compute_pool(prefix: str, workers: int = 1) -> ThreadPoolExecutor:
@@ -36,3 +37,15 @@ def compute_pool(prefix: str, workers: int = 1) -> ThreadPoolExecutor:
         initializer=torch.set_num_threads,
         initargs=(torch.get_num_threads(),),
     )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one).
+
+    Example:
+        >>> usable_cores() >= 1
+        True
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

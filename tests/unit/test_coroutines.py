@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 import batchgraph as bg
 from batchgraph.recording import active_policy
+from batchgraph.threads import usable_cores
 from tests.property.decoder_models import Decoder, make_decoder, run_eagerly
 
 STATES = [torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
@@ -162,21 +163,13 @@ def one_intra_op_thread() -> Generator[None, None, None]:
     torch.set_num_threads(before)
 
 
-def _cores() -> int:
-    import os
-
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 async def _meet_three_times(meet: Any, x: torch.Tensor) -> torch.Tensor:
     for _ in range(3):
         x = await bg.value(meet(x))
     return x
 
 
-@pytest.mark.skipif(_cores() < 2, reason="lanes compute at the same time only with 2+ cores")
+@pytest.mark.skipif(usable_cores() < 2, reason="lanes compute at the same time only with 2+ cores")
 @pytest.mark.usefixtures("one_intra_op_thread")
 def test_parallel_lanes_compute_at_the_same_time_on_threads_of_their_own() -> None:
     rendezvous = _Rendezvous(2, timeout=10)
@@ -213,7 +206,7 @@ class _Slow(nn.Module):
         return x + 1
 
 
-@pytest.mark.skipif(_cores() < 2, reason="auto goes parallel only with 2+ cores")
+@pytest.mark.skipif(usable_cores() < 2, reason="auto goes parallel only with 2+ cores")
 @pytest.mark.usefixtures("one_intra_op_thread")
 def test_auto_measures_the_first_steps_and_chooses_parallel_when_execution_dominates() -> None:
     slow = _Slow()
