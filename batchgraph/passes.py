@@ -25,14 +25,17 @@ __all__ = ["LiveGraph", "prune"]
 class LiveGraph:
     """The nodes to run, in recording order, with their dependency counts.
 
-    Indexed by node id: ``pending[n]`` is how many of ``n``'s inputs are not computed
-    yet (an input used twice counts twice); ``consumers[n]`` lists the live nodes that
-    use ``n`` (as often), or is None.
+    Indexed by node id less ``base`` (every live node is at least ``base``: the
+    graph's first uncomputed node): ``pending[n - base]`` is how many of ``n``'s inputs
+    are not computed yet (an input used twice counts twice); ``consumers[n - base]``
+    lists the live nodes that use ``n`` (as often), or is None. The window keeps a
+    coroutine run's steps from paying for every node recorded before them.
     """
 
     nodes: list[int]
     pending: list[int]
     consumers: list[list[int] | None]
+    base: int = 0
 
 
 def prune(graph: Graph, roots: Iterable[int]) -> LiveGraph:
@@ -57,37 +60,40 @@ def prune(graph: Graph, roots: Iterable[int]) -> LiveGraph:
             return everything
     loc = graph.node_loc
     inputs = graph.node_inputs
-    size = len(loc)
-    needed = bytearray(size)
+    # Nodes below the graph's first uncomputed one are all computed: the arrays cover
+    # only the nodes from there on (indexed by node - floor).
+    floor = graph.first_uncomputed
     top = -1
     for r in roots:
+        if loc[r] < 0 and r > top:
+            top = r
+    size = max(0, top + 1 - floor)
+    needed = bytearray(size)
+    for r in roots:
         if loc[r] < 0:
-            needed[r] = 1
-            if r > top:
-                top = r
+            needed[r - floor] = 1
     pending = [0] * size
     consumers: list[list[int] | None] = [None] * size
-    # Nodes below the graph's first uncomputed one are all computed: stop there.
-    floor = graph.first_uncomputed
-    for n in range(top, floor - 1, -1):
-        if needed[n]:
+    for i in range(size - 1, -1, -1):
+        if needed[i]:
+            n = i + floor
             waiting = 0
             for s, _ in inputs[n]:
-                if loc[s] < 0:
+                if loc[s] < 0:  # uncomputed, so at least floor
                     waiting += 1
-                    needed[s] = 1
-                    users = consumers[s]
+                    j = s - floor
+                    needed[j] = 1
+                    users = consumers[j]
                     if users is None:
-                        consumers[s] = [n]
+                        consumers[j] = [n]
                     else:
                         users.append(n)
-            pending[n] = waiting
-    count = needed.count(1)
-    if count == top + 1 - floor:  # the usual case: everything recorded is needed
+            pending[i] = waiting
+    if needed.count(1) == size:  # the usual case: everything recorded is needed
         nodes = list(range(floor, top + 1))
     else:
-        nodes = [n for n in range(floor, top + 1) if needed[n]]
-    return LiveGraph(nodes, pending, consumers)
+        nodes = [i + floor for i in range(size) if needed[i]]
+    return LiveGraph(nodes, pending, consumers, floor)
 
 
 def _everything_needed(graph: Graph, roots: list[int]) -> LiveGraph | None:

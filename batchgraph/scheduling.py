@@ -24,6 +24,7 @@ import heapq
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, cast
 
 from batchgraph.gathering import GatherPlan, GatherPlanner, record_uses
@@ -132,6 +133,7 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
     keys = graph.keys
     pending = live.pending[:]  # consumed as steps are taken
     consumers = live.consumers
+    base = live.base  # both are indexed by node - base
     # Per key id (small ints): lists beat dicts here, this runs once per node.
     depth_sum = [0] * len(keys)
     count = [0] * len(keys)
@@ -141,7 +143,7 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
         k = node_key[n]
         depth_sum[k] += node_depth[n]
         count[k] += 1
-        if not pending[n]:
+        if not pending[n - base]:
             waiting = ready[k]
             if waiting is None:
                 ready[k] = [n]
@@ -161,12 +163,13 @@ def agenda_order(graph: Graph, live: LiveGraph) -> list[tuple[int, list[int]]]:
         ready[k] = None
         steps.append((k, nodes))
         for n in nodes:
-            users = consumers[n]
+            users = consumers[n - base]
             if users is None:
                 continue
             for c in users:
-                left = pending[c] - 1
-                pending[c] = left
+                j = c - base
+                left = pending[j] - 1
+                pending[j] = left
                 if not left:
                     kc = node_key[c]
                     waiting = ready[kc]
@@ -203,14 +206,37 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
     if order_fn is None:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
     order = order_fn(graph, live)
+    # Locations are planned first, all of them: the planner needs each value's last
+    # use. The graph's own locations only change once execution succeeds, so:
+    if graph.first_uncomputed == 0:
+        # the first compute plans on a copy, which the executor then adopts (every
+        # node is new, so copying costs about what setting each location would);
+        loc = graph.node_loc[:]
+        in_place = False
+    else:
+        # later ones (a coroutine run's steps) plan in place and set the live nodes
+        # back afterwards: a copy would cost every node recorded before them.
+        loc = graph.node_loc
+        in_place = True
+    setloc = loc.__setitem__
+    try:
+        return _plan(graph, order, loc, scheduler, in_place)
+    finally:
+        if in_place:
+            for _, nodes in order:
+                deque(map(setloc, nodes, repeat(-1)), maxlen=0)
+
+
+def _plan(
+    graph: Graph, order: list[tuple[int, list[int]]], loc: list[int], scheduler: str,
+    in_place: bool,
+) -> Schedule:
+    """The steps of ``order`` with their gather plans (``loc``: the locations to plan on)."""
     base = len(graph.stores)
     keys = graph.keys
     inputs = graph.node_inputs
     # Rows per store (earlier computes' stores, then this schedule's steps).
     sizes = _store_sizes(graph)
-    # Locations are planned on a copy (the graph only changes once execution
-    # succeeds), all of them first: the planner needs each value's last use.
-    loc = graph.node_loc[:]
     setloc = loc.__setitem__
     for i, (k, nodes) in enumerate(order):
         sizes.append(len(nodes) if keys[k].combine == "stack" else -1)
@@ -241,7 +267,8 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
         key = keys[step.key]
         if key.combine == "stack":
             planner.produced(step.store, _leaf_specs(key, graph.node_spec[step.nodes[0]]))
-    return Schedule(steps, base, scheduler, planned_loc=(graph.uid, loc))
+    return Schedule(steps, base, scheduler,
+                    planned_loc=None if in_place else (graph.uid, loc))
 
 
 def _store_sizes(graph: Graph) -> list[int]:

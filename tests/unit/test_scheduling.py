@@ -95,3 +95,30 @@ def test_deep_steps_gather_from_a_carried_pool_not_from_every_earlier_step() -> 
         assert len(cells) >= 8
         assert all(sources <= 3 and selects == 0 and perms <= 1
                    for _, sources, selects, perms in gathers), gathers
+
+
+def test_a_later_compute_schedules_only_its_own_nodes() -> None:
+    """A coroutine run's steps must not pay for every node recorded before them: the
+    dependency arrays cover the uncomputed nodes only, and planning leaves the graph's
+    locations as they were until execution."""
+    from batchgraph.passes import prune
+    from batchgraph.scheduling import build_schedule
+
+    tanh = bg.batched_func(torch.tanh)
+    with bg.BatchingPolicy() as policy:
+        first = [tanh(torch.full((2,), float(i))) for i in range(50)]
+    bg.compute(first)
+    graph = policy.graph
+    computed = len(graph)
+    with policy:
+        later = [tanh(h) for h in first[:3]]
+    live = prune(graph, [h.node for h in later])
+    assert live.base == computed
+    assert len(live.pending) == len(live.consumers) == 3
+    before = graph.node_loc[:]
+    schedule = build_schedule(graph, live)
+    assert graph.node_loc == before  # planned in place, then set back
+    assert [n for step in schedule.steps for n in step.nodes] == [h.node for h in later]
+    values = policy.compute(later)
+    for h, v in zip(first[:3], values):
+        torch.testing.assert_close(v, torch.tanh(bg.compute(h)))
