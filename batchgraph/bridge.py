@@ -34,8 +34,10 @@ Rules that keep it correct:
   dropped.
 * An example that raises fails only its own caller; a failing batched call is
   retried per example so only the examples whose calls fail get the error.
-* Memory stays bounded: an empty lane is dropped, and a lane whose graph grows past
-  ``max_graph_nodes`` takes no new examples and is dropped once they finish.
+* Memory stays bounded: each step releases the values nothing can read any more
+  (``batchgraph.releasing``); an empty lane is dropped, and a lane whose graph (its
+  per-node bookkeeping) grows past ``max_graph_nodes`` takes no new examples and is
+  dropped once they finish.
 """
 
 from __future__ import annotations

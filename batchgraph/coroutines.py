@@ -41,6 +41,11 @@ with one intra-op thread (64 examples, two groups against one), a GRU decoder wi
 
 A lane is touched by one thread at a time: its examples are all suspended while it
 computes. Results are identical to one group (the same calls, batched differently).
+
+Memory: after each step a lane releases the values that nothing can read any more
+(no handle to them is left and no pending call takes them; see
+``batchgraph.releasing``), so a long decode holds about one step's outputs, not all
+of them.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
         # Built field by field, as CallSite.__call__ does: a third cheaper than __init__.
         h = _new_handle(ResultHandle)
         h._graph = graph
+        h._gen = graph.generation
         h.node = node
         h.leaf = 0
         h.spec = graph.node_spec[node]

@@ -82,6 +82,15 @@ class Graph:
         self.store_sizes: list[int] = []
         # Every node below this id is computed (advanced after each execution).
         self.first_uncomputed = 0
+        # Releasing dead values as a coroutine run goes (batchgraph.releasing): what
+        # every new handle holds (a Generation; None when not releasing), the first
+        # node of that generation, and where the older nodes its handles stand for
+        # (merged calls and constants) live: their stores, or the nodes themselves
+        # while not computed.
+        self.generation: object | None = None
+        self.generation_first = 0
+        self.revived: list[int] = []
+        self.revived_pending: list[int] = []
 
     def __len__(self) -> int:
         return len(self.node_key)
@@ -131,11 +140,13 @@ class Graph:
         if self.dedupe:
             signature = constant_signature(kid, value)
             if signature is not None:
-                existing = self.dedupe_table.get(signature)
-                if existing is not None:
+                fresh = len(self.node_key)
+                existing = self.dedupe_table.setdefault(signature, fresh)
+                if existing < self.generation_first:
+                    existing = self.revive(existing, signature, fresh)
+                if existing != fresh:
                     self.merged += 1
                     return existing
-                self.dedupe_table[signature] = len(self.node_key)
         n = self.add_node(kid, (), 0, spec)
         self.constants[n] = value
         return n
@@ -149,6 +160,8 @@ class Graph:
         n = len(self.node_key)
         if self.dedupe:
             existing = self.dedupe_table.setdefault((kid, value), n)  # one hash
+            if existing < self.generation_first:
+                existing = self.revive(existing, (kid, value), n)
             if existing != n:
                 self.merged += 1
                 return existing
@@ -160,6 +173,24 @@ class Graph:
         self.node_loc.append(-1)
         self.constants[n] = value
         return n
+
+    def revive(self, node: int, signature: Any, fresh: int) -> int:
+        """What a merge with ``node``, made by an older generation, should use.
+
+        While a coroutine run releases dead values, its value may be gone: then the
+        call or constant is recorded anew (``fresh``, which takes over ``signature``).
+        Otherwise the current generation keeps it alive from now on.
+        """
+        loc = self.node_loc[node]
+        if loc < 0:
+            self.revived_pending.append(node)
+            return node
+        store = loc >> STORE_SHIFT
+        if not self.stores[store]:
+            self.dedupe_table[signature] = fresh
+            return fresh
+        self.revived.append(store)
+        return node
 
     @property
     def calls_recorded(self) -> int:
@@ -175,8 +206,13 @@ class Graph:
     def leaf_value(self, n: int, leaf: int) -> torch.Tensor:
         """The per-example value of one output leaf of a computed node."""
         loc = self.node_loc[n]
-        column = self.stores[loc >> STORE_SHIFT][leaf]
-        value: torch.Tensor = column[loc & ROW_MASK]
+        store = self.stores[loc >> STORE_SHIFT]
+        if not store:
+            raise RuntimeError(
+                f"the value of node {n} of {self.name!r} was released: no handle to it "
+                "was alive at a later step (a batchgraph bug; please report it)"
+            )
+        value: torch.Tensor = store[leaf][loc & ROW_MASK]
         return value
 
 

@@ -59,11 +59,13 @@ class ResultHandle:
         tensor([1., 1., 1.])
     """
 
-    __slots__ = ("_graph", "leaf", "node", "spec")
+    # _gen: the graph's generation when the handle was made (see batchgraph.releasing).
+    __slots__ = ("_gen", "_graph", "leaf", "node", "spec")
 
     def __init__(self, graph: Graph, node: int, leaf: int, spec: OutSpec) -> None:
-        # CallSite.__call__ sets these four fields itself (faster): keep the two in step.
+        # CallSite.__call__ sets these fields itself (faster): keep the two in step.
         self._graph = graph
+        self._gen = graph.generation
         self.node = node
         self.leaf = leaf
         self.spec = spec

@@ -204,6 +204,8 @@ class CallSite:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
             # One setdefault hashes the signature once (a tuple's hash is not cached).
             node = graph.dedupe_table.setdefault((kid, refs), fresh)
+            if node < graph.generation_first:  # an older step's call (coroutine runs)
+                node = graph.revive(node, (kid, refs), fresh)
         if node != fresh:
             graph.merged += 1
             graph.merged_calls += 1
@@ -219,6 +221,7 @@ class CallSite:
         if entry.single:
             h = _new_handle(ResultHandle)
             h._graph = graph
+            h._gen = graph.generation
             h.node = node
             h.leaf = 0
             h.spec = spec
@@ -229,11 +232,13 @@ class CallSite:
         if len(children) == 2:  # (h, c) and friends, without a comprehension frame
             h = _new_handle(ResultHandle)
             h._graph = graph
+            h._gen = graph.generation
             h.node = node
             h.leaf = 0
             h.spec = children[0][1]
             c = _new_handle(ResultHandle)
             c._graph = graph
+            c._gen = graph.generation
             c.node = node
             c.leaf = 1
             c.spec = children[1][1]

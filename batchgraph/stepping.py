@@ -9,6 +9,10 @@ a loop of two halves that never overlap for the same lane::
     value; it records until its next await     handle of the lane (one batched step)
                                            ◀──
 
+At the end of each compute, the lane's ``StoreReleaser`` frees the stored values that
+nothing can read any more (``batchgraph.releasing``), so memory does not grow with
+the number of steps.
+
 Because a lane's examples are all suspended while its step computes, a lane's graph
 is only ever touched by one thread at a time; the recording ContextVar is set only on
 the driver thread, and computes run with no policy active (so a module that happens
@@ -35,6 +39,7 @@ from batchgraph.handle import ResultHandle
 from batchgraph.pinning import unpin_stubs
 from batchgraph.policy import BatchingPolicy
 from batchgraph.recording import _ACTIVE
+from batchgraph.releasing import StoreReleaser
 from batchgraph.specs import TensorSpec
 
 __all__ = ["Example", "GradMode", "Lane"]
@@ -93,6 +98,8 @@ class Lane:
         self.live = examples
         self.max_steps = max_steps
         self.steps = 0  # batched steps computed
+        # Frees each step's values once nothing can read them (batchgraph.releasing).
+        self.releaser = StoreReleaser(policy.graph)
 
     # -- driver thread ---------------------------------------------------------------
     def records_on_cuda(self) -> bool:
@@ -225,6 +232,7 @@ class Lane:
         finally:
             _ACTIVE.reset(token)
         self.steps += 1
+        self.releaser.step()  # the examples still hold this step's handles
 
     def _compute(self, examples: list[Example]) -> None:
         # policy.compute hands back each example's awaited structure with tensors in

@@ -1,0 +1,188 @@
+"""Releasing a coroutine run's dead values as it goes.
+
+A coroutine run (``run_all``, ``AsyncBatcher``) computes one graph once per step,
+thousands of times, and every step adds its batched outputs to the graph's stores.
+Kept to the end, a decoder's run would hold every step's logits: memory growing with
+examples x steps x vocabulary, and on a GPU an out-of-memory error long before a
+long decode ends.
+
+A computed value can be needed later in two ways only:
+
+* a live handle stands for it (its example may await it or record from it), or
+* a recorded node that is not computed yet takes it as an input.
+
+Handles are grouped in *generations*: every handle recorded between two computes
+holds the same ``Generation`` object, which the graph itself references only weakly.
+When all handles of a generation are gone (reference counting frees them as soon as
+the examples rebind their variables), so is the ``Generation``, and its values are
+needed only if an uncomputed node reads them. After each compute,
+``StoreReleaser.step`` drops the stores that nothing needs; the autograd graph keeps
+what a backward pass needs on its own.
+
+Merged calls and constants: an identical call recorded in a later step is merged with
+the earlier node (the same token embedded again costs nothing) while that node's
+value is still held; the later generation then keeps it alive too (``revived``). A
+merge with a value already released records the call anew instead.
+
+Example:
+    >>> import batchgraph as bg, torch
+    >>> policy = bg.BatchingPolicy()
+    >>> releaser = StoreReleaser(policy.graph)
+    >>> with policy:
+    ...     h = bg.batched_func(torch.tanh)(torch.zeros(2))
+    >>> _ = policy.compute(h); releaser.step()
+    >>> policy.graph.stores[0] != []       # h still stands for it
+    True
+    >>> del h; releaser.step()
+    >>> policy.graph.stores[0]
+    []
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from batchgraph.graph import STORE_SHIFT, Graph
+
+__all__ = ["Generation", "StoreReleaser"]
+
+
+class Generation:
+    """Held by every handle recorded between two computes; see the module docstring."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Closed:
+    """A generation that stopped recording: its nodes, the stores of the older nodes it
+    revived (and those of them not computed yet), the first store its own nodes can
+    be in and, once all are computed, every store it needs."""
+
+    __slots__ = ("alive", "first", "first_store", "pending", "revived", "stop", "stores")
+
+    def __init__(self, alive: weakref.ref[Generation], first: int, stop: int,
+                 first_store: int, revived: set[int], pending: list[int]) -> None:
+        self.alive = alive
+        self.first = first
+        self.stop = stop
+        self.first_store = first_store
+        self.revived = revived
+        self.pending = pending
+        self.stores: set[int] | None = None
+
+
+class StoreReleaser:
+    """Tracks the handle generations of ``graph`` and frees the stores nothing needs.
+
+    Call ``step()`` after each compute of the graph, before its examples resume: it
+    closes the generation recorded before that compute and releases the stores of
+    the generations whose handles are all gone.
+
+    Attributes:
+        released: stores freed so far.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.released = 0
+        self._closed: list[_Closed] = []
+        self._held: set[int] = set()  # stores not released yet
+        self._stores_seen = len(graph.stores)
+        self._last_compute_from = -1  # the first store of the compute before step()
+        self._leftovers: list[int] = []  # nodes no compute needed so far
+        self._scanned = len(graph)  # nodes below this were checked for leftovers
+        self._open()
+
+    def _open(self) -> None:
+        graph = self.graph
+        graph.generation = Generation()
+        graph.generation_first = len(graph)
+        graph.revived = []
+        graph.revived_pending = []
+
+    def step(self) -> None:
+        """Close the recording generation, open a new one, release what nothing needs."""
+        graph = self.graph
+        gen = graph.generation
+        if len(graph) > graph.generation_first or graph.revived or graph.revived_pending:
+            assert isinstance(gen, Generation)
+            self._closed.append(_Closed(weakref.ref(gen), graph.generation_first, len(graph),
+                                        self._stores_seen, set(graph.revived),
+                                        graph.revived_pending))
+        self._open()
+        self._drop_computed_constants()
+        stores = graph.stores
+        held = self._held
+        held.update(range(self._stores_seen, len(stores)))
+        self._last_compute_from = self._stores_seen
+        self._stores_seen = len(stores)
+        needed = self._needed()
+        for s in held - needed:
+            stores[s] = []  # released: an empty store (reading a row of it fails)
+            self.released += 1
+        held &= needed
+
+    def _needed(self) -> set[int]:
+        graph = self.graph
+        loc = graph.node_loc
+        needed: set[int] = set()
+        alive: list[_Closed] = []
+        for gen in self._closed:
+            if gen.alive() is None:
+                continue
+            alive.append(gen)
+            if gen.stores is not None:
+                needed |= gen.stores
+                continue
+            if gen.pending:  # revived before they were computed: where are they now?
+                where = [loc[n] for n in gen.pending]
+                gen.revived |= _stores(where)
+                gen.pending = [n for n, w in zip(gen.pending, where) if w < 0]
+            if graph.first_uncomputed >= gen.stop:
+                # The usual case: every node up to its last is computed, and the compute
+                # just made computed its own nodes, so they are in its stores (with at
+                # most older leftovers).
+                complete = True
+                own = set(range(gen.first_store, len(graph.stores)))
+                if gen.first_store != self._last_compute_from:  # computed since
+                    own = _stores(loc[gen.first : gen.stop])
+            else:
+                own_locations = loc[gen.first : gen.stop]
+                complete = -1 not in own_locations and not gen.pending
+                own = _stores(own_locations) if complete else set(
+                    range(gen.first_store, len(graph.stores)))
+            own |= gen.revived
+            if complete:  # they never move again: remember where they are
+                gen.stores = own
+            needed |= own
+        self._closed = alive
+        # The inputs of nodes that are not computed yet (nothing awaited them so far).
+        if graph.first_uncomputed < len(loc):
+            start = max(self._scanned, graph.first_uncomputed)
+            self._leftovers = [n for n in self._leftovers if loc[n] < 0]
+            self._leftovers += [n for n in range(start, len(loc)) if loc[n] < 0]
+            inputs = graph.node_inputs
+            for n in self._leftovers:
+                needed.update(_stores([loc[s] for s, _ in inputs[n]]))
+        else:
+            self._leftovers = []
+        self._scanned = len(loc)
+        return needed
+
+    def _drop_computed_constants(self) -> None:
+        # A constant's value is read when its node computes, never after.
+        constants = self.graph.constants
+        if constants:
+            loc = self.graph.node_loc
+            for n in [n for n in constants if loc[n] >= 0]:
+                del constants[n]
+
+
+_store_of = STORE_SHIFT.__rrshift__  # location -> store, as a C call
+
+
+def _stores(locations: list[int]) -> set[int]:
+    """The stores of these node locations (-1, not computed, is left out)."""
+    found = set(map(_store_of, locations))
+    found.discard(-1)  # -1 >> STORE_SHIFT
+    return found

@@ -1,0 +1,187 @@
+"""Coroutine runs release each step's values once nothing can read them.
+
+A long decode must not hold every step's outputs (memory growing with steps), and
+whatever an example can still read must stay: handles it holds, handles a later
+merge revives, and inputs of nodes nobody awaited yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import batchgraph as bg
+from batchgraph.releasing import StoreReleaser
+from tests.property.decoder_models import run_eagerly
+
+WIDE = 256  # per-example output width of a "logits" call: what must not pile up
+
+
+def _held(policy: bg.BatchingPolicy) -> tuple[int, int]:
+    """Stores still held and their bytes."""
+    stores = [s for s in policy.graph.stores if s]
+    size = sum(t.numel() * t.element_size() for s in stores for t in s
+               if isinstance(t, torch.Tensor))
+    return len(stores), size
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cell = bg.batched_func(nn.Linear(8, 8).double())
+        self.out = bg.batched_func(nn.Linear(8, WIDE).double())
+
+    async def decode(self, h: Any, steps: int) -> list[int]:
+        tokens = []
+        for _ in range(steps):
+            h = torch.tanh(self.cell(h)) if isinstance(h, torch.Tensor) else self.cell(h).tanh()
+            tokens.append(int((await bg.value(self.out(h))).argmax()))
+        return tokens
+
+
+def _policies() -> tuple[list[bg.BatchingPolicy], Any]:
+    made: list[bg.BatchingPolicy] = []
+
+    def make() -> bg.BatchingPolicy:
+        made.append(bg.BatchingPolicy())
+        return made[-1]
+
+    return made, make
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_long_decode_holds_a_few_steps_of_values_not_all_of_them(groups: int) -> None:
+    model = _Decoder()
+    states = [torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+              for i in range(5)]
+    made, make = _policies()
+    steps = 60
+    with torch.no_grad():
+        got = bg.run_all([model.decode(h, steps) for h in states], groups=groups,
+                         make_policy=make, overlap="inline")
+        assert got == [run_eagerly(model.decode(h, steps)) for h in states]
+    for policy in made:
+        held, size = _held(policy)
+        assert policy.computes == steps
+        # Each step makes three stores (cell, tanh, out); the last step's stay (the
+        # examples held them when it ended), older ones are gone.
+        assert held <= 6, f"{held} of {len(policy.graph.stores)} stores still held"
+        assert size < 3 * len(states) * WIDE * 8
+        assert not policy.graph.constants  # computed constants are not kept either
+
+
+def test_a_handle_held_across_many_steps_stays_readable_and_recordable() -> None:
+    lin = bg.batched_func(nn.Linear(4, 4).double())
+
+    async def example(x: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+        memory = lin(x)  # like an encoder's output, read at every step
+        seen = []
+        h = x
+        for _ in range(12):
+            h = lin(h)
+            seen.append(float((await bg.value(h + memory)).sum()))
+        return seen, await bg.value(memory)
+
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(3)]
+    with torch.no_grad():
+        got = bg.run_all([example(x) for x in xs])
+        want = [run_eagerly(example(x)) for x in xs]
+    for (seen, memory), (seen_eager, memory_eager) in zip(got, want):
+        assert seen == pytest.approx(seen_eager)
+        assert torch.allclose(memory, memory_eager)
+
+
+def test_repeated_calls_merge_across_steps_and_a_released_one_is_recorded_anew() -> None:
+    embed = bg.batched_func(nn.Embedding(5, 3).double())
+    scale = bg.batched_func(torch.mul)
+
+    async def example(tokens: list[int]) -> list[float]:
+        out = []
+        for i, t in enumerate(tokens):
+            e = embed(bg.batched_value(t))  # may merge with an earlier step's node
+            tick = float(await bg.value(scale(bg.batched_value(float(i)), 1.5)))
+            # e is read only after that step: a merged node must still be held then.
+            out.append(tick + float((await bg.value(scale(e, i + 2.0))).sum()))
+        return out
+
+    # One example, so nothing merges within a step. Token 1 twice in a row: merged,
+    # the earlier value is still held. Token 1 again after tokens 2 and 3: its value
+    # was released meanwhile, so it is recorded anew.
+    made, make = _policies()
+    with torch.no_grad():
+        assert bg.run_all([example([1, 1, 2, 3, 1])], make_policy=make) == [
+            run_eagerly(example([1, 1, 2, 3, 1]))]
+        sequences = [[1, 1, 2, 3, 4, 1], [2, 1, 1, 3, 4, 1], [4, 4, 4, 0, 0, 4]]
+        assert bg.run_all([example(s) for s in sequences]) == [
+            run_eagerly(example(s)) for s in sequences]
+    graph = made[0].graph
+    embedded = [n for n, k in enumerate(graph.node_key)
+                if "Embedding" in graph.keys[k].label]
+    assert len(embedded) == 4  # tokens 1, 2, 3 and 1 again; the second 1 merged
+
+
+def test_inputs_of_a_node_nobody_awaited_yet_are_kept() -> None:
+    lin = bg.batched_func(nn.Linear(3, 3).double())
+
+    async def example(x: torch.Tensor) -> torch.Tensor:
+        a = lin(x)
+        await bg.value(a)
+        later = lin(a).tanh()  # recorded now, awaited only after many other steps
+        del a  # nothing holds a's handle: only `later`'s pending input needs its value
+        h = x + 1  # (lin(x) again would merge with a)
+        for _ in range(8):
+            h = lin(h)
+            await bg.value(h)
+        return await bg.value(later)
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with torch.no_grad():
+        got = bg.run_all([example(x) for x in xs])
+        want = [run_eagerly(example(x)) for x in xs]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w)
+
+
+def test_gradients_flow_through_released_steps() -> None:
+    lin = nn.Linear(4, 4).double()
+    site = bg.batched_func(lin)
+
+    async def example(x: torch.Tensor) -> Any:
+        h = x
+        total = 0.0
+        for _ in range(6):
+            h = site(h).tanh()
+            total = total + (await bg.value(h)).sum()  # values joined across steps
+        return total
+
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(3)]
+    got = torch.stack(bg.run_all([example(x) for x in xs])).sum()
+    grad = torch.autograd.grad(got, lin.weight)[0]
+    eager = torch.stack([run_eagerly(example(x)) for x in xs]).sum()
+    assert torch.allclose(got, eager)
+    assert torch.allclose(grad, torch.autograd.grad(eager, lin.weight)[0])
+
+
+def test_the_releaser_keeps_what_a_live_handle_stands_for() -> None:
+    tanh = bg.batched_func(torch.tanh)
+    policy = bg.BatchingPolicy()
+    releaser = StoreReleaser(policy.graph)
+    with policy:
+        kept = tanh(torch.ones(2))
+        dropped = tanh(torch.zeros(3))
+    policy.compute([kept, dropped])
+    releaser.step()
+    del dropped
+    with policy:
+        again = tanh(torch.full((3,), 2.0))  # another step, so the first generation closes
+    policy.compute(again)
+    releaser.step()
+    assert releaser.released == 0  # one generation: `kept` holds it
+    del kept
+    releaser.step()
+    assert releaser.released > 0
+    assert torch.allclose(bg.compute(again), torch.tanh(torch.full((3,), 2.0)))
