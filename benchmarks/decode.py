@@ -172,6 +172,35 @@ def floor_driver(model: Decoder, states: torch.Tensor, max_len: int) -> list[lis
     return results
 
 
+class _Measured(bg.BatchingPolicy):
+    """A lane's policy that notes the most bytes its stores hold at the end of a step
+    (before the values nothing needs any more are released)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def compute(self, obj: Any) -> Any:
+        out = super().compute(obj)
+        held = sum(t.numel() * t.element_size() for store in self.graph.stores
+                   for t in store if isinstance(t, torch.Tensor))
+        self.peak = max(self.peak, held)
+        return out
+
+
+@torch.no_grad()
+def peak_store_mib(model: Decoder, states: list[torch.Tensor], max_len: int) -> float:
+    """The most memory one group's stored values take at once during a run (MiB)."""
+    made: list[_Measured] = []
+
+    def make() -> bg.BatchingPolicy:
+        made.append(_Measured())
+        return made[-1]
+
+    bg.run_all([model.greedy(h, max_len) for h in states], make_policy=make)
+    return made[0].peak / 2**20
+
+
 @torch.no_grad()
 def calibrate(model: Decoder, states: list[torch.Tensor], max_len: int, rate: float) -> None:
     """Bias the end token so that about ``rate`` of decode steps end (random weights
@@ -247,6 +276,7 @@ def bench(size: str, counts: list[int], reps: int, max_len: int, check: int,
         example_steps = sum(min(len(s) + 1, max_len) for s in outputs["eager"])
         batched_steps = max(min(len(s) + 1, max_len) for s in outputs["eager"])
         overhead = med["coro1"] - med["hand"]
+        peak_mib = peak_store_mib(model, states, max_len)
         rows.append({
             "size": size, "concurrent": count, "agree_float32": f"{agree}/{count}",
             "seconds": med, "seq_per_s": {k: count / v for k, v in med.items()},
@@ -258,6 +288,7 @@ def bench(size: str, counts: list[int], reps: int, max_len: int, check: int,
             "floor_vs_hand": med["hand"] / med["floor"],
             "hand_vs_eager": med["eager"] / med["hand"],
             "coro1_vs_eager": med["eager"] / med["coro1"],
+            "coro1_peak_store_mib": peak_mib,
         })
         print(_row(rows[-1]), flush=True)
     return rows
@@ -269,7 +300,8 @@ def _row(r: dict[str, Any]) -> str:
             f"{s['coro1']:9.0f} {s['coro2']:9.0f} {r['hand_vs_eager']:7.1f}x "
             f"{r['coro1_vs_eager']:7.1f}x {r['floor_vs_hand']:7.2f}x {r['coro1_vs_hand']:7.2f}x "
             f"{r['coro2_vs_coro1']:7.2f}x "
-            f"{r['overhead_us_per_example_step']:8.1f} {r['agree_float32']:>8}")
+            f"{r['overhead_us_per_example_step']:8.1f} {r['coro1_peak_store_mib']:7.1f} "
+            f"{r['agree_float32']:>8}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                                 if device.type == "cuda" else ""))
     print(f"{'size':10} {'conc':>5} {'eager/s':>9} {'hand/s':>9} {'coro1/s':>9} {'coro2/s':>9} "
           f"{'hand/eg':>8} {'coro/eg':>8} {'floor/hd':>8} {'coro/hd':>8} {'2g/1g':>8} {'ovh us':>8} "
-          f"{'agree':>8}")
+          f"{'MiB':>7} {'agree':>8}")
     rows = []
     for size in args.sizes:
         rows += bench(size, counts, reps, args.max_len, 8 if args.quick else 16, device,
@@ -310,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     }, indent=2))
     print(f"(sequences/s; floor/hd = the minimal driver written for this decoder vs "
           f"hand-batched; coro/hd = coroutines vs hand-batched; 2g/1g = two groups vs one; "
-          f"ovh us = (coro1 - hand) time per example step; agree = float32 sequences equal "
+          f"ovh us = (coro1 - hand) time per example step; MiB = most memory coro1's stored "
+          f"values took at once; agree = float32 sequences equal "
           f"to eager; all variants identical in float64)\nwrote {out}")
 
 
