@@ -210,6 +210,8 @@ class AsyncBatcher:
                 with contextlib.suppress(asyncio.TimeoutError):  # a deadline passed
                     await asyncio.wait_for(self._wakeup.wait(), delay)
         except BaseException as err:  # a bug or loop shutdown: no caller may hang
+            for call in self._arrivals:
+                call.example.close()  # never started: close it quietly
             for call in [*self._arrivals, *(c for s in self._lanes for c in s.calls.values())]:
                 if not call.future.done():
                     call.future.set_exception(
@@ -258,7 +260,14 @@ class AsyncBatcher:
         if idle:
             state = max(idle, key=lambda s: len(s.calls))
         elif len(open_lanes) < self.groups:
-            state = _LaneState(Lane(self._make_policy(), [], self.max_steps))
+            policy = self._make_policy()
+            if any(s.lane.policy is policy for s in self._lanes):
+                raise ValueError(
+                    "make_policy returned a policy another lane still uses; each lane "
+                    "records and releases its own graph, so make_policy must build a new "
+                    "policy per call"
+                )
+            state = _LaneState(Lane(policy, [], self.max_steps))
             state.lane.policy.graph.open = True  # recording only happens inside steps
             self._lanes.append(state)
         else:

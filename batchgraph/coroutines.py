@@ -107,6 +107,8 @@ def run_all(
             names the first failing example, chains its exception and carries every
             result (``.results``) and error (``.errors``).
         TypeError: if an item is not a coroutine, or ``groups`` is not positive.
+        ValueError: for an unknown ``overlap``, or a ``make_policy`` that returns one
+            policy for two groups.
 
     Example:
         >>> import batchgraph as bg, torch
@@ -141,9 +143,15 @@ def run_all(
     count = min(groups, len(examples))
     bounds = [len(examples) * g // count for g in range(count + 1)]
     try:
+        policies = [factory() for _ in range(count)]
+        if len({id(p) for p in policies}) < count:
+            raise ValueError(
+                "make_policy returned the same policy for two groups; each group records "
+                "and releases its own graph, so make_policy must build a new policy per call"
+            )
         lanes = [
-            Lane(factory(), examples[bounds[g] : bounds[g + 1]], max_steps)
-            for g in range(count)
+            Lane(policy, examples[bounds[g] : bounds[g + 1]], max_steps)
+            for g, policy in enumerate(policies)
         ]
         with ExitStack() as stack:
             for lane in lanes:

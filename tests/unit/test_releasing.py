@@ -7,6 +7,9 @@ merge revives, and inputs of nodes nobody awaited yet.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -185,3 +188,51 @@ def test_the_releaser_keeps_what_a_live_handle_stands_for() -> None:
     releaser.step()
     assert releaser.released > 0
     assert torch.allclose(bg.compute(again), torch.tanh(torch.full((3,), 2.0)))
+
+
+def test_two_groups_cannot_share_one_policy_but_runs_one_after_another_can() -> None:
+    lin = bg.batched_func(nn.Linear(2, 2).double())
+
+    async def example(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        await bg.value(h)
+        return await bg.value(lin(h))
+
+    xs = [torch.randn(2, dtype=torch.float64) for _ in range(4)]
+    shared = bg.BatchingPolicy()
+    with pytest.raises(ValueError, match="same policy for two groups"):
+        bg.run_all([example(x) for x in xs], groups=2, make_policy=lambda: shared)
+    with torch.no_grad():
+        want = [run_eagerly(example(x)) for x in xs]
+        for _ in range(2):  # one group: the policy's second run starts where the first ended
+            got = bg.run_all([example(x) for x in xs], make_policy=lambda: shared)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+
+
+def test_async_batcher_lanes_cannot_share_one_policy() -> None:
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)  # keeps the first lane computing while the second request comes
+        return x + 1
+
+    step = bg.batched_func(slow)
+    shared = bg.BatchingPolicy()
+
+    async def example(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = await bg.value(step(x))
+        return x
+
+    async def main() -> None:
+        batcher = bg.AsyncBatcher(max_latency=0.0, groups=2, make_policy=lambda: shared)
+        first = asyncio.ensure_future(batcher.run(example(torch.zeros(2))))
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(batcher.run(example(torch.ones(2))))
+        with pytest.raises(ValueError, match="another lane still uses"):
+            await asyncio.gather(first, second)
+        for task in (first, second):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await batcher.aclose()
+
+    asyncio.run(main())
