@@ -185,11 +185,11 @@ class ResultHandle:
                 f"ResultHandle has no attribute {name!r}"
                 + ("; it is only available on computed values (handle.value)" if method else "")
             )
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            return _record(method, (self, *args), kwargs)
-
-        return recorded
+        # Installed on the class, so later lookups of this name find a plain method
+        # (a failed attribute lookup and a closure per call cost more than the record).
+        recorded = _recorded_method(name, method)
+        setattr(ResultHandle, name, recorded)
+        return recorded.__get__(self)
 
     def __add__(self, other: Any) -> Any:
         return _record(torch.add, (self, other), {})
@@ -246,6 +246,16 @@ class ResultHandle:
 
     def __abs__(self) -> Any:
         return _record(torch.abs, (self,), {})
+
+
+def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """A handle method that records the tensor method ``method``."""
+
+    def recorded(self: ResultHandle, *args: Any, **kwargs: Any) -> Any:
+        return _record(method, (self, *args), kwargs)
+
+    recorded.__name__ = recorded.__qualname__ = name
+    return recorded
 
 
 from batchgraph.recording import record_function as _record  # noqa: E402  (cycle by design)

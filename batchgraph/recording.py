@@ -454,12 +454,17 @@ def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     Used by handle operators, tensor methods and ``__torch_function__``. The policy is
     the handles' own; it must still be recording.
     """
-    graph = _graph_of(args, kwargs)
+    first = args[0] if args else None
+    graph = first._graph if type(first) is ResultHandle else _graph_of(args, kwargs)
+    active = _ACTIVE.get()
+    if active is not None and active.graph is graph and graph.open:
+        # The usual case (operators and methods take the handle first): the handles'
+        # own policy records here.
+        return function_site(fn)(*args, **kwargs)
     policy = graph.policy
     if not graph.open:
         handle = next(h for h in _handles(args, kwargs))
         _foreign(handle, graph)  # raises PolicyClosedError
-    active = _ACTIVE.get()
     site = function_site(fn)
     if active is policy:
         return site(*args, **kwargs)

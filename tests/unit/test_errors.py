@@ -19,6 +19,18 @@ def test_mixing_handles_of_two_policies() -> None:
             lin(a)
 
 
+def test_operators_and_methods_on_a_handle_of_another_policy() -> None:
+    with bg.BatchingPolicy(name="outer"):
+        a = bg.batched_value(torch.ones(2)) * 2
+        for record in (lambda: a.tanh(), lambda: a + 1, lambda: torch.exp(a)):
+            with bg.BatchingPolicy(name="inner"), pytest.raises(
+                bg.PolicyMismatchError, match=r"policy 'outer'.*policy 'inner'"
+            ):
+                record()
+        b = a.tanh()  # back in its own policy: recorded (the method is cached by now)
+    torch.testing.assert_close(bg.compute(b), torch.tanh(torch.full((2,), 2.0)))
+
+
 def test_computing_handles_of_two_policies_together() -> None:
     with bg.BatchingPolicy(name="p1"):
         a = bg.batched_value(torch.ones(2)) + 1
