@@ -120,8 +120,8 @@ class CallSite:
         self.fn = fn
         self.name = callable_name(fn)
         self.cache: dict[Any, _Entry] = {}
-        # The last signature of handle-only arguments and its entry: one tuple, so it
-        # is replaced atomically (sites are shared by threads).
+        # The last signature of handle and number arguments and its entry: one tuple,
+        # so it is replaced atomically (sites are shared by threads).
         self.last: tuple[list[Any] | None, Any] = (None, None)
         # The same for calls of one handle: its spec and the entry.
         self.last1: tuple[TensorSpec | None, Any] = (None, None)
@@ -161,7 +161,7 @@ class CallSite:
             inputs: list[Ref] = []
             deepest = 0
             sig: list[Any] = []
-            only_handles = True
+            simple = True  # only handles and numbers: the last-signature check applies
             for a in args:
                 if type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec:
                     # The common case, inlined: a handle for one tensor of this graph.
@@ -172,7 +172,11 @@ class CallSite:
                     if d > deepest:
                         deepest = d
                 else:
-                    only_handles = False
+                    kind = type(a)
+                    if kind is float or kind is int or kind is bool:  # h * 2.0: as _static
+                        sig.append((kind, a))
+                        continue
+                    simple = False
                     box = [deepest]
                     sig.append(_encode(a, graph, inputs, box))
                     deepest = box[0]
@@ -183,13 +187,14 @@ class CallSite:
                 entry = self._entry(policy, args, kwargs, key_sig)
             else:
                 # A site is mostly called with one signature over and over: compare with the
-                # last one (specs are interned, so this is identity checks) before hashing.
+                # last one (specs are interned, so this is identity checks, and numbers are
+                # tagged with their type) before hashing.
                 last = self.last
-                if only_handles and last[0] == sig and last[1].rules_token == policy.rules_token:
+                if simple and last[0] == sig and last[1].rules_token == policy.rules_token:
                     entry = last[1]
                 else:
                     entry = self._entry(policy, args, kwargs, tuple(sig))
-                    if only_handles:
+                    if simple:
                         self.last = (sig, entry)
             refs = tuple(inputs)
         memo = entry.memo
@@ -353,6 +358,22 @@ def _encode(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:
     if type(a) is list or type(a) is tuple:
         if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
             return (type(a), tuple(_encode(x, graph, inputs, depth) for x in a))
+    return _static(a)
+
+
+def _static(a: Any) -> Any:
+    """A static argument as it enters a call signature (and so the call's BatchKey).
+
+    Numbers carry their type: ``2``, ``2.0`` and ``True`` are equal and hash alike, but
+    ``h * 2`` and ``h * 2.0`` give different dtypes, so they must not share a cached
+    signature, a key or a merged node. Lists and tuples become tagged tuples of the
+    same (a list is otherwise unhashable, and its call could not be cached).
+    """
+    kind = type(a)
+    if kind is float or kind is int or kind is bool or kind is complex:
+        return (kind, a)
+    if kind is list or kind is tuple:
+        return (kind, tuple(map(_static, a)))
     return a
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
+from batchgraph import recording
 from batchgraph.keys import ElementwiseKey, IndexKey, StackKey, UnbatchedKey, VmapKey
 
 
@@ -372,3 +373,29 @@ def test_handle_operators_record_into_their_policy_from_another_thread() -> None
     doubled, active_after = results
     assert active_after is None
     assert torch.equal(policy.compute(doubled), torch.tensor([3.0, 6.0]))
+
+
+def test_numbers_of_different_types_are_different_calls() -> None:
+    """2, 2.0 and True are equal in Python but give different dtypes: one example's
+    ``h * 2`` must not share a signature, a batch or a merged node with another's
+    ``h * 2.0``."""
+    x = torch.tensor([1, 2, 3])
+    ops = [lambda h: h * 2, lambda h: h * 2.0, lambda h: h * True,
+           lambda h: h.clamp(0, 2), lambda h: h.clamp(0.5, 2.5), lambda h: torch.add(h, 1, alpha=2),
+           lambda h: torch.add(h, 1.0, alpha=2)]
+    with bg.BatchingPolicy():
+        handles = [op(bg.batched_value(x)) for op in ops]
+    for got, op in zip(bg.compute(handles), ops):
+        want = op(x)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+
+
+def test_a_list_argument_is_a_cached_signature_not_a_new_one_per_call() -> None:
+    site = bg.batched_func(torch.split)
+    with bg.BatchingPolicy():
+        parts = [site(bg.batched_value(torch.full((3,), float(i))), [1, 2]) for i in range(5)]
+    assert len(recording.function_site(torch.split).cache) == 1
+    for i, (a, b) in enumerate(bg.compute(parts)):
+        torch.testing.assert_close(a, torch.full((1,), float(i)))
+        torch.testing.assert_close(b, torch.full((2,), float(i)))
