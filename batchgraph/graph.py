@@ -18,6 +18,7 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -27,7 +28,7 @@ import torch
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
-__all__ = ["Graph", "Ref"]
+__all__ = ["Graph", "Ref", "exact_number"]
 
 Ref = tuple[int, int]  # (node, leaf)
 
@@ -159,9 +160,10 @@ class Graph:
             kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
         n = len(self.node_key)
         if self.dedupe:
-            existing = self.dedupe_table.setdefault((kid, value), n)  # one hash
+            signature = (kid, value) if value or kind is not float else (kid, exact_number(value))
+            existing = self.dedupe_table.setdefault(signature, n)  # one hash
             if existing < self.generation_first:
-                existing = self.revive(existing, (kid, value), n)
+                existing = self.revive(existing, signature, n)
             if existing != n:
                 self.merged += 1
                 return existing
@@ -227,9 +229,17 @@ def _no_policy() -> None:
 def constant_signature(kid: int, value: Any) -> Any:
     """What identifies a constant for merging, or None if it is not merged."""
     if not isinstance(value, torch.Tensor):
-        return (kid, value)
+        return (kid, exact_number(value))
     if value.requires_grad or value.numel() > _VALUE_DEDUPE_NUMEL:
         return None
     if value.dim() == 0:  # the same signature as the equal Python scalar
-        return (kid, value.item())
-    return (kid, tuple(value.reshape(-1).tolist()))
+        return (kid, exact_number(value.item()))
+    return (kid, tuple(map(exact_number, value.reshape(-1).tolist())))
+
+
+def exact_number(value: Any) -> Any:
+    """A number as constants and calls are merged by: -0.0 and 0.0 are equal in Python
+    but not in arithmetic (1 / -0.0 is -inf), so a float zero carries its sign."""
+    if type(value) is float and value == 0.0:
+        return (value, math.copysign(1.0, value))
+    return value

@@ -30,6 +30,7 @@ from batchgraph.errors import (
     PolicyMismatchError,
     ShapeMismatchError,
 )
+from batchgraph.graph import exact_number
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.pinning import unpin_stubs
@@ -173,8 +174,8 @@ class CallSite:
                         deepest = d
                 else:
                     kind = type(a)
-                    if kind is float or kind is int or kind is bool:  # h * 2.0: as _static
-                        sig.append((kind, a))
+                    if kind is int or kind is bool or (kind is float and a):  # h * 2.0
+                        sig.append((kind, a))  # as _static, inlined
                         continue
                     simple = False
                     box = [deepest]
@@ -366,12 +367,13 @@ def _static(a: Any) -> Any:
 
     Numbers carry their type: ``2``, ``2.0`` and ``True`` are equal and hash alike, but
     ``h * 2`` and ``h * 2.0`` give different dtypes, so they must not share a cached
-    signature, a key or a merged node. Lists and tuples become tagged tuples of the
-    same (a list is otherwise unhashable, and its call could not be cached).
+    signature, a key or a merged node (and a float zero its sign: ``exact_number``).
+    Lists and tuples become tagged tuples of the same (a list is otherwise
+    unhashable, and its call could not be cached).
     """
     kind = type(a)
     if kind is float or kind is int or kind is bool or kind is complex:
-        return (kind, a)
+        return (kind, exact_number(a))
     if kind is list or kind is tuple:
         return (kind, tuple(map(_static, a)))
     return a

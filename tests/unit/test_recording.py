@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -399,3 +401,20 @@ def test_a_list_argument_is_a_cached_signature_not_a_new_one_per_call() -> None:
     for i, (a, b) in enumerate(bg.compute(parts)):
         torch.testing.assert_close(a, torch.full((1,), float(i)))
         torch.testing.assert_close(b, torch.full((2,), float(i)))
+
+
+def test_a_negative_zero_is_not_merged_with_zero() -> None:
+    div = bg.batched_func(torch.div)
+    one = torch.ones(())
+    with bg.BatchingPolicy():
+        handles = [
+            div(one, bg.batched_value(0.0)), div(one, bg.batched_value(-0.0)),
+            div(one, bg.batched_value(torch.tensor(-0.0))),
+            div(torch.ones(2), bg.batched_value(torch.tensor([-0.0, 0.0]))),
+            div(torch.ones(2), bg.batched_value(torch.tensor([0.0, 0.0]))),
+            torch.mul(bg.batched_value(one), -0.0), torch.mul(bg.batched_value(one), 0.0),
+        ]
+    got = bg.compute(handles)
+    assert [float(g.reshape(-1)[0]) for g in got[:5]] == [
+        float("inf"), float("-inf"), float("-inf"), float("-inf"), float("inf")]
+    assert [math.copysign(1.0, float(g)) for g in got[5:]] == [-1.0, 1.0]
