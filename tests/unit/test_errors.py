@@ -98,3 +98,16 @@ def test_unpacking_an_unknown_structure() -> None:
     torch.testing.assert_close(first, torch.ones(2))
     torch.testing.assert_close(second, torch.ones(2))
     torch.testing.assert_close(bg.compute(g), torch.full((2,), 2.0))
+
+
+def test_in_place_operations_on_a_handle_are_refused() -> None:
+    with bg.BatchingPolicy():
+        a = bg.batched_value(torch.ones(2)) * 2
+        with pytest.raises(TypeError, match=r"add_ modifies its tensor in place.*h = h\.add\("):
+            a.add_(1)
+        with pytest.raises(TypeError, match=r"relu_ modifies its tensor in place"):
+            torch.relu_(a)
+        with pytest.raises(TypeError, match=r"zero_ modifies its tensor in place"):
+            a.zero_()
+        b = a.add(1)  # the out-of-place form records
+    torch.testing.assert_close(bg.compute(b), torch.full((2,), 3.0))
