@@ -10,6 +10,7 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -275,6 +276,13 @@ class CallSite:
     ) -> _Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
+        if _in_place(self.fn, args, kwargs):
+            raise TypeError(
+                f"{self.name} modifies its input in place, which cannot be recorded: the "
+                "input handle stands for a value that other calls share, and batched calls "
+                "run later in another order. Use inplace=False (a batched call's input is "
+                "a gathered batch, so in place saves nothing there)."
+            )
         specs: list[TensorSpec | None] = []
         template_args = tuple(_template(a, specs) for a in args)
         template_kwargs = tuple((k, _template(v, specs)) for k, v in kwargs.items())
@@ -360,6 +368,18 @@ def _encode(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:
         if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
             return (type(a), tuple(_encode(x, graph, inputs, depth) for x in a))
     return _static(a)
+
+
+def _in_place(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call modifies its input in place (``inplace=True``, by keyword or
+    position, or a module built with it)."""
+    if getattr(fn, "inplace", False) is True or kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature (a builtin), or it does not bind
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def _static(a: Any) -> Any:

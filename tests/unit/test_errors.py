@@ -111,3 +111,22 @@ def test_in_place_operations_on_a_handle_are_refused() -> None:
             a.zero_()
         b = a.add(1)  # the out-of-place form records
     torch.testing.assert_close(bg.compute(b), torch.full((2,), 3.0))
+
+
+def test_calls_that_would_modify_their_input_in_place_are_refused() -> None:
+    relu = bg.batched_func(nn.ReLU(inplace=True))
+    dropout = bg.batched_func(torch.nn.functional.dropout)
+    inner = bg.batched_func(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
+    with bg.BatchingPolicy():
+        a = bg.batched_value(torch.ones(2)) * 2
+        with pytest.raises(TypeError, match=r"ReLU\(inplace=True\) modifies its input in place"):
+            relu(a)
+        with pytest.raises(TypeError, match=r"dropout modifies its input in place"):
+            dropout(a, 0.5, True, True)  # inplace given by position
+        with pytest.raises(TypeError, match=r"dropout modifies its input in place"):
+            dropout(a, 0.5, inplace=True)
+    # An in-place layer inside a recorded module acts on that module's own
+    # intermediate values, not on a handle's: it records.
+    with bg.BatchingPolicy():
+        b = inner(bg.batched_value(torch.ones(2)))
+    assert bg.compute(b).shape == (2,)
