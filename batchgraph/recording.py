@@ -10,7 +10,6 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -27,23 +26,25 @@ from torch._subclasses.fake_tensor import (
 
 from batchgraph.errors import (
     NotATensorError,
-    PolicyClosedError,
-    PolicyMismatchError,
     ShapeMismatchError,
 )
-from batchgraph.graph import exact_number
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key, probe_vmap
+from batchgraph.signatures import (
+    encode_argument,
+    foreign_handle,
+    identity_signature,
+    modifies_input,
+    template_argument,
+)
 from batchgraph.specs import (
     CallSignature,
-    InputSlot,
     OutSpec,
     TensorSpec,
     count_leaves,
     intern_spec,
-    make_seq,
     spec_of,
 )
 
@@ -176,15 +177,15 @@ class CallSite:
                 else:
                     kind = type(a)
                     if kind is int or kind is bool or (kind is float and a):  # h * 2.0
-                        sig.append((kind, a))  # as _static, inlined
+                        sig.append((kind, a))  # as static_value, inlined
                         continue
                     simple = False
                     box = [deepest]
-                    sig.append(_encode(a, graph, inputs, box))
+                    sig.append(encode_argument(a, graph, inputs, box))
                     deepest = box[0]
             if kwargs:
                 box = [deepest]
-                key_sig: Any = (tuple(sig), tuple((k, _encode(v, graph, inputs, box)) for k, v in kwargs.items()))
+                key_sig: Any = (tuple(sig), tuple((k, encode_argument(v, graph, inputs, box)) for k, v in kwargs.items()))
                 deepest = box[0]
                 entry = self._entry(policy, args, kwargs, key_sig)
             else:
@@ -262,7 +263,7 @@ class CallSite:
         except TypeError:
             # An unhashable static argument: key on its identity, and do not cache
             # (the cache would keep the object alive forever).
-            key_sig = _identity_signature(key_sig)
+            key_sig = identity_signature(key_sig)
             entry = None
             cacheable = False
         if entry is None or entry.rules_token != policy.rules_token:
@@ -276,7 +277,7 @@ class CallSite:
     ) -> _Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
-        if _in_place(self.fn, args, kwargs):
+        if modifies_input(self.fn, args, kwargs):
             raise TypeError(
                 f"{self.name} modifies its input in place, which cannot be recorded: the "
                 "input handle stands for a value that other calls share, and batched calls "
@@ -284,8 +285,8 @@ class CallSite:
                 "a gathered batch, so in place saves nothing there)."
             )
         specs: list[TensorSpec | None] = []
-        template_args = tuple(_template(a, specs) for a in args)
-        template_kwargs = tuple((k, _template(v, specs)) for k, v in kwargs.items())
+        template_args = tuple(template_argument(a, specs) for a in args)
+        template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
         spec = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
@@ -342,101 +343,6 @@ def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:
         out.append(handles_for(graph, node, leaf, child))
         leaf += count_leaves(child)
     return tuple(out)
-
-
-def _encode(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:
-    """The signature entry for one argument; appends its tensor inputs to ``inputs``."""
-    if type(a) is ResultHandle:
-        if a._graph is not graph:
-            _foreign(a, graph)
-        spec = a.spec
-        d = graph.node_depth[a.node]
-        if d > depth[0]:
-            depth[0] = d
-        if type(spec) is TensorSpec:
-            inputs.append((a.node, a.leaf))
-            return spec
-        if spec is None:  # structure unknown until it runs: pass the whole result
-            inputs.append((a.node, -1))
-            return None
-        return ("handle-tuple", tuple(_encode(h, graph, inputs, depth) for h in a))
-    if isinstance(a, torch.Tensor):
-        node = graph.add_constant(a)
-        inputs.append((node, 0))
-        return graph.node_spec[node]
-    if type(a) is list or type(a) is tuple:
-        if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
-            return (type(a), tuple(_encode(x, graph, inputs, depth) for x in a))
-    return _static(a)
-
-
-def _in_place(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call modifies its input in place (``inplace=True``, by keyword or
-    position, or a module built with it)."""
-    if getattr(fn, "inplace", False) is True or kwargs.get("inplace") is True:
-        return True
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):  # no signature (a builtin), or it does not bind
-        return False
-    return bound.arguments.get("inplace") is True
-
-
-def _static(a: Any) -> Any:
-    """A static argument as it enters a call signature (and so the call's BatchKey).
-
-    Numbers carry their type: ``2``, ``2.0`` and ``True`` are equal and hash alike, but
-    ``h * 2`` and ``h * 2.0`` give different dtypes, so they must not share a cached
-    signature, a key or a merged node (and a float zero its sign: ``exact_number``).
-    Lists and tuples become tagged tuples of the same (a list is otherwise
-    unhashable, and its call could not be cached).
-    """
-    kind = type(a)
-    if kind is float or kind is int or kind is bool or kind is complex:
-        return (kind, exact_number(a))
-    if kind is list or kind is tuple:
-        return (kind, tuple(map(_static, a)))
-    return a
-
-
-def _template(a: Any, specs: list[TensorSpec | None]) -> Any:
-    """The argument with tensors replaced by InputSlots (same order as ``_encode``)."""
-    if type(a) is ResultHandle:
-        if type(a.spec) is TensorSpec or a.spec is None:
-            specs.append(a.spec if type(a.spec) is TensorSpec else None)
-            return InputSlot(len(specs) - 1)
-        return make_seq(tuple, tuple(_template(h, specs) for h in a))
-    if isinstance(a, torch.Tensor):
-        specs.append(TensorSpec.of(a))
-        return InputSlot(len(specs) - 1)
-    if type(a) is list or type(a) is tuple:
-        if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
-            return make_seq(type(a), tuple(_template(x, specs) for x in a))
-    return a
-
-
-def _identity_signature(sig: Any) -> Any:
-    if isinstance(sig, tuple):
-        return tuple(_identity_signature(s) for s in sig)
-    try:
-        hash(sig)
-    except TypeError:
-        return ("unhashable", id(sig))
-    return sig
-
-
-def _foreign(handle: ResultHandle, graph: Graph) -> None:
-    if not handle._graph.open:
-        raise PolicyClosedError(
-            f"{handle!r} belongs to a BatchingPolicy whose `with` block has ended, so no new "
-            "call can use it. Compute it first (bg.compute) and pass the tensor, or record "
-            "everything inside one policy."
-        )
-    raise PolicyMismatchError(
-        f"{handle!r} was recorded by policy {handle._graph.name!r} but is used in a call "
-        f"recorded by policy {graph.name!r}; handles of two policies cannot be mixed. Record "
-        "the whole computation under one BatchingPolicy."
-    )
 
 
 class ModuleStub(CallSite):
@@ -507,12 +413,12 @@ def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     policy = graph.policy
     if not graph.open:
         handle = next(h for h in _handles(args, kwargs))
-        _foreign(handle, graph)  # raises PolicyClosedError
+        foreign_handle(handle, graph)  # raises PolicyClosedError
     site = function_site(fn)
     if active is policy:
         return site(*args, **kwargs)
     if active is not None:
-        _foreign(next(h for h in _handles(args, kwargs)), active.graph)
+        foreign_handle(next(h for h in _handles(args, kwargs)), active.graph)
     # The handles' policy records in another context (another thread, or after a
     # coroutine switched contexts): record there for the length of this one call.
     token = _ACTIVE.set(policy)

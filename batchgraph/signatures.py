@@ -1,0 +1,140 @@
+"""How a recorded call's arguments become its signature (and what may not be one).
+
+A call's *signature* is what its cache entry and its ``BatchKey`` are keyed by: the
+per-example specs of its tensor arguments, in order, and every other argument as a
+hashable static value. ``encode_argument`` builds an argument's entry while
+recording (the hot path) and collects the graph inputs; ``template_argument`` builds
+the call's template, with ``InputSlot`` placeholders where the tensors go.
+
+Refused as arguments: handles of another policy, or of one whose ``with`` block has
+ended (``foreign_handle``), and calls that would modify their input in place
+(``modifies_input``): a handle stands for a value other calls share.
+
+Example:
+    >>> static_value(2) == static_value(2.0)    # equal in Python, not as arguments
+    False
+    >>> static_value([1, 2])                    # hashable, so the call is cached
+    (<class 'list'>, ((<class 'int'>, 1), (<class 'int'>, 2)))
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from batchgraph.errors import PolicyClosedError, PolicyMismatchError
+from batchgraph.graph import exact_number
+from batchgraph.handle import ResultHandle
+from batchgraph.specs import InputSlot, TensorSpec, make_seq
+
+if TYPE_CHECKING:
+    from batchgraph.graph import Graph, Ref
+
+__all__ = [
+    "encode_argument",
+    "foreign_handle",
+    "identity_signature",
+    "modifies_input",
+    "static_value",
+    "template_argument",
+]
+
+
+def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:
+    """The signature entry for one argument; appends its tensor inputs to ``inputs``."""
+    if type(a) is ResultHandle:
+        if a._graph is not graph:
+            foreign_handle(a, graph)
+        spec = a.spec
+        d = graph.node_depth[a.node]
+        if d > depth[0]:
+            depth[0] = d
+        if type(spec) is TensorSpec:
+            inputs.append((a.node, a.leaf))
+            return spec
+        if spec is None:  # structure unknown until it runs: pass the whole result
+            inputs.append((a.node, -1))
+            return None
+        return ("handle-tuple", tuple(encode_argument(h, graph, inputs, depth) for h in a))
+    if isinstance(a, torch.Tensor):
+        node = graph.add_constant(a)
+        inputs.append((node, 0))
+        return graph.node_spec[node]
+    if type(a) is list or type(a) is tuple:
+        if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
+            return (type(a), tuple(encode_argument(x, graph, inputs, depth) for x in a))
+    return static_value(a)
+
+
+def modifies_input(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call modifies its input in place (``inplace=True``, by keyword or
+    position, or a module built with it)."""
+    if getattr(fn, "inplace", False) is True or kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature (a builtin), or it does not bind
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def static_value(a: Any) -> Any:
+    """A static argument as it enters a call signature (and so the call's BatchKey).
+
+    Numbers carry their type: ``2``, ``2.0`` and ``True`` are equal and hash alike, but
+    ``h * 2`` and ``h * 2.0`` give different dtypes, so they must not share a cached
+    signature, a key or a merged node (and a float zero its sign: ``exact_number``).
+    Lists and tuples become tagged tuples of the same (a list is otherwise
+    unhashable, and its call could not be cached).
+    """
+    kind = type(a)
+    if kind is float or kind is int or kind is bool or kind is complex:
+        return (kind, exact_number(a))
+    if kind is list or kind is tuple:
+        return (kind, tuple(map(static_value, a)))
+    return a
+
+
+def template_argument(a: Any, specs: list[TensorSpec | None]) -> Any:
+    """The argument with tensors replaced by InputSlots (same order as ``encode_argument``)."""
+    if type(a) is ResultHandle:
+        if type(a.spec) is TensorSpec or a.spec is None:
+            specs.append(a.spec if type(a.spec) is TensorSpec else None)
+            return InputSlot(len(specs) - 1)
+        return make_seq(tuple, tuple(template_argument(h, specs) for h in a))
+    if isinstance(a, torch.Tensor):
+        specs.append(TensorSpec.of(a))
+        return InputSlot(len(specs) - 1)
+    if type(a) is list or type(a) is tuple:
+        if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
+            return make_seq(type(a), tuple(template_argument(x, specs) for x in a))
+    return a
+
+
+def identity_signature(sig: Any) -> Any:
+    """``sig`` with unhashable parts replaced by their identity (such a call is not cached)."""
+    if isinstance(sig, tuple):
+        return tuple(identity_signature(s) for s in sig)
+    try:
+        hash(sig)
+    except TypeError:
+        return ("unhashable", id(sig))
+    return sig
+
+
+def foreign_handle(handle: ResultHandle, graph: Graph) -> NoReturn:
+    """Raise the error for ``handle`` used in a call recorded into ``graph``."""
+    if not handle._graph.open:
+        raise PolicyClosedError(
+            f"{handle!r} belongs to a BatchingPolicy whose `with` block has ended, so no new "
+            "call can use it. Compute it first (bg.compute) and pass the tensor, or record "
+            "everything inside one policy."
+        )
+    raise PolicyMismatchError(
+        f"{handle!r} was recorded by policy {handle._graph.name!r} but is used in a call "
+        f"recorded by policy {graph.name!r}; handles of two policies cannot be mixed. Record "
+        "the whole computation under one BatchingPolicy."
+    )
