@@ -31,7 +31,7 @@ from batchgraph.errors import (
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.pinning import unpin_stubs
-from batchgraph.rules import choose_key, probe_vmap
+from batchgraph.rules import choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
     encode_argument,
     foreign_handle,
@@ -97,8 +97,9 @@ class _Entry:
             self.children = tuple(enumerate(cast(tuple[TensorSpec, ...], spec)))
         # One tensor (or an unknown structure): the call returns one handle.
         self.single = type(spec) is not tuple
-        # Random calls (dropout) are never merged with identical ones.
-        self.dedupe = key.deterministic
+        # Random calls (dropout) are never merged with identical ones; nor are calls of
+        # a module with a random layer in eval mode, which may be trained later.
+        self.dedupe = key.deterministic and not may_be_random(key.fn)
         self.rules_token = rules_token
         # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
         # and a uid rather than the graph, so the cache keeps no batch alive.

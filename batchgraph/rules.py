@@ -32,7 +32,7 @@ from batchgraph.keys import (
 from batchgraph.sequence import packed_sequence_rule
 from batchgraph.specs import CallSignature, InputSlot
 
-__all__ = ["KeyFactory", "choose_key"]
+__all__ = ["KeyFactory", "choose_key", "may_be_random"]
 
 KeyFactory = Callable[..., BatchKey]
 
@@ -55,6 +55,26 @@ _RANDOM_MODULES: tuple[type[nn.Module], ...] = (
 
 def _is_random_module(module: nn.Module) -> bool:
     return any(isinstance(m, _RANDOM_MODULES) and m.training for m in module.modules())
+
+
+def may_be_random(fn: Any) -> bool:
+    """Whether calls of ``fn`` may ever give different results for the same inputs: a
+    random function, or a module holding a random layer in *either* mode (a layer in
+    eval mode now may be put in training mode later, while a signature cached now is
+    still in use). Such calls are never merged.
+
+    Example:
+        >>> may_be_random(nn.Sequential(nn.Linear(2, 2), nn.Dropout()).eval())
+        True
+        >>> may_be_random(torch.tanh)
+        False
+    """
+    if isinstance(fn, nn.Module):
+        return any(isinstance(m, _RANDOM_MODULES) for m in fn.modules())
+    try:
+        return fn in RANDOM_FUNCTIONS
+    except TypeError:  # unhashable callable
+        return False
 
 
 def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:

@@ -418,3 +418,23 @@ def test_a_negative_zero_is_not_merged_with_zero() -> None:
     assert [float(g.reshape(-1)[0]) for g in got[:5]] == [
         float("inf"), float("-inf"), float("-inf"), float("-inf"), float("inf")]
     assert [math.copysign(1.0, float(g)) for g in got[5:]] == [-1.0, 1.0]
+
+
+def test_dropout_put_in_training_mode_after_eval_is_not_merged() -> None:
+    """A call's signature (and whether identical calls merge) is cached on its site: a
+    dropout layer recorded in eval mode must not keep merging once it is training."""
+    layer = nn.Dropout(0.5)
+    drop = bg.batched_func(layer)
+    x = torch.ones(64)
+    layer.eval()
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x)
+        a, b = drop(h), drop(h)
+    torch.testing.assert_close(bg.compute(a), x)
+    layer.train()
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x)
+        a, b = drop(h), drop(h)
+    assert a.node != b.node
+    va, vb = bg.compute([a, b])
+    assert not torch.equal(va, vb)  # two masks of 64 draws: equal with chance 2**-64
