@@ -174,9 +174,6 @@ class ResultHandle:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.startswith("_"):
-            _in_place(name)
         return _record(func, tuple(args), kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
@@ -188,8 +185,6 @@ class ResultHandle:
                 f"ResultHandle has no attribute {name!r}"
                 + ("; it is only available on computed values (handle.value)" if method else "")
             )
-        if name.endswith("_"):
-            _in_place(name)
         # Installed on the class, so later lookups of this name find a plain method
         # (a failed attribute lookup and a closure per call cost more than the record).
         recorded = _recorded_method(name, method)
@@ -251,15 +246,6 @@ class ResultHandle:
 
     def __abs__(self) -> Any:
         return _record(torch.abs, (self,), {})
-
-
-def _in_place(name: str) -> None:
-    raise TypeError(
-        f"{name} modifies its tensor in place, which cannot be recorded: a handle stands "
-        "for a value that other calls (and identical calls, which are merged) share, "
-        f"and batched calls run later in another order. Use the out-of-place form and "
-        f"rebind the name: h = h.{name[:-1]}(...) or torch.{name[:-1]}(h, ...)."
-    )
 
 
 def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -36,7 +36,7 @@ from batchgraph.signatures import (
     encode_argument,
     foreign_handle,
     identity_signature,
-    modifies_input,
+    in_place_error,
     template_argument,
 )
 from batchgraph.specs import (
@@ -278,13 +278,9 @@ class CallSite:
     ) -> _Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
-        if modifies_input(self.fn, args, kwargs):
-            raise TypeError(
-                f"{self.name} modifies its input in place, which cannot be recorded: the "
-                "input handle stands for a value that other calls share, and batched calls "
-                "run later in another order. Use inplace=False (a batched call's input is "
-                "a gathered batch, so in place saves nothing there)."
-            )
+        error = in_place_error(self.fn, self.name, args, kwargs)
+        if error is not None:
+            raise error
         specs: list[TensorSpec | None] = []
         template_args = tuple(template_argument(a, specs) for a in args)
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())

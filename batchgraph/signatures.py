@@ -8,7 +8,7 @@ the call's template, with ``InputSlot`` placeholders where the tensors go.
 
 Refused as arguments: handles of another policy, or of one whose ``with`` block has
 ended (``foreign_handle``), and calls that would modify their input in place
-(``modifies_input``): a handle stands for a value other calls share.
+(``in_place_error``): a handle stands for a value other calls share.
 
 Example:
     >>> static_value(2) == static_value(2.0)    # equal in Python, not as arguments
@@ -37,7 +37,7 @@ __all__ = [
     "encode_argument",
     "foreign_handle",
     "identity_signature",
-    "modifies_input",
+    "in_place_error",
     "static_value",
     "template_argument",
 ]
@@ -69,9 +69,36 @@ def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -
     return static_value(a)
 
 
-def modifies_input(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call modifies its input in place (``inplace=True``, by keyword or
-    position, or a module built with it)."""
+def in_place_error(
+    fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> TypeError | None:
+    """The error for a call that would modify its input in place, or None.
+
+    In place: a tensor method or function named with a trailing underscore (``add_``,
+    ``torch.relu_``), ``inplace=True`` by keyword or position, or a module built with
+    it. A handle stands for a value other calls share, and batched calls run later in
+    another order, so none of these can be recorded.
+    """
+    method = getattr(fn, "__name__", "")
+    if isinstance(method, str) and method.endswith("_") and not method.startswith("_"):
+        return TypeError(
+            f"{method} modifies its tensor in place, which cannot be recorded: a handle "
+            "stands for a value that other calls (and identical calls, which are merged) "
+            "share, and batched calls run later in another order. Use the out-of-place "
+            f"form and rebind the name: h = h.{method[:-1]}(...) or "
+            f"torch.{method[:-1]}(h, ...)."
+        )
+    if _inplace_flag(fn, args, kwargs):
+        return TypeError(
+            f"{name} modifies its input in place, which cannot be recorded: the input "
+            "handle stands for a value that other calls share, and batched calls run "
+            "later in another order. Use inplace=False (a batched call's input is a "
+            "gathered batch, so in place saves nothing there)."
+        )
+    return None
+
+
+def _inplace_flag(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if getattr(fn, "inplace", False) is True or kwargs.get("inplace") is True:
         return True
     try:

@@ -109,6 +109,8 @@ def test_in_place_operations_on_a_handle_are_refused() -> None:
             torch.relu_(a)
         with pytest.raises(TypeError, match=r"zero_ modifies its tensor in place"):
             a.zero_()
+        with pytest.raises(TypeError, match=r"relu_ modifies its tensor in place"):
+            bg.batched_func(torch.relu_)(a)  # wrapped directly, not reached through a handle
         b = a.add(1)  # the out-of-place form records
     torch.testing.assert_close(bg.compute(b), torch.full((2,), 3.0))
 
