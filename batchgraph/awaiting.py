@@ -111,6 +111,9 @@ def value(obj: Any) -> Wait:
         An awaitable whose result is ``obj`` with every handle replaced by its
         per-example tensor (or tuple of tensors). A plain tensor, or a handle that is
         already computed, gives its value at once: the coroutine also runs eagerly.
+        A value is a row view of the batched result, or a copy where identical calls
+        of several examples were merged: changing it in place never reaches another
+        example's values.
 
     Raises:
         UnsupportedAwaitError: if ``obj`` is neither a handle, a tensor nor a container

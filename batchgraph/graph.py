@@ -92,6 +92,13 @@ class Graph:
         self.generation_first = 0
         self.revived: list[int] = []
         self.revived_pending: list[int] = []
+        # Values are handed out (handle.value, bg.value) as row views of the stores, so
+        # a caller may change one in place, as it may its own tensor in eager code. No
+        # other example may see that change: a node that identical calls were merged
+        # into (``shared``) hands out copies, and a node whose view was handed out
+        # (``exposed``) takes no more merges.
+        self.shared: set[int] = set()
+        self.exposed: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.node_key)
@@ -143,11 +150,10 @@ class Graph:
             if signature is not None:
                 fresh = len(self.node_key)
                 existing = self.dedupe_table.setdefault(signature, fresh)
-                if existing < self.generation_first:
-                    existing = self.revive(existing, signature, fresh)
                 if existing != fresh:
-                    self.merged += 1
-                    return existing
+                    existing = self.merge(existing, signature, fresh)
+                    if existing != fresh:
+                        return existing
         n = self.add_node(kid, (), 0, spec)
         self.constants[n] = value
         return n
@@ -162,11 +168,10 @@ class Graph:
         if self.dedupe:
             signature = (kid, value) if value or kind is not float else (kid, exact_number(value))
             existing = self.dedupe_table.setdefault(signature, n)  # one hash
-            if existing < self.generation_first:
-                existing = self.revive(existing, signature, n)
             if existing != n:
-                self.merged += 1
-                return existing
+                existing = self.merge(existing, signature, n)
+                if existing != n:
+                    return existing
         # add_node, inlined: this runs once per distinct token.
         self.node_key.append(kid)
         self.node_inputs.append(())
@@ -175,6 +180,31 @@ class Graph:
         self.node_loc.append(-1)
         self.constants[n] = value
         return n
+
+    def merge(self, node: int, signature: Any, fresh: int) -> int:
+        """What a call or constant identical to ``node``, about to be recorded as node
+        ``fresh``, should use: ``node`` (merged), or ``fresh`` where ``node`` cannot be
+        shared any more (``fresh`` then takes over ``signature``).
+        """
+        if node in self.exposed:  # its value may have been changed in place
+            self.dedupe_table[signature] = fresh
+            return fresh
+        if node < self.generation_first:  # an older step's node (coroutine runs)
+            node = self.revive(node, signature, fresh)
+            if node == fresh:
+                return fresh
+        self.shared.add(node)
+        self.merged += 1
+        return node
+
+    def hand_out(self, n: int, value: Any) -> Any:
+        """``value``, a row view of node ``n``'s store, as handed to the caller: a copy
+        if other handles stand for the same node, so that an in-place change reaches
+        only the caller's own value, as in eager code."""
+        if n in self.shared:
+            return _copy(value)
+        self.exposed.add(n)
+        return value
 
     def revive(self, node: int, signature: Any, fresh: int) -> int:
         """What a merge with ``node``, made by an older generation, should use.
@@ -214,8 +244,19 @@ class Graph:
                 f"the value of node {n} of {self.name!r} was released: no handle to it "
                 "was alive at a later step (a batchgraph bug; please report it)"
             )
-        value: torch.Tensor = store[leaf][loc & ROW_MASK]
+        value: torch.Tensor = self.hand_out(n, store[leaf][loc & ROW_MASK])
         return value
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        values = [_copy(v) for v in value]
+        return type(value)(*values) if hasattr(value, "_fields") else type(value)(values)
+    if isinstance(value, dict):
+        return type(value)((k, _copy(v)) for k, v in value.items())
+    return value
 
 
 # Constants up to this many elements are merged by value; larger ones never.

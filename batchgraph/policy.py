@@ -274,7 +274,7 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], Any]) -> Any:
             where = obj._graph.node_loc[obj.node]
             rows = views.get((where >> STORE_SHIFT, obj.leaf))
             if rows is not None:
-                return rows[where & ROW_MASK]
+                return obj._graph.hand_out(obj.node, rows[where & ROW_MASK])
         return obj.value
     if isinstance(obj, list):
         return [_rebuild(x, views) for x in obj]

@@ -213,10 +213,9 @@ class CallSite:
             # Hash-consing: an identical call (same key, same inputs) is the same node.
             # One setdefault hashes the signature once (a tuple's hash is not cached).
             node = graph.dedupe_table.setdefault((kid, refs), fresh)
-            if node < graph.generation_first:  # an older step's call (coroutine runs)
-                node = graph.revive(node, (kid, refs), fresh)
+            if node != fresh:
+                node = graph.merge(node, (kid, refs), fresh)
         if node != fresh:
-            graph.merged += 1
             graph.merged_calls += 1
         else:
             # Graph.add_node, inlined: this runs once per recorded call.

@@ -91,6 +91,7 @@ class StoreReleaser:
         self._last_compute_from = -1  # the first store of the compute before step()
         self._leftovers: list[int] = []  # nodes no compute needed so far
         self._scanned = len(graph)  # nodes below this were checked for leftovers
+        self._forget_from = 1024  # graph.shared and graph.exposed sizes that prune them
         self._open()
 
     def _open(self) -> None:
@@ -121,6 +122,19 @@ class StoreReleaser:
             stores[s] = []  # released: an empty store (reading a row of it fails)
             self.released += 1
         held &= needed
+        if len(graph.shared) + len(graph.exposed) >= self._forget_from:
+            self._forget_released()
+
+    def _forget_released(self) -> None:
+        # A released node is never merged with again (revive records anew) nor read,
+        # so what the graph notes for merging it goes. Now and then, not every step:
+        # the scan is over every noted node.
+        graph = self.graph
+        loc, stores = graph.node_loc, graph.stores
+        for nodes in (graph.shared, graph.exposed):
+            nodes.difference_update(
+                [n for n in nodes if loc[n] >= 0 and not stores[loc[n] >> STORE_SHIFT]])
+        self._forget_from = 2 * (len(graph.shared) + len(graph.exposed)) + 1024
 
     def _needed(self) -> set[int]:
         graph = self.graph

@@ -6,6 +6,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import torch
+from hypothesis import strategies as st
 from torch import nn
 
 import batchgraph as bg
@@ -52,6 +53,36 @@ def run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
         return stop.value
     coro.close()
     raise AssertionError("an eager coroutine example suspended")
+
+
+class TokenModel(nn.Module):
+    """Token embeddings and a linear map (float64), for programs of recorded calls on
+    small token ids: identical calls merge across examples and steps."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = bg.batched_func(nn.Embedding(3, 4).double())
+        self.lin = bg.batched_func(nn.Linear(4, 4).double())
+
+    async def run(self, program: list[tuple[str, int]]) -> list[float]:
+        """One example: the values it reads while running ``program``."""
+        raise NotImplementedError
+
+    def assert_reads_equal_eager(self, batch: list[list[tuple[str, int]]], groups: int) -> None:
+        """Every value each program reads under ``run_all`` equals its eager run."""
+        with torch.no_grad():
+            eager = [run_eagerly(self.run(p)) for p in batch]
+            got = bg.run_all([self.run(p) for p in batch], groups=groups, overlap="inline")
+        assert len(got) == len(eager)
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def programs(ops: tuple[str, ...], steps: int) -> st.SearchStrategy[list[list[tuple[str, int]]]]:
+    """Up to five examples' programs: lists of (operation, argument) pairs."""
+    op = st.tuples(st.sampled_from(ops), st.integers(0, 7))
+    return st.lists(st.lists(op, min_size=1, max_size=steps), min_size=1, max_size=5)
 
 
 def make_decoder(seed: int, vocab: int = 12, dim: int = 6) -> Decoder:

@@ -12,29 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 import batchgraph as bg
-from tests.property.decoder_models import run_eagerly
+from tests.property.decoder_models import TokenModel, programs
 
 OPS = ("token", "apply", "pending", "await", "drop", "forget")
-programs = st.lists(
-    st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 7)), min_size=1, max_size=14),
-    min_size=1,
-    max_size=5,
-)
 
 
-class _Model(nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = bg.batched_func(nn.Embedding(3, 4).double())
-        self.lin = bg.batched_func(nn.Linear(4, 4).double())
-
+class _Model(TokenModel):
     async def run(self, program: list[tuple[str, int]]) -> list[float]:
         held: list[Any] = [self.embed(bg.batched_value(0))]
         read: list[float] = []
@@ -57,14 +44,8 @@ class _Model(nn.Module):
         return read
 
 
-@given(seed=st.integers(0, 2**16), batch=programs, groups=st.integers(1, 2))
+@given(seed=st.integers(0, 2**16), batch=programs(OPS, 14), groups=st.integers(1, 2))
 def test_every_value_an_example_reads_equals_eager(
     seed: int, batch: list[list[tuple[str, int]]], groups: int
 ) -> None:
-    model = _Model(seed)
-    with torch.no_grad():
-        eager = [run_eagerly(model.run(p)) for p in batch]
-        got = bg.run_all([model.run(p) for p in batch], groups=groups, overlap="inline")
-    assert len(got) == len(eager)
-    for g, e in zip(got, eager):
-        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    _Model(seed).assert_reads_equal_eager(batch, groups)
