@@ -46,6 +46,11 @@ from batchgraph.graph import STORE_SHIFT, Graph
 
 __all__ = ["Generation", "StoreReleaser"]
 
+# What is noted for merging (table entries, shared and exposed nodes) may grow by this
+# much (and double) before released nodes are forgotten: a scan over all of it, so
+# not at every step. 0 forgets at every step (for tests).
+FORGET_SLACK = 4096
+
 
 class Generation:
     """Held by every handle recorded between two computes; see the module docstring."""
@@ -91,7 +96,9 @@ class StoreReleaser:
         self._last_compute_from = -1  # the first store of the compute before step()
         self._leftovers: list[int] = []  # nodes no compute needed so far
         self._scanned = len(graph)  # nodes below this were checked for leftovers
-        self._forget_from = 1024  # graph.shared and graph.exposed sizes that prune them
+        self._forget_from = FORGET_SLACK  # what _noted() reaches before _forget_released
+        self._trimmed_to = 0  # computed nodes below this were trimmed or are survivors
+        self._survivors: list[int] = []
         self._open()
 
     def _open(self) -> None:
@@ -122,19 +129,47 @@ class StoreReleaser:
             stores[s] = []  # released: an empty store (reading a row of it fails)
             self.released += 1
         held &= needed
-        if len(graph.shared) + len(graph.exposed) >= self._forget_from:
+        if self._noted() >= self._forget_from:
             self._forget_released()
 
+    def _noted(self) -> int:
+        graph = self.graph
+        return len(graph.dedupe_table) + len(graph.shared) + len(graph.exposed)
+
     def _forget_released(self) -> None:
-        # A released node is never merged with again (revive records anew) nor read,
-        # so what the graph notes for merging it goes. Now and then, not every step:
-        # the scan is over every noted node.
+        # A released node is never read again, nor merged with (a merge with it records
+        # anew): what the graph keeps to merge it goes, and so do its inputs and the
+        # ints of its depth and location, so that a long run's bookkeeping stays
+        # bounded too (five list slots a node remain). Now and then, not every step:
+        # the scan is over everything noted for merging.
         graph = self.graph
         loc, stores = graph.node_loc, graph.stores
+
+        def released(n: int) -> bool:
+            where = loc[n]
+            return where >= 0 and not stores[where >> STORE_SHIFT]
+
         for nodes in (graph.shared, graph.exposed):
-            nodes.difference_update(
-                [n for n in nodes if loc[n] >= 0 and not stores[loc[n] >> STORE_SHIFT]])
-        self._forget_from = 2 * (len(graph.shared) + len(graph.exposed)) + 1024
+            nodes.difference_update([n for n in nodes if released(n)])
+        table = graph.dedupe_table
+        for signature in [sig for sig, n in table.items() if released(n)]:
+            del table[signature]
+        # Computed nodes not looked at yet, and those whose values were still held.
+        stop = graph.first_uncomputed
+        candidates = self._survivors + list(range(min(self._trimmed_to, stop), stop))
+        self._trimmed_to = max(self._trimmed_to, stop)
+        self._survivors = []
+        inputs, depth = graph.node_inputs, graph.node_depth
+        store_locations: dict[int, int] = {}  # one int object per released store
+        for n in candidates:
+            if released(n):
+                inputs[n] = ()
+                depth[n] = 0
+                where = loc[n] >> STORE_SHIFT << STORE_SHIFT  # still its (released) store
+                loc[n] = store_locations.setdefault(where, where)
+            else:
+                self._survivors.append(n)
+        self._forget_from = 2 * self._noted() + FORGET_SLACK if FORGET_SLACK else 0
 
     def _needed(self) -> set[int]:
         graph = self.graph

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Coroutine
 from typing import Any
+from unittest import mock
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
 
 import batchgraph as bg
+from batchgraph import releasing
 
 
 class Decoder(bg.BatchedModule):
@@ -69,9 +71,14 @@ class TokenModel(nn.Module):
         """One example: the values it reads while running ``program``."""
         raise NotImplementedError
 
-    def assert_reads_equal_eager(self, batch: list[list[tuple[str, int]]], groups: int) -> None:
-        """Every value each program reads under ``run_all`` equals its eager run."""
-        with torch.no_grad():
+    def assert_reads_equal_eager(
+        self, batch: list[list[tuple[str, int]]], groups: int, forget_every_step: bool = False
+    ) -> None:
+        """Every value each program reads under ``run_all`` equals its eager run
+        (``forget_every_step``: released nodes are forgotten after every step, not
+        only once a long run has noted thousands)."""
+        slack = 0 if forget_every_step else releasing.FORGET_SLACK
+        with torch.no_grad(), mock.patch.object(releasing, "FORGET_SLACK", slack):
             eager = [run_eagerly(self.run(p)) for p in batch]
             got = bg.run_all([self.run(p) for p in batch], groups=groups, overlap="inline")
         assert len(got) == len(eager)

@@ -44,8 +44,8 @@ class _Model(TokenModel):
         return read
 
 
-@given(seed=st.integers(0, 2**16), batch=programs(OPS, 14), groups=st.integers(1, 2))
+@given(seed=st.integers(0, 2**16), batch=programs(OPS, 14), groups=st.integers(1, 2), forget=st.booleans())
 def test_every_value_an_example_reads_equals_eager(
-    seed: int, batch: list[list[tuple[str, int]]], groups: int
+    seed: int, batch: list[list[tuple[str, int]]], groups: int, forget: bool
 ) -> None:
-    _Model(seed).assert_reads_equal_eager(batch, groups)
+    _Model(seed).assert_reads_equal_eager(batch, groups, forget_every_step=forget)

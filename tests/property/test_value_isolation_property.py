@@ -48,8 +48,8 @@ class _Model(TokenModel):
         return read
 
 
-@given(seed=st.integers(0, 2**16), batch=programs(OPS, 12), groups=st.integers(1, 2))
+@given(seed=st.integers(0, 2**16), batch=programs(OPS, 12), groups=st.integers(1, 2), forget=st.booleans())
 def test_changing_a_value_in_place_reaches_no_other_example(
-    seed: int, batch: list[list[tuple[str, int]]], groups: int
+    seed: int, batch: list[list[tuple[str, int]]], groups: int, forget: bool
 ) -> None:
-    _Model(seed).assert_reads_equal_eager(batch, groups)
+    _Model(seed).assert_reads_equal_eager(batch, groups, forget_every_step=forget)

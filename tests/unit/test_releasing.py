@@ -11,12 +11,15 @@ import asyncio
 import contextlib
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import batchgraph as bg
+from batchgraph import releasing
+from batchgraph.graph import STORE_SHIFT
 from batchgraph.releasing import StoreReleaser
 from tests.property.decoder_models import run_eagerly
 
@@ -125,6 +128,32 @@ def test_repeated_calls_merge_across_steps_and_a_released_one_is_recorded_anew()
     embedded = [n for n, k in enumerate(graph.node_key)
                 if "Embedding" in graph.keys[k].label]
     assert len(embedded) == 4  # tokens 1, 2, 3 and 1 again; the second 1 merged
+
+
+def test_a_long_run_forgets_released_nodes_and_still_merges_live_ones() -> None:
+    embed = bg.batched_func(nn.Embedding(5, 8).double())
+    model = _Decoder()
+
+    async def example(token: int, steps: int) -> tuple[list[int], bool]:
+        start = embed(bg.batched_value(token))  # held to the end
+        h, tokens = start, []
+        for _ in range(steps):
+            h = model.cell(h).tanh()
+            tokens.append(int((await bg.value(model.out(h))).argmax()))
+        again = embed(bg.batched_value(token))  # merges with the held node
+        return tokens, again.node == start.node if isinstance(again, bg.ResultHandle) else True
+
+    made, make = _policies()
+    with torch.no_grad(), mock.patch.object(releasing, "FORGET_SLACK", 0):
+        got = bg.run_all([example(t, 40) for t in (1, 2, 1)], make_policy=make)
+        assert got == [run_eagerly(example(t, 40)) for t in (1, 2, 1)]
+    assert all(merged for _, merged in got)
+    graph = made[0].graph
+    held = {n for n in range(len(graph)) if graph.stores[graph.node_loc[n] >> STORE_SHIFT]}
+    assert set(graph.dedupe_table.values()) <= held  # only nodes still held are noted
+    released = [n for n in range(len(graph)) if n not in held]
+    assert len(released) > 200  # of about 240 nodes (examples 0 and 2 merge)
+    assert all(graph.node_inputs[n] == () for n in released)  # their inputs let go
 
 
 def test_inputs_of_a_node_nobody_awaited_yet_are_kept() -> None:
