@@ -113,7 +113,10 @@ def value(obj: Any) -> Wait:
         already computed, gives its value at once: the coroutine also runs eagerly.
         A value is a row view of the batched result, or a copy where identical calls
         of several examples were merged: changing it in place never reaches another
-        example's values.
+        example's values. A view's change does reach this example's calls on the same
+        handle computed afterwards, as in eager code, but also those recorded before
+        the change and not awaited yet (eagerly, they ran before it): clone the value
+        before changing it while such calls are pending.
 
     Raises:
         UnsupportedAwaitError: if ``obj`` is neither a handle, a tensor nor a container
