@@ -232,7 +232,7 @@ class Binder:
         # The recording path's own inference: the call on fake tensors, no real compute.
         site = CallSite(fn)
         try:
-            spec = site._infer_spec(pk.call)
+            spec, _ = site._infer_spec(pk.call)
         except (ShapeMismatchError, TypeError, RuntimeError) as err:
             raise ScheduleMismatchError(
                 f"{pk.describe()} does not accept the recorded per-example inputs in the live "

@@ -31,7 +31,7 @@ from batchgraph.errors import (
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.pinning import unpin_stubs
-from batchgraph.rules import choose_key, may_be_random, probe_vmap
+from batchgraph.rules import RandomDraws, choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
     encode_argument,
     foreign_handle,
@@ -85,7 +85,7 @@ class _Entry:
 
     __slots__ = ("children", "dedupe", "key", "memo", "rules_token", "single", "spec")
 
-    def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int) -> None:
+    def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int, draws_random: bool) -> None:
         self.key = key
         self.spec = spec
         # A call with several outputs returns a tuple of handles, as the eager call
@@ -97,9 +97,10 @@ class _Entry:
             self.children = tuple(enumerate(cast(tuple[TensorSpec, ...], spec)))
         # One tensor (or an unknown structure): the call returns one handle.
         self.single = type(spec) is not tuple
-        # Random calls (dropout) are never merged with identical ones; nor are calls of
-        # a module with a random layer in eval mode, which may be trained later.
-        self.dedupe = key.deterministic and not may_be_random(key.fn)
+        # Random calls (dropout, or a function drawing random numbers inside) are
+        # never merged with identical ones; nor are calls of a module with a random
+        # layer in eval mode, which may be trained later.
+        self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
         self.rules_token = rules_token
         # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
         # and a uid rather than the graph, so the cache keeps no batch alive.
@@ -284,19 +285,22 @@ class CallSite:
         template_args = tuple(template_argument(a, specs) for a in args)
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
-        spec = self._infer_spec(call)
+        spec, draws_random = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
         if key.batchable and spec is not None and not probe_vmap(key):
             key = UnbatchedKey(self.fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(self.fn, call)
-        return _Entry(key, intern_spec(spec), policy.rules_token)
+        return _Entry(key, intern_spec(spec), policy.rules_token, draws_random)
 
-    def _infer_spec(self, call: CallSignature) -> OutSpec:
+    def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool]:
+        """The call's output spec (None: unknowable before it runs) and whether it
+        draws random numbers (assumed when that cannot be told either)."""
         if any(s is None for s in call.input_specs):
-            return None
+            return None, True
+        draws = RandomDraws()
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with FakeTensorMode(allow_non_fake_inputs=True), draws:
                 fakes = [
                     torch.empty(s.shape, dtype=s.dtype, device=s.device)
                     for s in call.input_specs
@@ -304,7 +308,7 @@ class CallSite:
                 ]
                 out = call.apply(self.fn, fakes)
         except _UNKNOWABLE:
-            return None
+            return None, True
         except TypeError:
             raise
         except Exception as err:
@@ -317,7 +321,7 @@ class CallSite:
                 "dimension; check the shapes the per-example code passes to this call."
             ) from err
         try:
-            return spec_of(out)
+            return spec_of(out), draws.seen
         except TypeError as err:
             raise NotATensorError(
                 f"{self.name} returned {type(out).__name__}; a recorded call must return a "

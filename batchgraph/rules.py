@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.keys import (
     DIM_FUNCTIONS,
@@ -32,7 +33,7 @@ from batchgraph.keys import (
 from batchgraph.sequence import packed_sequence_rule
 from batchgraph.specs import CallSignature, InputSlot
 
-__all__ = ["KeyFactory", "choose_key", "may_be_random"]
+__all__ = ["KeyFactory", "RandomDraws", "choose_key", "may_be_random"]
 
 KeyFactory = Callable[..., BatchKey]
 
@@ -75,6 +76,32 @@ def may_be_random(fn: Any) -> bool:
         return fn in RANDOM_FUNCTIONS
     except TypeError:  # unhashable callable
         return False
+
+
+class RandomDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Notes whether the code run under it draws random numbers (an op that PyTorch
+    tags ``nondeterministic_seeded``: ``randn_like``, dropout, ``bernoulli``...).
+
+    A recorded call's shape inference runs under it once per signature, so that a
+    function with randomness inside (``lambda x: x + torch.randn_like(x)``) is never
+    merged with an identical call: each example draws its own values, as in eager code.
+
+    Example:
+        >>> with RandomDraws() as draws:
+        ...     _ = torch.nn.functional.dropout(torch.ones(3), 0.5, training=True)
+        >>> draws.seen
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seen = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
 
 
 def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:

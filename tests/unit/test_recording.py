@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -438,3 +439,45 @@ def test_dropout_put_in_training_mode_after_eval_is_not_merged() -> None:
     assert a.node != b.node
     va, vb = bg.compute([a, b])
     assert not torch.equal(va, vb)  # two masks of 64 draws: equal with chance 2**-64
+
+
+@pytest.mark.parametrize("draw", [
+    lambda x: x + torch.randn_like(x),  # reparameterization noise
+    lambda x: torch.nn.functional.dropout(x, 0.5, training=True),
+    lambda x: torch.bernoulli(torch.sigmoid(x)),
+])
+def test_a_function_drawing_random_numbers_inside_is_not_merged(draw: Any) -> None:
+    """Only shape inference sees inside a function: random ops it runs there (tagged
+    nondeterministic_seeded) keep identical calls apart, so each example draws its own."""
+    noisy = bg.batched_func(draw)
+    x = torch.ones(64)
+    with bg.BatchingPolicy() as policy:
+        h = bg.batched_value(x)
+        a, b = noisy(h), noisy(h)
+    assert a.node != b.node
+    va, vb = bg.compute([a, b])
+    assert not torch.equal(va, vb)  # 64 draws each
+    assert policy.stats is not None and policy.stats.launches == 1  # still batched
+
+
+def test_a_deterministic_function_still_merges() -> None:
+    scaled = bg.batched_func(lambda x: torch.tanh(x) * 2.0 + x.sum())
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3))
+        assert scaled(h).node == scaled(h).node
+
+
+def test_a_call_whose_shape_inference_stops_early_is_not_merged() -> None:
+    """Data-dependent shapes stop shape inference before a later random op is seen:
+    not knowing, identical calls are kept apart."""
+    def positive_noise(x: torch.Tensor) -> torch.Tensor:
+        kept = x[x > 0]
+        return kept + torch.randn_like(kept)
+
+    noisy = bg.batched_func(positive_noise)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(64))
+        a, b = noisy(h), noisy(h)
+    assert a.node != b.node
+    va, vb = bg.compute([a, b])
+    assert not torch.equal(va, vb)
