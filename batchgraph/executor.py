@@ -16,6 +16,7 @@ callable, the batch and the failing example.
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -85,10 +86,19 @@ class Executor:
             )
         self._index_all(schedule)
         added = 0
+        # Each call runs in the grad mode it was recorded in (graph.key_grad). The
+        # gathers between them run with grad on wherever one call was recorded with it,
+        # even when computing under no_grad: a gather also carries rows for later
+        # steps, and gathering values that need no grad records nothing anyway.
+        key_grad = graph.key_grad
+        wanted = [key_grad.get(step.key) for step in schedule.steps]
+        ambient = torch.is_grad_enabled()
+        guard = torch.enable_grad() if not ambient and True in wanted else contextlib.nullcontext()
         try:
-            for step in schedule.steps:
-                graph.stores.append(self._run_step(step))
-                added += 1
+            with guard:
+                for step, grad in zip(schedule.steps, wanted):
+                    graph.stores.append(self._run_step(step, grad))
+                    added += 1
         except BaseException:
             del graph.stores[len(graph.stores) - added :]
             raise
@@ -112,7 +122,7 @@ class Executor:
         except ValueError:  # everything is computed
             graph.first_uncomputed = len(node_loc)
 
-    def _run_step(self, step: Step) -> list[Any]:
+    def _run_step(self, step: Step, grad: bool | None = None) -> list[Any]:
         graph = self.graph
         key = graph.keys[step.key]
         size = len(step.nodes)
@@ -131,7 +141,11 @@ class Executor:
                     for p, chunk in zip(plan.positions, torch.split(gathered, size)):
                         inputs[p] = chunk
         try:
-            out = key.run(key.fn, inputs, size)
+            if grad is None or grad is torch.is_grad_enabled():
+                out = key.run(key.fn, inputs, size)
+            else:  # recorded in the other grad mode
+                with torch.set_grad_enabled(grad):
+                    out = key.run(key.fn, inputs, size)
         except Exception as err:
             raise self._diagnose(key, step, inputs, err) from err
         if key.combine == "list":

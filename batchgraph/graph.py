@@ -60,7 +60,12 @@ class Graph:
         self._policy: Callable[[], Any] = _no_policy
         self.dedupe_table: dict[Any, int] = {}
         self.keys: list[BatchKey] = []
-        self.key_ids: dict[BatchKey, int] = {}
+        self.key_ids: dict[tuple[BatchKey, bool | None], int] = {}
+        # Whether grad was enabled where a call was recorded, per key id: a call runs
+        # in that mode, as it would have run eagerly (``with torch.no_grad():`` around
+        # a recorded call then holds, whatever the mode at compute). A key recorded in
+        # both modes has one id for each, so the two never batch together.
+        self.key_grad: dict[int, bool] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
         self.node_depth: list[int] = []
@@ -112,12 +117,15 @@ class Graph:
     def policy(self, policy: Any) -> None:
         self._policy = weakref.ref(policy)
 
-    def key_id(self, key: BatchKey) -> int:
-        kid = self.key_ids.get(key)
+    def key_id(self, key: BatchKey, grad: bool | None = None) -> int:
+        """The id of ``key`` (recorded with grad enabled or not; None: either)."""
+        kid = self.key_ids.get((key, grad))
         if kid is None:
             kid = len(self.keys)
             self.keys.append(key)
-            self.key_ids[key] = kid
+            self.key_ids[(key, grad)] = kid
+            if grad is not None:
+                self.key_grad[kid] = grad
         return kid
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:
@@ -202,7 +210,8 @@ class Graph:
         if other handles stand for the same node, so that an in-place change reaches
         only the caller's own value, as in eager code."""
         if n in self.shared:
-            return _copy(value)
+            with torch.enable_grad():  # a copy of a value with history keeps it
+                return _copy(value)
         self.exposed.add(n)
         return value
 
@@ -244,7 +253,13 @@ class Graph:
                 f"the value of node {n} of {self.name!r} was released: no handle to it "
                 "was alive at a later step (a batchgraph bug; please report it)"
             )
-        value: torch.Tensor = self.hand_out(n, store[leaf][loc & ROW_MASK])
+        column = store[leaf]
+        if torch.is_grad_enabled() or not getattr(column, "requires_grad", False):
+            row = column[loc & ROW_MASK]
+        else:  # read under no_grad, a row of a value with history keeps it, as eagerly
+            with torch.enable_grad():
+                row = column[loc & ROW_MASK]
+        value: torch.Tensor = self.hand_out(n, row)
         return value
 
 

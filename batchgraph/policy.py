@@ -166,7 +166,10 @@ class BatchingPolicy:
         self.computes += 1
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
         schedule.stats = self.stats
-        result = _rebuild(obj, _row_views(graph, handles))
+        # Rows of values with history keep it, even when computed under no_grad (a call
+        # recorded with grad has it, as eagerly); gathering rows of others records nothing.
+        with torch.enable_grad():
+            result = _rebuild(obj, _row_views(graph, handles))
         self._mark = time.perf_counter()
         return result
 

@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 _new_handle = object.__new__  # see the end of CallSite.__call__
+_grad_enabled = torch.is_grad_enabled
 
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
 
@@ -104,7 +105,7 @@ class _Entry:
         self.rules_token = rules_token
         # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
         # and a uid rather than the graph, so the cache keeps no batch alive.
-        self.memo: tuple[int, int] = (-1, -1)
+        self.memo: tuple[int, int, bool] = (-1, -1, True)
 
 
 class CallSite:
@@ -203,11 +204,12 @@ class CallSite:
                         self.last = (sig, entry)
             refs = tuple(inputs)
         memo = entry.memo
-        if memo[0] == graph.uid:
+        grad = _grad_enabled()
+        if memo[0] == graph.uid and memo[2] is grad:
             kid = memo[1]
         else:
-            kid = graph.key_id(entry.key)
-            entry.memo = (graph.uid, kid)
+            kid = graph.key_id(entry.key, grad)
+            entry.memo = (graph.uid, kid, grad)
         spec = entry.spec
         fresh = node = len(graph.node_key)
         if entry.dedupe and graph.dedupe:

@@ -44,6 +44,9 @@ from batchgraph.specs import TensorSpec
 
 __all__ = ["Example", "GradMode", "Lane"]
 
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
 
 
@@ -56,7 +59,8 @@ class Example:
     """One coroutine example and where it stands."""
 
     __slots__ = (
-        "coro", "done", "error", "final", "index", "ready", "result", "steps", "throw", "wait",
+        "coro", "done", "error", "final", "grad", "index", "ready", "result", "steps", "throw",
+        "wait",
     )
 
     def __init__(self, index: int, coro: Coroutine[Any, Any, Any]) -> None:
@@ -70,6 +74,9 @@ class Example:
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        # Its own grad mode while suspended, where it differs from the driver's (it
+        # awaited inside ``with torch.no_grad():``); None: the driver's.
+        self.grad: bool | None = None
 
     def close(self) -> None:
         """Close an unfinished coroutine (GeneratorExit inside it), quietly."""
@@ -164,15 +171,30 @@ class Lane:
     def _advance(self, ex: Example, send: Any, throw: BaseException | None) -> None:
         coro = ex.coro
         graph = self.policy.graph
+        # Grad mode is per thread, not per coroutine: an example that awaits inside
+        # ``with torch.no_grad():`` would leave it off for the others (and, leaving the
+        # block later, restore the mode it found: another example's). Each example
+        # gets its own mode back when it resumes, and the driver's is kept around it.
+        outer = _grad_enabled()
         while True:
+            if ex.grad is not None:
+                _set_grad_enabled(ex.grad)
             try:
                 yielded = coro.send(send) if throw is None else coro.throw(throw)
             except StopIteration as stop:
+                _set_grad_enabled(outer)
                 self._finish(ex, stop.value)
                 return
             except Exception as err:
+                _set_grad_enabled(outer)
                 ex.done, ex.error = True, err
                 return
+            mode = _grad_enabled()
+            if mode is outer:
+                ex.grad = None
+            else:
+                ex.grad = mode
+                _set_grad_enabled(outer)
             throw = None
             if type(yielded) is not Wait:
                 throw = UnsupportedAwaitError(

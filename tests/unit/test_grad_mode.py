@@ -1,0 +1,89 @@
+"""A recorded call runs in the grad mode it was recorded in, as it would have eagerly,
+whatever the mode when it is computed; coroutine examples each keep their own mode."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import batchgraph as bg
+from tests.property.decoder_models import run_eagerly
+
+
+def _linear() -> bg.BatchedFunc:
+    torch.manual_seed(0)
+    return bg.batched_func(nn.Linear(3, 3).double())
+
+
+def test_a_call_recorded_under_no_grad_gets_no_gradient() -> None:
+    lin, x = _linear(), torch.ones(3, dtype=torch.float64)
+    # A baseline computed without grad: the loss must not reach lin through it.
+    with bg.BatchingPolicy():
+        with torch.no_grad():
+            baseline = lin(bg.batched_value(x))
+        score = lin(bg.batched_value(x * 2.0))
+        loss = (score - baseline).pow(2).sum()
+        value = bg.compute(loss)
+    assert not baseline.value.requires_grad
+    value.backward()
+    batched = lin.fn.weight.grad.clone()
+    lin.fn.weight.grad = None
+    with torch.no_grad():
+        eager_baseline = lin(x)
+    (lin(x * 2.0) - eager_baseline).pow(2).sum().backward()
+    torch.testing.assert_close(batched, lin.fn.weight.grad)
+
+
+def test_a_call_recorded_with_grad_keeps_it_when_computed_under_no_grad() -> None:
+    lin, x = _linear(), torch.ones(3, dtype=torch.float64)
+    with torch.no_grad(), bg.BatchingPolicy():
+        with torch.enable_grad():
+            tracked = lin(bg.batched_value(x))
+        untracked = lin(bg.batched_value(x + 1.0))
+        bg.compute([tracked, untracked])
+    assert tracked.value.requires_grad and not untracked.value.requires_grad
+
+
+def test_one_callable_in_both_modes_is_two_batches() -> None:
+    lin = _linear()
+    with bg.BatchingPolicy() as policy:
+        hs = [lin(torch.full((3,), float(i), dtype=torch.float64)) for i in range(3)]
+        with torch.no_grad():
+            hs += [lin(torch.full((3,), float(i), dtype=torch.float64)) for i in range(3)]
+        values = bg.compute(hs)
+    assert policy.stats is not None and policy.stats.launches == 2
+    assert [v.requires_grad for v in values] == [True] * 3 + [False] * 3
+    assert hs[0].node != hs[3].node  # identical calls in different modes are not merged
+    for v, w in zip(values[:3], values[3:]):
+        torch.testing.assert_close(v.detach(), w)
+
+
+def test_each_coroutine_keeps_its_own_grad_mode_across_awaits() -> None:
+    lin, x = _linear(), torch.ones(3, dtype=torch.float64)
+
+    async def example(i: int) -> tuple[bool, bool, bool]:
+        with torch.no_grad():  # suspended in here, while the others run
+            v = await bg.value(lin(bg.batched_value(x * i)))
+        w = await bg.value(lin(bg.batched_value(x * i + 1.0)))
+        return v.requires_grad, w.requires_grad, torch.is_grad_enabled()
+
+    eager = [run_eagerly(example(i)) for i in range(3)]
+    assert eager == [(False, True, True)] * 3
+    assert bg.run_all([example(i) for i in range(3)], groups=1) == eager
+    assert bg.run_all([example(i) for i in range(3)], groups=2, overlap="inline") == eager
+    assert torch.is_grad_enabled()  # the driver's own mode is back
+
+
+def test_a_chain_recorded_with_grad_backpropagates_when_computed_under_no_grad() -> None:
+    lin, x = _linear(), torch.ones(3, dtype=torch.float64)
+    with bg.BatchingPolicy():
+        with torch.enable_grad():
+            first = lin(bg.batched_value(x))
+            second = lin(first)  # gathers first's rows: the gather must keep their history
+        with torch.no_grad():
+            value = bg.compute(second)
+    value.sum().backward()
+    batched = lin.fn.weight.grad.clone()
+    lin.fn.weight.grad = None
+    lin(lin(x)).sum().backward()
+    torch.testing.assert_close(batched, lin.fn.weight.grad)
