@@ -20,6 +20,7 @@ from batchgraph.epochs import EpochStream
 from batchgraph.errors import (
     BatchedCallError,
     BatchgraphError,
+    ConstantChangedError,
     NotATensorError,
     NotComputedError,
     PolicyClosedError,
@@ -59,6 +60,7 @@ __all__ = [
     "BatchingPolicy",
     "Binder",
     "BucketBatchSampler",
+    "ConstantChangedError",
     "CoroutineExampleError",
     "DeadlockError",
     "DimArgKey",

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BatchedCallError",
     "BatchgraphError",
+    "ConstantChangedError",
     "NotATensorError",
     "NotComputedError",
     "PolicyClosedError",
@@ -44,3 +45,9 @@ class NotATensorError(BatchgraphError, TypeError):
 
 class BatchedCallError(BatchgraphError, RuntimeError):
     """A batched call raised; the message names the key, the callable and the examples."""
+
+
+class ConstantChangedError(BatchgraphError, RuntimeError):
+    """A tensor recorded as a per-example input was changed in place before it was
+    computed: the batched run would read its new values where the eager run read the
+    old ones."""

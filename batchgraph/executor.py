@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from batchgraph.errors import BatchedCallError, NotATensorError
+from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
@@ -128,7 +128,10 @@ class Executor:
         size = len(step.nodes)
         if isinstance(key, ConstantKey):
             constants = graph.constants
-            return [key.run(key.fn, [[constants[n] for n in step.nodes]], size)]
+            values = [constants[n] for n in step.nodes]
+            if graph.constant_versions:
+                self._check_unchanged(step.nodes)
+            return [key.run(key.fn, [values], size)]
         if step.refs:
             inputs: list[Any] = [self._fetch(refs) for refs in step.refs]
         else:
@@ -164,6 +167,22 @@ class Executor:
                     "for it (BatchingPolicy(rules={...}))."
                 )
         return leaves
+
+    def _check_unchanged(self, nodes: list[int]) -> None:
+        graph = self.graph
+        versions, constants = graph.constant_versions, graph.constants
+        for n in nodes:
+            version = versions.get(n)
+            if version is not None and constants[n]._version != version:
+                value = constants[n]
+                raise ConstantChangedError(
+                    f"a {tuple(value.shape)} {value.dtype} tensor recorded as a per-example "
+                    f"input of {graph.name!r} (node {n}) was changed in place before it was "
+                    "computed. batchgraph reads it when the batch runs, so it would see the "
+                    "new values where eager code saw the old ones. Pass a tensor that stays "
+                    "as it is until compute: a new one per example, or `t.clone()` of a "
+                    "reused buffer."
+                )
 
     def _columns(self, key: BatchKey, out: Any, size: int) -> list[Any]:
         if not isinstance(out, list) or len(out) != size:

@@ -72,6 +72,9 @@ class Graph:
         self.node_spec: list[OutSpec] = []
         # Constant values: tensors, or Python scalars (stacked with one torch.tensor call).
         self.constants: dict[int, Any] = {}
+        # The version counter of each tensor constant when it was recorded: the tensor
+        # is read when its step computes, and must not have changed by then.
+        self.constant_versions: dict[int, int] = {}
         self._constant_kids: dict[TensorSpec, int] = {}
         self._scalar_kids: dict[type, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):
@@ -164,6 +167,8 @@ class Graph:
                         return existing
         n = self.add_node(kid, (), 0, spec)
         self.constants[n] = value
+        if isinstance(value, torch.Tensor) and not value.is_inference():
+            self.constant_versions[n] = value._version
         return n
 
     def add_scalar(self, value: bool | int | float) -> int:

@@ -223,8 +223,10 @@ class StoreReleaser:
         constants = self.graph.constants
         if constants:
             loc = self.graph.node_loc
+            versions = self.graph.constant_versions
             for n in [n for n in constants if loc[n] >= 0]:
                 del constants[n]
+                versions.pop(n, None)
 
 
 _store_of = STORE_SHIFT.__rrshift__  # location -> store, as a C call

@@ -132,3 +132,42 @@ def test_calls_that_would_modify_their_input_in_place_are_refused() -> None:
     with bg.BatchingPolicy():
         b = inner(bg.batched_value(torch.ones(2)))
     assert bg.compute(b).shape == (2,)
+
+
+def test_a_reused_input_buffer_changed_before_compute_is_refused() -> None:
+    lin = bg.batched_func(nn.Linear(3, 2))
+    buffer = torch.zeros(3)
+    with torch.no_grad(), bg.BatchingPolicy():
+        handles = []
+        for i in range(3):
+            buffer[0] = float(i)  # eagerly each call saw its own value; batched, the last
+            handles.append(lin(buffer))
+        with pytest.raises(bg.ConstantChangedError, match=r"changed in place.*clone"):
+            bg.compute(handles)
+
+
+def test_a_constant_changed_only_after_compute_is_fine() -> None:
+    lin = bg.batched_func(nn.Linear(3, 2))
+    x = torch.zeros(3)
+    with torch.no_grad(), bg.BatchingPolicy():
+        first = bg.compute(lin(x))
+        x.add_(1.0)  # computed already: nothing reads it again
+        second = bg.compute(lin(x))  # recorded anew, with its new version
+    assert not torch.equal(first, second)
+
+
+def test_a_coroutine_that_changes_its_constant_fails_alone() -> None:
+    lin = bg.batched_func(nn.Linear(3, 2))
+
+    async def example(i: int, change: bool) -> torch.Tensor:
+        x = torch.full((3,), float(i))  # distinct values: not merged with the others
+        h = lin(x)
+        if change:
+            x.mul_(2.0)  # before the step computes it
+        return await bg.value(h)
+
+    with torch.no_grad():
+        got = bg.run_all([example(0, False), example(1, True), example(2, False)],
+                         return_exceptions=True)
+    assert isinstance(got[1], bg.ConstantChangedError)
+    assert isinstance(got[0], torch.Tensor) and isinstance(got[2], torch.Tensor)
