@@ -227,8 +227,17 @@ class ResultHandle:
     def __rmatmul__(self, other: Any) -> Any:
         return _record(torch.matmul, (other, self), {})
 
-    # Comparisons record elementwise ops (masks); == and != keep identity semantics so
-    # handles stay hashable: use torch.eq / torch.ne for elementwise equality.
+    # Comparisons record elementwise ops (masks), == and != included, as on tensors:
+    # `if h == eos:` must fail as `if h > 0:` does (its truth is not known yet), not
+    # quietly compare identities. Hashing stays by identity, as a tensor's does.
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
+        return _record(torch.eq, (self, other), {})
+
+    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
+        return _record(torch.ne, (self, other), {})
+
     def __lt__(self, other: Any) -> Any:
         return _record(torch.lt, (self, other), {})
 

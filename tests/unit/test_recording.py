@@ -481,3 +481,18 @@ def test_a_call_whose_shape_inference_stops_early_is_not_merged() -> None:
     assert a.node != b.node
     va, vb = bg.compute([a, b])
     assert not torch.equal(va, vb)
+
+
+def test_equality_on_handles_is_elementwise_as_on_tensors() -> None:
+    xs = [torch.tensor([0.0, 1.0, 2.0]), torch.tensor([1.0, 1.0, 0.0])]
+    with bg.BatchingPolicy():
+        hs = [bg.batched_value(x) for x in xs]
+        masks = [(h == 1.0, h != 1.0, 1.0 == h) for h in hs]
+        assert {hs[0]: "first"}[hs[0]] == "first"  # hashable by identity, as a tensor
+        with pytest.raises(TypeError, match="truth value"):
+            if hs[0] == 1.0:  # not known while recording: never a silent False
+                pass
+        got = bg.compute(masks)
+    for x, (eq, ne, req) in zip(xs, got):
+        assert torch.equal(eq, x == 1.0) and torch.equal(ne, x != 1.0)
+        assert torch.equal(req, x == 1.0)
