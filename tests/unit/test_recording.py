@@ -487,7 +487,7 @@ def test_equality_on_handles_is_elementwise_as_on_tensors() -> None:
     xs = [torch.tensor([0.0, 1.0, 2.0]), torch.tensor([1.0, 1.0, 0.0])]
     with bg.BatchingPolicy():
         hs = [bg.batched_value(x) for x in xs]
-        masks = [(h == 1.0, h != 1.0, 1.0 == h) for h in hs]
+        masks = [(h == 1.0, h != 1.0, 1.0 == h) for h in hs]  # noqa: SIM300 (reflected ==)
         assert {hs[0]: "first"}[hs[0]] == "first"  # hashable by identity, as a tensor
         with pytest.raises(TypeError, match="truth value"):
             if hs[0] == 1.0:  # not known while recording: never a silent False
