@@ -155,10 +155,34 @@ class ResultHandle:
         return value(self).__await__()
 
     def __bool__(self) -> bool:
-        raise TypeError(
-            f"the truth value of {self!r} is not known while recording. Compute it first, "
-            "or write the example as a coroutine and `await bg.value(h)` (see bg.run_all)."
-        )
+        raise _not_known(f"the truth value of {self!r}")
+
+    # Python numbers and host copies of a value are not known while recording either:
+    # these fail with the same advice, not with "int() argument must be ... not
+    # 'ResultHandle'" or a shape error from the fake run of ``.item()``.
+    def __int__(self) -> int:
+        raise _not_known(f"int({self!r})")
+
+    def __float__(self) -> float:
+        raise _not_known(f"float({self!r})")
+
+    def __index__(self) -> int:
+        raise _not_known(f"{self!r} as an index")
+
+    def __complex__(self) -> complex:
+        raise _not_known(f"complex({self!r})")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _not_known(f"a NumPy array of {self!r}")
+
+    def item(self) -> Any:
+        raise _not_known(f"{self!r}.item()")
+
+    def tolist(self) -> Any:
+        raise _not_known(f"{self!r}.tolist()")
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise _not_known(f"{self!r}.numpy()")
 
     def __repr__(self) -> str:
         spec = self.spec
@@ -255,6 +279,13 @@ class ResultHandle:
 
     def __abs__(self) -> Any:
         return _record(torch.abs, (self,), {})
+
+
+def _not_known(what: str) -> TypeError:
+    return TypeError(
+        f"{what} is not known while recording. Compute it first, or write the example "
+        "as a coroutine and `await bg.value(h)` (see bg.run_all)."
+    )
 
 
 def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -171,3 +173,15 @@ def test_a_coroutine_that_changes_its_constant_fails_alone() -> None:
                          return_exceptions=True)
     assert isinstance(got[1], bg.ConstantChangedError)
     assert isinstance(got[0], torch.Tensor) and isinstance(got[2], torch.Tensor)
+
+
+@pytest.mark.parametrize("read", [
+    int, float, complex, lambda h: h.item(), lambda h: h.tolist(), lambda h: h.numpy(),
+    lambda h: [0, 1, 2][h], lambda h: __import__("numpy").asarray(h),
+])
+def test_reading_a_python_value_of_a_handle_tells_how(read: Any) -> None:
+    """The usual slip in a decoder, `tok = int(logits.argmax())` without an await."""
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.tensor(1))
+        with pytest.raises(TypeError, match=r"not known while recording.*await bg.value"):
+            read(h)
