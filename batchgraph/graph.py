@@ -182,6 +182,11 @@ class Graph:
             signature = (kid, value) if value or kind is not float else (kid, exact_number(value))
             existing = self.dedupe_table.setdefault(signature, n)  # one hash
             if existing != n:
+                exposed = self.exposed
+                if existing >= self.generation_first and (not exposed or existing not in exposed):
+                    self.shared.add(existing)  # merge's usual case, inlined
+                    self.merged += 1
+                    return existing
                 existing = self.merge(existing, signature, n)
                 if existing != n:
                     return existing

@@ -217,7 +217,12 @@ class CallSite:
             # One setdefault hashes the signature once (a tuple's hash is not cached).
             node = graph.dedupe_table.setdefault((kid, refs), fresh)
             if node != fresh:
-                node = graph.merge(node, (kid, refs), fresh)
+                exposed = graph.exposed
+                if node >= graph.generation_first and (not exposed or node not in exposed):
+                    graph.shared.add(node)  # Graph.merge's usual case, inlined
+                    graph.merged += 1
+                else:
+                    node = graph.merge(node, (kid, refs), fresh)
         if node != fresh:
             graph.merged_calls += 1
         else:
