@@ -28,7 +28,7 @@ import torch
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
-__all__ = ["Graph", "Ref", "exact_number"]
+__all__ = ["Graph", "Ref", "exact_number", "scalar_spec"]
 
 Ref = tuple[int, int]  # (node, leaf)
 
@@ -40,11 +40,25 @@ LEAF_SHIFT = 24
 ROW_MASK = (1 << LEAF_SHIFT) - 1
 
 _CPU = torch.device("cpu")
-# Python scalars become 0-d constants of torch's default type for that scalar.
+# Python scalars become 0-d constants of torch's type for that scalar (see scalar_spec).
 _SCALAR_SPECS: dict[type, TensorSpec] = {
     kind: cast(TensorSpec, intern_spec(TensorSpec((), dtype, _CPU)))
-    for kind, dtype in ((bool, torch.bool), (int, torch.int64), (float, torch.get_default_dtype()))
+    for kind, dtype in ((bool, torch.bool), (int, torch.int64))
 }
+_FLOAT_SPECS: dict[torch.dtype, TensorSpec] = {}
+
+
+def scalar_spec(kind: type) -> TensorSpec:
+    """The spec of a Python scalar's constant, as ``torch.tensor(value)`` makes it: a
+    float takes the default dtype in force *now* (``torch.set_default_dtype`` may have
+    changed it since import), a bool ``torch.bool`` and an int ``torch.int64``."""
+    if kind is not float:
+        return _SCALAR_SPECS[kind]
+    dtype = torch.get_default_dtype()
+    spec = _FLOAT_SPECS.get(dtype)
+    if spec is None:
+        spec = _FLOAT_SPECS[dtype] = cast(TensorSpec, intern_spec(TensorSpec((), dtype, _CPU)))
+    return spec
 
 
 class Graph:
@@ -76,7 +90,7 @@ class Graph:
         # is read when its step computes, and must not have changed by then.
         self.constant_versions: dict[int, int] = {}
         self._constant_kids: dict[TensorSpec, int] = {}
-        self._scalar_kids: dict[type, int] = {}
+        self._scalar_kids: dict[type | torch.dtype, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
@@ -150,9 +164,9 @@ class Graph:
         if isinstance(value, torch.Tensor):
             spec = TensorSpec.of(value)
         elif device is None:
-            spec = _SCALAR_SPECS[type(value)]
+            spec = scalar_spec(type(value))
         else:
-            spec = _SCALAR_SPECS[type(value)]._replace(device=device)
+            spec = scalar_spec(type(value))._replace(device=device)
         kid = self._constant_kids.get(spec)
         if kid is None:
             kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))
@@ -174,9 +188,16 @@ class Graph:
     def add_scalar(self, value: bool | int | float) -> int:
         """``add_constant`` for a Python scalar on the CPU: the per-token fast path."""
         kind = type(value)
-        kid = self._scalar_kids.get(kind)
-        if kid is None:
-            kid = self._scalar_kids[kind] = self.key_id(ConstantKey(_SCALAR_SPECS[kind]))
+        if kind is float:  # its dtype is the default one now: one key per dtype
+            spec = scalar_spec(float)
+            kid = self._scalar_kids.get(spec.dtype)
+            if kid is None:
+                kid = self._scalar_kids[spec.dtype] = self.key_id(ConstantKey(spec))
+        else:
+            spec = _SCALAR_SPECS[kind]
+            kid = self._scalar_kids.get(kind)
+            if kid is None:
+                kid = self._scalar_kids[kind] = self.key_id(ConstantKey(spec))
         n = len(self.node_key)
         if self.dedupe:
             signature = (kid, value) if value or kind is not float else (kid, exact_number(value))
@@ -194,7 +215,7 @@ class Graph:
         self.node_key.append(kid)
         self.node_inputs.append(())
         self.node_depth.append(0)
-        self.node_spec.append(_SCALAR_SPECS[kind])
+        self.node_spec.append(spec)
         self.node_loc.append(-1)
         self.constants[n] = value
         return n

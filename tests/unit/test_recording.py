@@ -496,3 +496,19 @@ def test_equality_on_handles_is_elementwise_as_on_tensors() -> None:
     for x, (eq, ne, req) in zip(xs, got):
         assert torch.equal(eq, x == 1.0) and torch.equal(ne, x != 1.0)
         assert torch.equal(req, x == 1.0)
+
+
+def test_float_scalars_take_the_default_dtype_in_force_when_recorded() -> None:
+    """As ``torch.tensor(0.5)`` does: set_default_dtype after import counts."""
+    before = torch.get_default_dtype()
+    try:
+        with bg.BatchingPolicy():
+            single = bg.batched_value(0.5)
+            torch.set_default_dtype(torch.float64)
+            double = bg.batched_value(0.5)
+            assert single.node != double.node  # equal values, different dtypes
+            got = bg.compute([single, double])
+        assert [v.dtype for v in got] == [torch.float32, torch.float64]
+        assert bg.batched_value(0.5).dtype == torch.float64  # eager, the same rule
+    finally:
+        torch.set_default_dtype(before)
