@@ -188,16 +188,12 @@ class Graph:
     def add_scalar(self, value: bool | int | float) -> int:
         """``add_constant`` for a Python scalar on the CPU: the per-token fast path."""
         kind = type(value)
-        if kind is float:  # its dtype is the default one now: one key per dtype
-            spec = scalar_spec(float)
-            kid = self._scalar_kids.get(spec.dtype)
-            if kid is None:
-                kid = self._scalar_kids[spec.dtype] = self.key_id(ConstantKey(spec))
-        else:
-            spec = _SCALAR_SPECS[kind]
-            kid = self._scalar_kids.get(kind)
-            if kid is None:
-                kid = self._scalar_kids[kind] = self.key_id(ConstantKey(spec))
+        # A float's dtype is the default one now: its key id is looked up by dtype.
+        kid = self._scalar_kids.get(kind if kind is not float else torch.get_default_dtype())
+        if kid is None:
+            spec = scalar_spec(kind)
+            kid = self.key_id(ConstantKey(spec))
+            self._scalar_kids[kind if kind is not float else spec.dtype] = kid
         n = len(self.node_key)
         if self.dedupe:
             signature = (kid, value) if value or kind is not float else (kid, exact_number(value))
@@ -215,7 +211,7 @@ class Graph:
         self.node_key.append(kid)
         self.node_inputs.append(())
         self.node_depth.append(0)
-        self.node_spec.append(spec)
+        self.node_spec.append(cast(ConstantKey, self.keys[kid]).spec)
         self.node_loc.append(-1)
         self.constants[n] = value
         return n

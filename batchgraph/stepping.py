@@ -190,11 +190,11 @@ class Lane:
                 ex.done, ex.error = True, err
                 return
             mode = _grad_enabled()
-            if mode is outer:
-                ex.grad = None
-            else:
+            if mode is not outer:
                 ex.grad = mode
                 _set_grad_enabled(outer)
+            elif ex.grad is not None:
+                ex.grad = None
             throw = None
             if type(yielded) is not Wait:
                 throw = UnsupportedAwaitError(
