@@ -47,6 +47,33 @@ __all__ = ["Example", "GradMode", "Lane"]
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
+_inference_enabled = torch.is_inference_mode_enabled
+
+
+def _keep_modes(ex: Example, outer: bool, outer_inference: bool) -> None:
+    """After ``ex`` suspended: keep its autograd modes, give the driver back its own."""
+    if _inference_enabled() is not outer_inference:
+        guard = torch._C._InferenceMode(outer_inference)  # saves the example's state
+        guard.__enter__()  # type: ignore[no-untyped-call]
+        ex.inference = guard
+    mode = _grad_enabled()
+    if mode is not outer:
+        ex.grad = mode
+        _set_grad_enabled(outer)
+    elif ex.grad is not None:
+        ex.grad = None
+
+
+def _resume_modes(ex: Example) -> None:
+    """Before ``ex`` resumes: the modes it had when it suspended."""
+    if ex.grad is not None:
+        _set_grad_enabled(ex.grad)
+    guard = ex.inference
+    if guard is not None:  # leaving the guard restores the example's whole state
+        ex.inference = None
+        guard.__exit__(None, None, None)
+
+
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
 
 
@@ -59,8 +86,8 @@ class Example:
     """One coroutine example and where it stands."""
 
     __slots__ = (
-        "coro", "done", "error", "final", "grad", "index", "ready", "result", "steps", "throw",
-        "wait",
+        "coro", "done", "error", "final", "grad", "index", "inference", "ready", "result", "steps",
+        "throw", "wait",
     )
 
     def __init__(self, index: int, coro: Coroutine[Any, Any, Any]) -> None:
@@ -77,6 +104,7 @@ class Example:
         # Its own grad mode while suspended, where it differs from the driver's (it
         # awaited inside ``with torch.no_grad():``); None: the driver's.
         self.grad: bool | None = None
+        self.inference: Any = None  # likewise for inference mode: the guard holding it
 
     def close(self) -> None:
         """Close an unfinished coroutine (GeneratorExit inside it), quietly."""
@@ -175,10 +203,10 @@ class Lane:
         # ``with torch.no_grad():`` would leave it off for the others (and, leaving the
         # block later, restore the mode it found: another example's). Each example
         # gets its own mode back when it resumes, and the driver's is kept around it.
-        outer = _grad_enabled()
+        # The same holds for inference mode, which only a guard object can set.
+        outer, outer_inference = _grad_enabled(), _inference_enabled()
         while True:
-            if ex.grad is not None:
-                _set_grad_enabled(ex.grad)
+            _resume_modes(ex)
             try:
                 yielded = coro.send(send) if throw is None else coro.throw(throw)
             except StopIteration as stop:
@@ -189,12 +217,7 @@ class Lane:
                 _set_grad_enabled(outer)
                 ex.done, ex.error = True, err
                 return
-            mode = _grad_enabled()
-            if mode is not outer:
-                ex.grad = mode
-                _set_grad_enabled(outer)
-            elif ex.grad is not None:
-                ex.grad = None
+            _keep_modes(ex, outer, outer_inference)
             throw = None
             if type(yielded) is not Wait:
                 throw = UnsupportedAwaitError(

@@ -87,3 +87,18 @@ def test_a_chain_recorded_with_grad_backpropagates_when_computed_under_no_grad()
     lin.fn.weight.grad = None
     lin(lin(x)).sum().backward()
     torch.testing.assert_close(batched, lin.fn.weight.grad)
+
+
+def test_an_example_awaiting_inside_inference_mode_keeps_it_to_itself() -> None:
+    lin, x = _linear(), torch.ones(3, dtype=torch.float64)
+
+    async def example(i: int) -> tuple[bool, bool]:
+        if i == 0:
+            with torch.inference_mode():  # suspended in here while the others record
+                await bg.value(lin(bg.batched_value(x)))
+        v = await bg.value(lin(bg.batched_value(x * i + 1.0)))
+        return v.is_inference(), torch.is_inference_mode_enabled()
+
+    eager = [run_eagerly(example(i)) for i in range(3)]
+    assert bg.run_all([example(i) for i in range(3)]) == eager == [(False, False)] * 3
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
