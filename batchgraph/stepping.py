@@ -111,10 +111,16 @@ class Example:
         if not self.done:
             self.done = True
             self.wait = None
+            # It closes in its own modes (its `with` blocks then restore them as they
+            # exit), and the caller gets its grad mode back after.
+            grad = _grad_enabled()
+            _resume_modes(self)
             try:
                 self.coro.close()
             except Exception as err:  # a finally block that raised: that is its error
                 self.error = err
+            finally:
+                _set_grad_enabled(grad)
 
 
 class Lane:

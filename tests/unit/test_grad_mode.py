@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
+from batchgraph.stepping import Example, Lane
 from tests.property.decoder_models import run_eagerly
 
 
@@ -102,3 +103,27 @@ def test_an_example_awaiting_inside_inference_mode_keeps_it_to_itself() -> None:
     eager = [run_eagerly(example(i)) for i in range(3)]
     assert bg.run_all([example(i) for i in range(3)]) == eager == [(False, False)] * 3
     assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+
+
+def test_closing_an_example_suspended_in_its_own_modes_restores_the_callers() -> None:
+    """As AsyncBatcher does for a cancelled task: the example closes in its own modes
+    (its with-blocks restore them as they exit), and no guard is left to undo later."""
+    lin, x = _linear(), torch.ones(3, dtype=torch.float64)
+    closed: list[bool] = []
+
+    async def waiting() -> None:
+        with torch.inference_mode(), torch.no_grad():
+            try:
+                await bg.value(lin(bg.batched_value(x)))
+            finally:
+                closed.append(torch.is_inference_mode_enabled())
+
+    example = Example(0, waiting())
+    lane = Lane(bg.BatchingPolicy(), [example])
+    lane.start()  # suspended inside both blocks
+    assert example.inference is not None
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    lane.close([example])
+    assert closed == [True]  # its finally ran in its own inference mode
+    assert example.inference is None
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
