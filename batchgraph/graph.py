@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
@@ -238,7 +239,7 @@ class Graph:
         only the caller's own value, as in eager code."""
         if n in self.shared:
             with torch.enable_grad():  # a copy of a value with history keeps it
-                return _copy(value)
+                return tree_map_only(torch.Tensor, torch.Tensor.clone, value)
         self.exposed.add(n)
         return value
 
@@ -288,17 +289,6 @@ class Graph:
                 row = column[loc & ROW_MASK]
         value: torch.Tensor = self.hand_out(n, row)
         return value
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (list, tuple)):
-        values = [_copy(v) for v in value]
-        return type(value)(*values) if hasattr(value, "_fields") else type(value)(values)
-    if isinstance(value, dict):
-        return type(value)((k, _copy(v)) for k, v in value.items())
-    return value
 
 
 # Constants up to this many elements are merged by value; larger ones never.

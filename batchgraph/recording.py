@@ -103,8 +103,9 @@ class _Entry:
         # layer in eval mode, which may be trained later.
         self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
         self.rules_token = rules_token
-        # (graph uid, key id in that graph): one tuple, so it is replaced atomically,
-        # and a uid rather than the graph, so the cache keeps no batch alive.
+        # (graph uid, key id in that graph, grad mode it was recorded in): one tuple,
+        # so it is replaced atomically, and a uid rather than the graph, so the cache
+        # keeps no batch alive.
         self.memo: tuple[int, int, bool] = (-1, -1, True)
 
 
