@@ -141,9 +141,10 @@ class Executor:
                 if len(plan.positions) == 1:
                     inputs[plan.positions[0]] = gathered
                 else:
-                    # Slices, not torch.split: its Python wrapper costs more than the cut.
-                    for i, p in enumerate(plan.positions):
-                        inputs[p] = gathered[i * size : (i + 1) * size]
+                    # One split, not a slice each: in backward, one node gathers the
+                    # chunks' gradients (a slice's backward zero-fills the whole input).
+                    for p, chunk in zip(plan.positions, torch.split(gathered, size)):
+                        inputs[p] = chunk
         try:
             if grad is None or grad is torch.is_grad_enabled():
                 out = key.run(key.fn, inputs, size)

@@ -98,8 +98,8 @@ class Graph:
         # The recording policy's settings, for computing after it was freed.
         self.scheduler = "agenda"
         self.rules: dict[Any, Any] = {}
-        self.merged = 0  # constants and calls merged so far
-        self.merged_calls = 0  # of which calls
+        self.merged_calls = 0  # calls merged so far
+        self.merged_constants = 0  # and constants
         self.node_loc: list[int] = []
         self.stores: list[list[Any]] = []
         # Rows of the stores seen so far by scheduling (a cache; see build_schedule).
@@ -179,6 +179,7 @@ class Graph:
                 if existing != fresh:
                     existing = self.merge(existing, signature, fresh)
                     if existing != fresh:
+                        self.merged_constants += 1
                         return existing
         n = self.add_node(kid, (), 0, spec)
         self.constants[n] = value
@@ -203,10 +204,11 @@ class Graph:
                 exposed = self.exposed
                 if existing >= self.generation_first and (not exposed or existing not in exposed):
                     self.shared.add(existing)  # merge's usual case, inlined
-                    self.merged += 1
+                    self.merged_constants += 1
                     return existing
                 existing = self.merge(existing, signature, n)
                 if existing != n:
+                    self.merged_constants += 1
                     return existing
         # add_node, inlined: this runs once per distinct token.
         self.node_key.append(kid)
@@ -230,7 +232,6 @@ class Graph:
             if node == fresh:
                 return fresh
         self.shared.add(node)
-        self.merged += 1
         return node
 
     def hand_out(self, n: int, value: Any) -> Any:
@@ -260,6 +261,11 @@ class Graph:
             return fresh
         self.revived.append(store)
         return node
+
+    @property
+    def merged(self) -> int:
+        """Calls and constants merged so far."""
+        return self.merged_calls + self.merged_constants
 
     @property
     def calls_recorded(self) -> int:

@@ -221,7 +221,6 @@ class CallSite:
                 exposed = graph.exposed
                 if node >= graph.generation_first and (not exposed or node not in exposed):
                     graph.shared.add(node)  # Graph.merge's usual case, inlined
-                    graph.merged += 1
                 else:
                     node = graph.merge(node, (kid, refs), fresh)
         if node != fresh:
