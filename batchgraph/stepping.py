@@ -212,7 +212,8 @@ class Lane:
         # The same holds for inference mode, which only a guard object can set.
         outer, outer_inference = _grad_enabled(), _inference_enabled()
         while True:
-            _resume_modes(ex)
+            if ex.grad is not None or ex.inference is not None:
+                _resume_modes(ex)
             try:
                 yielded = coro.send(send) if throw is None else coro.throw(throw)
             except StopIteration as stop:
@@ -223,7 +224,9 @@ class Lane:
                 _set_grad_enabled(outer)
                 ex.done, ex.error = True, err
                 return
-            _keep_modes(ex, outer, outer_inference)
+            if (_grad_enabled() is not outer or ex.grad is not None
+                    or _inference_enabled() is not outer_inference):
+                _keep_modes(ex, outer, outer_inference)
             throw = None
             if type(yielded) is not Wait:
                 throw = UnsupportedAwaitError(
