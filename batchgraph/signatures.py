@@ -75,8 +75,8 @@ def in_place_error(
     """The error for a call that would modify its input in place, or None.
 
     In place: a tensor method or function named with a trailing underscore (``add_``,
-    ``torch.relu_``), ``inplace=True`` by keyword or position, or a module built with
-    it. A handle stands for a value other calls share, and batched calls run later in
+    ``torch.relu_``), ``inplace=True`` by keyword or position, a module built with it,
+    or an ``out=`` tensor. A handle stands for a value other calls share, and batched calls run later in
     another order, so none of these can be recorded.
     """
     method = getattr(fn, "__name__", "")
@@ -87,6 +87,17 @@ def in_place_error(
             "share, and batched calls run later in another order. Use the out-of-place "
             f"form and rebind the name: h = h.{method[:-1]}(...) or "
             f"torch.{method[:-1]}(h, ...)."
+        )
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor) or (
+        isinstance(out, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in out)
+    ):
+        short = method if isinstance(method, str) and method else name
+        return TypeError(
+            f"{short}(..., out=...) writes its result into a tensor given by the caller, "
+            "which cannot be recorded: the call runs later, batched, and that tensor would "
+            "never be written (eager code finds it filled). Use the returned value "
+            f"instead: h = {short}(...) without out=."
         )
     if _inplace_flag(fn, args, kwargs):
         return TypeError(

@@ -136,6 +136,22 @@ def test_calls_that_would_modify_their_input_in_place_are_refused() -> None:
     assert bg.compute(b).shape == (2,)
 
 
+def test_a_call_writing_into_an_out_tensor_is_refused() -> None:
+    """Eagerly `out=` fills the caller's tensor; a recorded call never would."""
+    out = torch.zeros(2)
+    with bg.BatchingPolicy():
+        a = bg.batched_value(torch.ones(2))
+        for _ in range(2):  # refused every time: nothing is cached for the signature
+            with pytest.raises(TypeError, match=r"tanh\(\.\.\., out=\.\.\.\) writes"):
+                torch.tanh(a, out=out)
+        with pytest.raises(TypeError, match=r"add\(\.\.\., out=\.\.\.\)"):
+            torch.add(a, 1.0, out=out)
+        assert bg.compute(torch.tanh(a, out=None)).shape == (2,)  # out=None is no out
+        # A function's own parameter named out, not a tensor, is just an argument.
+        scaled = bg.batched_func(lambda x, out=1.0: x * out)
+        assert bg.compute(scaled(a, out=3.0)).tolist() == [3.0, 3.0]
+
+
 def test_a_reused_input_buffer_changed_before_compute_is_refused() -> None:
     lin = bg.batched_func(nn.Linear(3, 2))
     buffer = torch.zeros(3)
