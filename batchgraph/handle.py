@@ -125,6 +125,22 @@ class ResultHandle:
         shape = self.shape
         return shape if dim is None else shape[dim]
 
+    # Known from the spec, as the attributes above: per-example code asks them of
+    # tensors (`x / x.numel()`), and recording them would fail (they are not tensors).
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    nelement = numel
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def is_complex(self) -> bool:
+        return self.dtype.is_complex
+
     # -- values ------------------------------------------------------------------------
     @property
     def computed(self) -> bool:

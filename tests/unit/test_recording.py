@@ -512,3 +512,16 @@ def test_float_scalars_take_the_default_dtype_in_force_when_recorded() -> None:
         assert bg.batched_value(0.5).dtype == torch.float64  # eager, the same rule
     finally:
         torch.set_default_dtype(before)
+
+
+def test_metadata_known_from_the_spec_is_answered_while_recording() -> None:
+    x = torch.ones(2, 3, dtype=torch.float64)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x)
+        got = (h.numel(), h.nelement(), h.element_size(), h.is_floating_point(),
+               h.is_complex(), h.dim(), h.size(1))
+        normalized = h / h.numel()  # a plain number: one recorded call
+        value = bg.compute(normalized)
+    assert got == (x.numel(), x.nelement(), x.element_size(), x.is_floating_point(),
+                   x.is_complex(), x.dim(), x.size(1))
+    torch.testing.assert_close(value, x / 6)
