@@ -126,14 +126,22 @@ def static_value(a: Any) -> Any:
     ``h * 2`` and ``h * 2.0`` give different dtypes, so they must not share a cached
     signature, a key or a merged node (and a float zero its sign: ``exact_number``).
     Lists and tuples become tagged tuples of the same (a list is otherwise
-    unhashable, and its call could not be cached).
+    unhashable, and its call could not be cached); a NumPy array its dtype, shape and
+    bytes.
     """
     kind = type(a)
     if kind is float or kind is int or kind is bool or kind is complex:
         return (kind, exact_number(a))
     if kind is list or kind is tuple:
         return (kind, tuple(map(static_value, a)))
+    if _is_ndarray(a):  # by value, as a list: held by reference, a change would reach it
+        return ("ndarray", a.dtype.str, a.shape, a.tobytes())
     return a
+
+
+def _is_ndarray(a: Any) -> bool:
+    kind = type(a)
+    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
 
 
 def template_argument(a: Any, specs: list[TensorSpec | None]) -> Any:
@@ -149,6 +157,8 @@ def template_argument(a: Any, specs: list[TensorSpec | None]) -> Any:
     if type(a) is list or type(a) is tuple:
         if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
             return make_seq(type(a), tuple(template_argument(x, specs) for x in a))
+    if _is_ndarray(a):
+        return a.copy()  # the cached call's own, whatever becomes of the caller's array
     return a
 
 

@@ -525,3 +525,21 @@ def test_metadata_known_from_the_spec_is_answered_while_recording() -> None:
     assert got == (x.numel(), x.nelement(), x.element_size(), x.is_floating_point(),
                    x.is_complex(), x.dim(), x.size(1))
     torch.testing.assert_close(value, x / 6)
+
+
+def test_a_numpy_argument_is_taken_by_value_when_recorded() -> None:
+    """A reused array changed between calls: each call keeps the values it was given
+    (equal arrays still share one key and one batch)."""
+    import numpy as np
+
+    scale = bg.batched_func(lambda x, w: x * torch.as_tensor(w, dtype=x.dtype))
+    weights = np.ones(3)
+    with bg.BatchingPolicy() as policy:
+        handles = []
+        for i in range(3):
+            weights[0] = float(i)
+            handles.append(scale(bg.batched_value(torch.ones(3)), weights))
+        handles.append(scale(bg.batched_value(torch.full((3,), 2.0)), np.array([0.0, 1.0, 1.0])))
+        got = [v.tolist() for v in bg.compute(handles)]
+    assert got == [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [2.0, 1.0, 1.0], [0.0, 2.0, 2.0]]
+    assert policy.stats is not None and policy.stats.launches == 3
