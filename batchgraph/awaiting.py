@@ -28,6 +28,7 @@ import torch
 
 from batchgraph.errors import BatchgraphError, NotComputedError
 from batchgraph.handle import ResultHandle
+from batchgraph.specs import rebuild_sequence
 
 __all__ = [
     "CoroutineExampleError",
@@ -172,7 +173,7 @@ def resolve(obj: Any) -> Any:
         return [resolve(x) for x in obj]
     if isinstance(obj, tuple):
         values = [resolve(x) for x in obj]
-        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+        return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return type(obj)((k, resolve(v)) for k, v in obj.items())
     return obj

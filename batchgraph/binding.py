@@ -39,7 +39,7 @@ from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
 from batchgraph.recording import CallSite
 from batchgraph.rules import KeyFactory, choose_key
-from batchgraph.specs import TensorSpec
+from batchgraph.specs import TensorSpec, rebuild_sequence
 
 __all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
 
@@ -232,7 +232,7 @@ class Binder:
         # The recording path's own inference: the call on fake tensors, no real compute.
         site = CallSite(fn)
         try:
-            spec, _ = site._infer_spec(pk.call)
+            spec, _, _ = site._infer_spec(pk.call)
         except (ShapeMismatchError, TypeError, RuntimeError) as err:
             raise ScheduleMismatchError(
                 f"{pk.describe()} does not accept the recorded per-example inputs in the live "
@@ -274,7 +274,7 @@ def _values(obj: Any, graph: Graph) -> Any:
         return [_values(x, graph) for x in obj]
     if isinstance(obj, tuple):
         values = [_values(x, graph) for x in obj]
-        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+        return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return type(obj)((k, _values(v, graph)) for k, v in obj.items())
     return obj

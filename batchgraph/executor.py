@@ -28,8 +28,8 @@ from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensor
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
-from batchgraph.scheduling import Schedule, Step
-from batchgraph.specs import flatten_output
+from batchgraph.scheduling import Schedule, Step, leaf_specs
+from batchgraph.specs import TensorSpec, flatten_output
 
 __all__ = ["Executor"]
 
@@ -160,12 +160,31 @@ class Executor:
             flatten_output(out, leaves)
         except TypeError as err:
             raise NotATensorError(f"{key.label} returned {type(out).__name__}: {err}") from err
-        for leaf in leaves:
-            if leaf.dim() == 0 or leaf.shape[0] != size:
+        first = step.nodes[0]
+        # (A graph bound from a PortableBatch carries no specs: its keys check alone.)
+        specs = leaf_specs(key, graph.node_spec[first]) if first < len(graph.node_spec) else leaves
+        if len(leaves) != len(specs):
+            raise BatchedCallError(
+                f"{key.label} returned {len(leaves)} tensors for a batch; its calls, run "
+                f"one at a time, return {len(specs)}"
+            )
+        for leaf, spec in zip(leaves, specs):
+            shape = leaf.shape
+            if not shape or shape[0] != size:
                 raise BatchedCallError(
-                    f"{key.label} returned shape {tuple(leaf.shape)} for a batch of {size} "
+                    f"{key.label} returned shape {tuple(shape)} for a batch of {size} "
                     f"calls; a batched output needs a leading dimension of {size}. If this "
                     "callable does not take a leading batch dimension, register VmapKey "
+                    "for it (BatchingPolicy(rules={...}))."
+                )
+            # A batching rule that loses an example's meaning mostly shows in the
+            # shape (and one that keeps the shape right is caught by the property
+            # tests): checked per step, so it costs nothing per call.
+            if isinstance(spec, TensorSpec) and shape[1:] != spec.shape:
+                raise BatchedCallError(
+                    f"{key.label} returned per-example shape {tuple(shape[1:])} for a batch "
+                    f"of {size} calls, where each call run alone returns {spec.shape}: its "
+                    "batching rule does not keep each example's meaning. Register VmapKey "
                     "for it (BatchingPolicy(rules={...}))."
                 )
         return leaves

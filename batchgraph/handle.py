@@ -261,6 +261,41 @@ class ResultHandle:
     def __rpow__(self, other: Any) -> Any:
         return _record(torch.pow, (other, self), {})
 
+    def __floordiv__(self, other: Any) -> Any:
+        return _record(torch.floor_divide, (self, other), {})
+
+    def __rfloordiv__(self, other: Any) -> Any:
+        return _record(torch.floor_divide, (other, self), {})
+
+    def __mod__(self, other: Any) -> Any:
+        return _record(torch.remainder, (self, other), {})
+
+    def __rmod__(self, other: Any) -> Any:
+        return _record(torch.remainder, (other, self), {})
+
+    # Masks: `(h > 0) & keep`, `~done`. Commutative, so the reflected forms record
+    # the same call (the torch functions want the tensor first).
+    def __and__(self, other: Any) -> Any:
+        return _record(torch.bitwise_and, (self, other), {})
+
+    __rand__ = __and__
+
+    def __or__(self, other: Any) -> Any:
+        return _record(torch.bitwise_or, (self, other), {})
+
+    __ror__ = __or__
+
+    def __xor__(self, other: Any) -> Any:
+        return _record(torch.bitwise_xor, (self, other), {})
+
+    __rxor__ = __xor__
+
+    def __invert__(self) -> Any:
+        return _record(torch.bitwise_not, (self,), {})
+
+    def __pos__(self) -> Any:
+        return _record(torch.positive, (self,), {})
+
     def __matmul__(self, other: Any) -> Any:
         return _record(torch.matmul, (self, other), {})
 

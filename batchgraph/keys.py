@@ -194,7 +194,7 @@ class IndexKey(BatchKey):
     def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
         super().__init__(fn, call, deterministic=deterministic)
         index = call.args[1]
-        parts = index if isinstance(index, tuple) else (index,)
+        parts = index if type(index) is tuple else (index,)
         self._index = (slice(None), *parts)
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
@@ -275,7 +275,9 @@ ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset(
         torch.relu, torch.sin, torch.cos, torch.maximum, torch.minimum, torch.where,
         torch.clamp, torch.sign, torch.square, torch.reciprocal, torch.erf, torch.log1p,
         torch.expm1, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
-        torch.logical_and, torch.logical_or, torch.logical_not, torch.nn.functional.relu, torch.nn.functional.gelu,
+        torch.logical_and, torch.logical_or, torch.logical_not, torch.remainder,
+        torch.floor_divide, torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor,
+        torch.bitwise_not, torch.positive, torch.nn.functional.relu, torch.nn.functional.gelu,
         torch.nn.functional.silu, torch.nn.functional.elu, torch.nn.functional.leaky_relu,
         torch.nn.functional.softplus, torch.nn.functional.logsigmoid, torch.nn.functional.tanh,
         torch.nn.functional.sigmoid,

@@ -34,7 +34,7 @@ from batchgraph.scheduling import (
     ScheduleStats,
     build_schedule,
 )
-from batchgraph.specs import TensorSpec
+from batchgraph.specs import TensorSpec, rebuild_sequence
 
 __all__ = ["BatchingPolicy"]
 
@@ -283,7 +283,7 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], Any]) -> Any:
         return [_rebuild(x, views) for x in obj]
     if isinstance(obj, tuple):
         values = [_rebuild(x, views) for x in obj]
-        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+        return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return type(obj)((k, _rebuild(v, views)) for k, v in obj.items())
     return obj

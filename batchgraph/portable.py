@@ -39,7 +39,7 @@ from batchgraph.passes import prune
 from batchgraph.policy import BatchingPolicy
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, build_schedule
-from batchgraph.specs import CallSignature, OutSpec, TensorSpec
+from batchgraph.specs import CallSignature, OutSpec, TensorSpec, rebuild_sequence
 
 __all__ = ["Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export"]
 
@@ -337,7 +337,7 @@ def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
         return [_encode_outputs(x, graph, roots) for x in obj]
     if isinstance(obj, tuple):
         values = [_encode_outputs(x, graph, roots) for x in obj]
-        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+        return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return type(obj)((k, _encode_outputs(v, graph, roots)) for k, v in obj.items())
     return obj

@@ -10,6 +10,7 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -41,11 +42,15 @@ from batchgraph.signatures import (
 )
 from batchgraph.specs import (
     CallSignature,
+    InputSlot,
     OutSpec,
     TensorSpec,
     count_leaves,
     intern_spec,
+    rebuild_sequence,
+    sequence_kind,
     spec_of,
+    tuple_parts,
 )
 
 if TYPE_CHECKING:
@@ -84,17 +89,23 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("children", "dedupe", "key", "memo", "rules_token", "single", "spec")
+    __slots__ = ("children", "dedupe", "key", "kind", "memo", "rules_token", "single", "spec")
 
-    def __init__(self, key: BatchKey, spec: OutSpec, rules_token: int, draws_random: bool) -> None:
+    def __init__(
+        self, key: BatchKey, spec: OutSpec, rules_token: int, draws_random: bool,
+        kind: type | None = None,
+    ) -> None:
         self.key = key
         self.spec = spec
+        # The eager result's sequence type when it is not a plain tuple (a list, a
+        # namedtuple, ``torch.return_types.max``): handles come back in that type.
+        self.kind = kind
         # A call with several outputs returns a tuple of handles, as the eager call
         # returns a tuple of tensors: ``h, c = cell(...)`` is then a plain tuple
         # unpacking. For a flat tuple these are (leaf, spec) per output; None for a
         # single tensor, an unknown structure, or nested tuples (built recursively).
         self.children: tuple[tuple[int, TensorSpec], ...] | None = None
-        if type(spec) is tuple and all(type(c) is TensorSpec for c in spec):
+        if kind is None and type(spec) is tuple and all(type(c) is TensorSpec for c in spec):
             self.children = tuple(enumerate(cast(tuple[TensorSpec, ...], spec)))
         # One tensor (or an unknown structure): the call returns one handle.
         self.single = type(spec) is not tuple
@@ -244,7 +255,8 @@ class CallSite:
             return h
         children = entry.children
         if children is None:
-            return handles_for(graph, node, 0, spec)
+            out = handles_for(graph, node, 0, spec)
+            return out if entry.kind is None else rebuild_sequence(entry.kind, list(out))
         if len(children) == 2:  # (h, c) and friends, without a comprehension frame
             h = _new_handle(ResultHandle)
             h._graph = graph
@@ -292,30 +304,34 @@ class CallSite:
         template_args = tuple(template_argument(a, specs) for a in args)
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
-        spec, draws_random = self._infer_spec(call)
+        spec, draws_random, kind = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
         if key.batchable and spec is not None and not probe_vmap(key):
             key = UnbatchedKey(self.fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(self.fn, call)
-        return _Entry(key, intern_spec(spec), policy.rules_token, draws_random)
+        return _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
 
-    def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool]:
-        """The call's output spec (None: unknowable before it runs) and whether it
-        draws random numbers (assumed when that cannot be told either)."""
+    def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
+        """The call's output spec (None: unknowable before it runs), whether it
+        draws random numbers (assumed when that cannot be told either), and the
+        result's sequence type (see ``sequence_kind``)."""
         if any(s is None for s in call.input_specs):
-            return None, True
+            return None, True, None
         draws = RandomDraws()
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True), draws:
-                fakes = [
-                    torch.empty(s.shape, dtype=s.dtype, device=s.device)
-                    for s in call.input_specs
-                    if s is not None
-                ]
-                out = call.apply(self.fn, fakes)
+            try:
+                out = _fake_apply(self.fn, call, draws, frozenset())
+            except DataDependentOutputException:
+                # ``table[i]`` with a 0-d integer tensor ``i`` (a predicted token) reads
+                # its value, which a fake tensor has not. Such an index acts exactly as
+                # the int would, and no int changes the result's shape: run it with 0.
+                scalars = _scalar_index_slots(self.fn, call)
+                if not scalars:
+                    raise
+                out = _fake_apply(self.fn, call, draws, scalars)
         except _UNKNOWABLE:
-            return None, True
+            return None, True, None
         except TypeError:
             raise
         except Exception as err:
@@ -328,13 +344,51 @@ class CallSite:
                 "dimension; check the shapes the per-example code passes to this call."
             ) from err
         try:
-            return spec_of(out), draws.seen
+            return spec_of(out), draws.seen, sequence_kind(out)
         except TypeError as err:
             raise NotATensorError(
                 f"{self.name} returned {type(out).__name__}; a recorded call must return a "
                 "tensor or a tuple of tensors. Wrap the tensor work in a module or function "
                 "that returns tensors, and do the rest on computed values."
             ) from err
+
+
+def _fake_apply(
+    fn: Callable[..., Any], call: CallSignature, draws: RandomDraws, as_zero: frozenset[int]
+) -> Any:
+    """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
+    get the int 0 instead)."""
+    with FakeTensorMode(allow_non_fake_inputs=True), draws:
+        fakes = [
+            0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            for i, s in enumerate(call.input_specs)
+            if s is not None
+        ]
+        return call.apply(fn, fakes)
+
+
+_INDEXING: tuple[Any, ...] = (operator.getitem, torch.Tensor.__getitem__)
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8})
+
+
+def _scalar_index_slots(fn: Any, call: CallSignature) -> frozenset[int]:
+    """The input slots of ``call`` that are 0-d integer tensors used as indices,
+    when the index holds nothing else but ints, slices, ``None`` and ``...`` (with
+    other tensor indices a 0-d one is an advanced index, not an int). Empty when
+    ``call`` is not such an indexing.
+    """
+    if fn not in _INDEXING or len(call.args) != 2 or call.kwargs:
+        return frozenset()
+    slots = set()
+    for part in tuple_parts(call.args[1]):
+        if type(part) is InputSlot:
+            spec = call.input_specs[part.slot]
+            if spec is None or spec.shape or spec.dtype not in _INDEX_DTYPES:
+                return frozenset()
+            slots.add(part.slot)
+        elif not (part is None or part is Ellipsis or type(part) in (int, slice)):
+            return frozenset()
+    return frozenset(slots)
 
 
 def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:

@@ -31,7 +31,7 @@ from batchgraph.keys import (
     VmapKey,
 )
 from batchgraph.sequence import packed_sequence_rule
-from batchgraph.specs import CallSignature, InputSlot
+from batchgraph.specs import CallSignature, InputSlot, tuple_parts
 
 __all__ = ["KeyFactory", "RandomDraws", "choose_key", "may_be_random"]
 
@@ -116,7 +116,7 @@ def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:
         if len(call.input_specs[0].shape) == rank:
             return StackKey
     if isinstance(module, (nn.Softmax, nn.LogSoftmax)) and isinstance(module.dim, int):
-        if module.dim < 0:
+        if module.dim < 0 and _no_scalars(call):  # on a 0-d input -1 is not the last dim
             return StackKey
     return VmapKey
 
@@ -127,10 +127,11 @@ def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
     if fn in REDUCTION_FUNCTIONS and call.args[:1] == (InputSlot(0),):
         if len(call.args) == 1 and not call.kwargs and fn not in _NEEDS_DIM:
             return ReductionKey
-        if isinstance(call.static_arg(1, "dim", None), int):
+        if isinstance(call.static_arg(1, "dim", None), int) and _no_scalars(call):
             return lambda f, c, **kw: DimArgKey(f, c, dim_position=1, **kw)
     position = DIM_FUNCTIONS.get(fn)
-    if position is not None and isinstance(call.static_arg(position, "dim", 0), int):
+    if (position is not None and isinstance(call.static_arg(position, "dim", 0), int)
+            and (fn in _STACKS or _no_scalars(call))):
         return lambda f, c, **kw: DimArgKey(f, c, dim_position=position, **kw)
     if fn is operator.getitem and _static_index(call):
         return IndexKey
@@ -139,14 +140,30 @@ def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
 
 # Reductions that have no whole-tensor form (a dim is required).
 _NEEDS_DIM = frozenset({torch.logsumexp, torch.Tensor.logsumexp})
+# Their dim counts the *output's* dimensions, which always has one more than a
+# 0-d input: shifting it for the batch dimension stays right.
+_STACKS = frozenset({torch.stack})
+
+
+def _no_scalars(call: CallSignature) -> bool:
+    """Whether no per-example input is 0-d. A 0-d tensor takes dim 0 or -1 as if it
+    had one dimension (``x.sum(-1)``, ``softmax(x, 0)`` leave it as it is); stacked,
+    -1 would address the batch dimension (a softmax across examples, silently) and
+    a shifted 0 would be out of range. Such calls go to ``VmapKey``, which keeps
+    the per-example meaning.
+    """
+    return all(s is None or s.shape for s in call.input_specs)
 
 
 def _static_index(call: CallSignature) -> bool:
     if len(call.args) != 2 or type(call.args[0]) is not InputSlot:
         return False
-    index = call.args[1]
-    parts = index if isinstance(index, tuple) else (index,)
-    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+    # Exact types: an InputSlot (a tensor index) is a NamedTuple, so an isinstance
+    # test would take its slot number for an int index.
+    return all(
+        p is None or p is Ellipsis or type(p) in (int, bool, slice)
+        for p in tuple_parts(call.args[1])
+    )
 
 
 def choose_key(

@@ -42,6 +42,7 @@ __all__ = [
     "build_schedule",
     "depth_order",
     "launch_lower_bound",
+    "leaf_specs",
 ]
 
 
@@ -266,7 +267,7 @@ def _plan(
             step.gathers.append(planner.gather(i, positions, codes, spec))
         key = keys[step.key]
         if key.combine == "stack":
-            planner.produced(step.store, _leaf_specs(key, graph.node_spec[step.nodes[0]]))
+            planner.produced(step.store, leaf_specs(key, graph.node_spec[step.nodes[0]]))
     return Schedule(steps, base, scheduler,
                     planned_loc=None if in_place else (graph.uid, loc))
 
@@ -325,8 +326,9 @@ def _position_groups(key: BatchKey, num: int) -> list[list[int]]:
     return groups
 
 
-def _leaf_specs(key: BatchKey, spec: OutSpec) -> list[OutSpec]:
-    """The spec of each output leaf of ``key``'s calls (cached on the key)."""
+def leaf_specs(key: BatchKey, spec: OutSpec) -> list[OutSpec]:
+    """The spec of each output leaf of ``key``'s calls (cached on the key): ``spec``,
+    the output spec of any of them, flattened."""
     leaves: list[OutSpec] | None = getattr(key, "_leaf_specs", None)
     if leaves is None:
         leaves = []

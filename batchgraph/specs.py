@@ -25,6 +25,8 @@ __all__ = [
     "TensorSpec",
     "count_leaves",
     "intern_spec",
+    "rebuild_sequence",
+    "sequence_kind",
     "spec_of",
 ]
 
@@ -87,6 +89,43 @@ def spec_of(value: Any) -> OutSpec:
     if isinstance(value, (tuple, list)):
         return tuple(spec_of(v) for v in value)
     raise TypeError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
+
+
+def sequence_kind(value: Any) -> type | None:
+    """The type of a list, namedtuple or ``torch.return_types`` result (None for a
+    plain tuple or anything else), so that handles come back in the eager result's
+    kind: ``h.max(-1).values`` and ``torch.split(h, 1)`` work as on tensors.
+
+    Example:
+        >>> sequence_kind(torch.zeros(2, 3).max(-1)).__name__
+        'max'
+        >>> sequence_kind((torch.zeros(1),)) is None
+        True
+    """
+    kind = type(value)
+    if kind is tuple or not isinstance(value, (tuple, list)):
+        return None
+    return kind
+
+
+def rebuild_sequence(kind: type, values: list[Any]) -> Any:
+    """``values`` as a sequence of type ``kind``: a list, a tuple, a namedtuple, or a
+    structseq such as ``torch.return_types.max`` (built from one sequence, where a
+    namedtuple takes its fields as arguments).
+
+    Example:
+        >>> rebuild_sequence(type(torch.zeros(2, 3).max(-1)), [1, 2]).indices
+        2
+    """
+    if kind is tuple:
+        return tuple(values)
+    if kind is list:
+        return values
+    if hasattr(kind, "_fields"):
+        return kind(*values)
+    if hasattr(kind, "n_fields") or issubclass(kind, list):
+        return kind(values)
+    return tuple(values)
 
 
 def flatten_output(value: Any, out: list[torch.Tensor]) -> None:
@@ -178,3 +217,13 @@ class CallSignature:
 
 def make_seq(kind: type, items: tuple[Any, ...]) -> _Seq:
     return _Seq(kind, items)
+
+
+def tuple_parts(template: Any) -> tuple[Any, ...]:
+    """The parts of a tuple argument in a template (a static tuple, or one that holds
+    tensor inputs); any other argument is its own one part (``h[i]`` vs ``h[i, j]``)."""
+    if type(template) is tuple:
+        return template
+    if type(template) is _Seq and template.kind is tuple:
+        return template.items
+    return (template,)

@@ -1,0 +1,205 @@
+"""Random per-example tensor programs over a wide catalog of tensor operations.
+
+Each operation takes the value ``a`` it is applied to, a second value ``b`` and a
+small int ``c`` (used to pick a dimension), and returns a tensor. It runs unchanged
+on tensors (eagerly) and on handles (recorded), so a program is the same Python code
+both ways: the test compares what batching makes of it with the eager run.
+
+``applies(a)`` says whether an operation fits ``a``'s shape; it reads only what a
+handle answers before it is computed (``shape``, ``ndim``, ``numel()``), and the
+program skips operations that do not fit, in both runs alike.
+
+The catalog covers every built-in batching rule: elementwise ops with broadcasting
+and Python scalars, full reductions, ops taking a ``dim`` (positive and negative, on
+0-d values too), static indexing, indexing by tensors (0-d and 1-d, from handles),
+results with several outputs (``max(dim)``, ``topk``), modules, and the ``VmapKey``
+fallback for the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import batchgraph as bg
+
+Op = Callable[[Any, Any, int], Any]
+Applies = Callable[[Any], bool]
+
+SHAPES = [(), (3,), (4,), (1, 4), (2, 4), (2, 3, 4)]
+
+
+def dim_of(a: Any, c: int) -> int:
+    """A valid dim of ``a`` picked by ``c``, negative ones included (0-d: 0 or -1)."""
+    rank = max(a.ndim, 1)
+    return c % (2 * rank) - rank
+
+
+def new_dim_of(a: Any, c: int) -> int:
+    """A valid position for a new dimension of ``a`` (unsqueeze, stack)."""
+    return c % (2 * a.ndim + 2) - a.ndim - 1
+
+
+def broadcasts(a: Any, b: Any) -> bool:
+    try:
+        torch.broadcast_shapes(tuple(a.shape), tuple(b.shape))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _always(a: Any) -> bool:
+    return True
+
+
+def _ranked(a: Any) -> bool:
+    return bool(a.ndim > 0)
+
+
+def _nonempty(a: Any) -> bool:
+    return bool(a.numel() > 0)
+
+
+def _ranked_nonempty(a: Any) -> bool:
+    return bool(a.ndim > 0 and a.numel() > 0)
+
+
+def _matrix(a: Any) -> bool:
+    return bool(a.ndim >= 2)
+
+
+def _rows(a: Any) -> bool:
+    """Indexable along dim 0."""
+    return bool(a.ndim > 0 and a.shape[0] > 0)
+
+
+def _features(a: Any) -> bool:
+    """A trailing dimension of 4 (what the modules take)."""
+    return bool(a.ndim > 0 and a.shape[-1] == 4)
+
+
+def _row_order(a: Any) -> Any:
+    """A permutation of ``a``'s rows computed from its values (a long tensor)."""
+    return a.reshape(a.shape[0], -1).sum(-1).argsort()
+
+
+class Modules(nn.Module):
+    """The modules the catalog calls (float64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cell = nn.GRUCell(4, 4)
+        self.softmax = nn.Softmax(dim=-1)
+
+
+def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
+    """Name -> (applies, op). ``m``'s modules are called through ``batched_func``
+    sites made here, which run eagerly when no policy records."""
+    lin, cell, softmax = bg.batched_func(m.lin), bg.batched_func(m.cell), bg.batched_func(m.softmax)
+    ops: dict[str, tuple[Applies, Op]] = {
+        # Elementwise, with broadcasting and Python scalars on either side.
+        "tanh": (_always, lambda a, b, c: torch.tanh(a)),
+        "sigmoid": (_always, lambda a, b, c: a.sigmoid() * 2),
+        "exp_neg": (_always, lambda a, b, c: torch.exp(-a.abs())),
+        "pow": (_always, lambda a, b, c: a**2 + 2**a),
+        "rsub": (_always, lambda a, b, c: 1 - a / 3),
+        "clamp": (_always, lambda a, b, c: a.clamp(-0.5, 0.5) + a.clamp(min=0)),
+        "where": (_always, lambda a, b, c: torch.where(a > 0, a, b.mean() if b.numel() else 0.0)),
+        "mul_b": (_always, lambda a, b, c: a * b if broadcasts(a, b) else a * 0.5),
+        "maximum_b": (_always, lambda a, b, c: torch.maximum(a, b) if broadcasts(a, b) else a),
+        "add_bsum": (_always, lambda a, b, c: a + b.sum()),
+        "masks": (_always, lambda a, b, c: (((a > 0) & (a < 1)) | ~(a > -0.5) ^ (a > 2)).double() + (+a)),
+        "compare": (_always, lambda a, b, c: (a == 0.5).double() + (a != a.sum()).double() * a),
+        "int_ops": (_always, lambda a, b, c: (((a * 10).long() // 3) % 4 + 7 // ((a * 3).long().abs() + 1)).double() + a),
+        "casts": (_always, lambda a, b, c: a.float().double() + a.to(torch.float32).to(a.dtype)),
+        "detach": (_always, lambda a, b, c: a.detach() * a),
+        "relu_gelu": (_always, lambda a, b, c: F.relu(a) + F.gelu(a)),
+        "lerp_addcmul": (_always, lambda a, b, c: torch.lerp(a, torch.zeros_like(a), 0.3) + torch.addcmul(a, a, a, value=0.5)),
+        "new_ones": (_always, lambda a, b, c: a.new_ones(a.shape) - a),
+        "dropout_eval": (_always, lambda a, b, c: F.dropout(a, 0.5, training=False)),
+        # Full reductions.
+        "sum": (_always, lambda a, b, c: a.sum()),
+        "mean": (_nonempty, lambda a, b, c: a.mean()),
+        "amax": (_nonempty, lambda a, b, c: a.amax()),
+        "prod": (_always, lambda a, b, c: a.prod()),
+        "norm": (_always, lambda a, b, c: (a * a).sum().sqrt() + a.norm()),
+        "argmax_take": (_nonempty, lambda a, b, c: a.reshape(-1)[a.reshape(-1).argmax()] * a),
+        # Ops with a dim (0-d values take 0 and -1 too).
+        "sum_dim": (_always, lambda a, b, c: a.sum(dim_of(a, c), keepdim=c % 2 == 0)),
+        "mean_dim": (_nonempty, lambda a, b, c: torch.mean(a, dim=dim_of(a, c))),
+        "amax_dim": (_nonempty, lambda a, b, c: torch.amax(a, dim=dim_of(a, c))),
+        "argmin_dim": (_nonempty, lambda a, b, c: a.argmin(dim_of(a, c)).double() + a.sum()),
+        "logsumexp": (_always, lambda a, b, c: torch.logsumexp(a, dim_of(a, c))),
+        "softmax": (_always, lambda a, b, c: torch.softmax(a, dim_of(a, c))),
+        "log_softmax": (_always, lambda a, b, c: F.log_softmax(a, dim=dim_of(a, c))),
+        "softmax_dtype": (_always, lambda a, b, c: torch.softmax(a, -1, dtype=torch.float64)),
+        "cumsum": (_always, lambda a, b, c: a.cumsum(dim_of(a, c))),
+        "cat": (_ranked, lambda a, b, c: torch.cat([a, a * 2], dim=dim_of(a, c))),
+        "stack": (_always, lambda a, b, c: torch.stack([a, torch.tanh(a)], dim=new_dim_of(a, c))),
+        "max_dim": (_nonempty, lambda a, b, c: a.max(dim=dim_of(a, c)).values),
+        "max_fields": (_ranked_nonempty, lambda a, b, c: a.max(-1).indices.double() + a.max(-1).values),
+        "sort": (_ranked, lambda a, b, c: a.sort(dim=dim_of(a, c)).values),
+        "topk": (_nonempty, lambda a, b, c: a.reshape(-1).topk(min(2, a.numel())).values),
+        "std": (lambda a: bool(a.numel() > 1), lambda a, b, c: a.std() + a),
+        # Static indexing.
+        "index0": (_rows, lambda a, b, c: a[0]),
+        "index_last": (_rows, lambda a, b, c: a[-1]),
+        "slice": (_ranked, lambda a, b, c: a[..., 1:]),
+        "none": (_always, lambda a, b, c: a[None]),
+        "index_tuple": (_matrix, lambda a, b, c: a[-1, ..., None]),
+        "select": (_rows, lambda a, b, c: a.select(0, -1)),
+        "narrow": (lambda a: bool(a.ndim > 0 and a.shape[-1] > 0), lambda a, b, c: a.narrow(-1, 0, 1)),
+        # Indexing by tensors computed from values (handles when recorded).
+        "index_by_0d": (_rows, lambda a, b, c: a[_row_order(a)[0]]),
+        "index_by_1d": (_rows, lambda a, b, c: a[_row_order(a)[:1]]),
+        "index_select": (_rows, lambda a, b, c: a.index_select(0, _row_order(a))),
+        "gather": (_ranked_nonempty, lambda a, b, c: torch.gather(a, -1, a.argsort(-1))),
+        "masked_fill": (_always, lambda a, b, c: a.masked_fill(a > 0, 0.25)),
+        # Shapes and layouts.
+        "unsqueeze": (_always, lambda a, b, c: a.unsqueeze(new_dim_of(a, c))),
+        "flatten": (_always, lambda a, b, c: a.reshape(-1) + a.flatten()),
+        "view": (_ranked, lambda a, b, c: a.contiguous().view(-1, 1) + 0),
+        "reshape_size": (_ranked, lambda a, b, c: a.reshape(a.size(-1), -1)),
+        "squeeze": (_always, lambda a, b, c: a.squeeze()),
+        "transpose": (_matrix, lambda a, b, c: a.transpose(0, -1) * 1.5),
+        "mT": (_matrix, lambda a, b, c: a.mT),
+        "permute": (_ranked, lambda a, b, c: a.permute(*reversed(range(a.ndim)))),
+        "movedim": (_matrix, lambda a, b, c: a.movedim(0, -1)),
+        "flip_roll": (_ranked, lambda a, b, c: a.flip(0) + a.roll(1, 0)),
+        "expand": (_always, lambda a, b, c: a.unsqueeze(0).expand(2, *a.shape) * 1.0),
+        "repeat": (_ranked, lambda a, b, c: a.repeat(2, *[1] * (a.ndim - 1))),
+        "pad": (_ranked, lambda a, b, c: F.pad(a, (1, 2))),
+        "chunk": (lambda a: bool(a.ndim > 0 and a.shape[-1] >= 2), lambda a, b, c: a.chunk(2, -1)[0]),
+        "split": (lambda a: bool(a.ndim > 0 and a.shape[0] >= 2), lambda a, b, c: torch.split(a, 1)[1]),
+        "unbind": (_rows, lambda a, b, c: a.unbind(0)[-1]),
+        "tril": (_matrix, lambda a, b, c: a.tril()),
+        "diag_outer": (lambda a: bool(a.ndim == 1), lambda a, b, c: torch.diag(a) + torch.outer(a, a)),
+        # Products and modules.
+        "matmul": (_matrix, lambda a, b, c: a @ a.transpose(-1, -2)),
+        "einsum": (_ranked, lambda a, b, c: torch.einsum("...i->...", a) + torch.einsum("...i,...i->...", a, a)),
+        "layer_norm": (lambda a: bool(a.ndim > 0 and a.shape[-1] > 1), lambda a, b, c: F.layer_norm(a, a.shape[-1:])),
+        "normalize": (_ranked, lambda a, b, c: F.normalize(a, dim=-1)),
+        "linear": (_features, lambda a, b, c: lin(a)),
+        "gru_cell": (lambda a: bool(a.ndim == 1 and a.shape[0] == 4), lambda a, b, c: cell(a, torch.tanh(a))),
+        "softmax_module": (_always, lambda a, b, c: softmax(a)),
+        "index_put": (_rows, lambda a, b, c: a.index_put((torch.tensor([0]),), torch.tensor(7.0, dtype=a.dtype))),
+    }
+    return ops
+
+
+def run_program(ops: dict[str, tuple[Applies, Op]], x: Any,
+                program: list[tuple[str, int, int, int]]) -> list[Any]:
+    """Every value the program makes from ``x`` (``x`` first). Each step is
+    ``(op, which a, which b, c)``, the picks taken modulo the values made so far."""
+    values = [x]
+    for name, pick_a, pick_b, c in program:
+        applies, op = ops[name]
+        a = values[pick_a % len(values)]
+        if applies(a):
+            values.append(op(a, values[pick_b % len(values)], c))
+    return values

@@ -1,0 +1,160 @@
+"""The built-in batching rules keep each example's meaning in their corner cases.
+
+Each case once gave a batched answer different from the eager one: silently (a
+softmax across examples, an index taken for an int) or with an error where eager
+code runs. ``tests/property/test_tensor_ops_property.py`` covers the same ground with
+random programs; these are the named regressions.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import batchgraph as bg
+from batchgraph.errors import BatchedCallError
+from batchgraph.keys import StackKey
+
+
+def _batched(fn: Callable[..., Any], *columns: list[torch.Tensor]) -> tuple[list[Any], Any]:
+    """``fn`` recorded on each example's values, computed; and the policy."""
+    with bg.BatchingPolicy() as policy:
+        handles = [fn(*map(bg.batched_value, row)) for row in zip(*columns)]
+        return bg.compute(handles), policy
+
+
+def _assert_equal_eager(fn: Callable[..., Any], *columns: list[torch.Tensor]) -> Any:
+    got, policy = _batched(fn, *columns)
+    for row, value in zip(zip(*columns), got):
+        want = fn(*row)
+        assert value.shape == want.shape
+        torch.testing.assert_close(value, want, rtol=0, atol=0)
+    return policy
+
+
+SCALARS = [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(5.0)]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.softmax(x, -1),  # was a softmax across the examples, silently
+        lambda x: torch.log_softmax(x, 0),
+        lambda x: x.sum(-1),
+        lambda x: x.sum(0, keepdim=True),
+        lambda x: x.argmax(-1),
+        lambda x: x.cumsum(-1),
+        nn.Softmax(dim=-1),  # the module's rule, as well as the function's
+        bg.batched_func(nn.LogSoftmax(dim=-1)),
+        lambda x: torch.stack([x, x * 2], -1),  # stack's dim counts its output's dims
+    ],
+)
+def test_dim_ops_on_0d_values_act_per_example(fn: Callable[..., Any]) -> None:
+    _assert_equal_eager(fn, SCALARS)
+
+
+def test_index_by_a_1d_tensor_handle_is_not_taken_for_a_static_index() -> None:
+    # The tensor index's placeholder (a NamedTuple) was read as the static index (1,).
+    xs = [torch.randn(5, 3), torch.randn(5, 3)]
+    idx = [torch.tensor([0, 2]), torch.tensor([3, 4])]
+    _assert_equal_eager(lambda x, i: x[i], xs, idx)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t, x, i, j: t[i],
+        lambda t, x, i, j: t[i, :, j],
+        lambda t, x, i, j: t[..., j],
+        lambda t, x, i, j: t[i, None, j],
+        lambda t, x, i, j: x[i],
+        lambda t, x, i, j: x[i, 1:],
+        lambda t, x, i, j: t[i][j],
+        lambda t, x, i, j: t[i.to(torch.int32)],
+    ],
+)
+def test_index_by_0d_integer_handles_has_a_known_shape(fn: Callable[..., Any]) -> None:
+    # table[token] with a predicted token: its shape is known when recorded (so
+    # later calls batch and the handle answers .shape), and the values are eager's.
+    table = torch.randn(5, 4, 3)
+    xs = [torch.randn(5, 3) for _ in range(4)]
+    first = [torch.tensor(v) for v in (0, 3, 2, 1)]
+    second = [torch.tensor(v) for v in (2, 0, 1, 1)]
+    with bg.BatchingPolicy():
+        h = fn(table, bg.batched_value(xs[0]), bg.batched_value(first[0]),
+               bg.batched_value(second[0]))
+        assert h.shape == fn(table, xs[0], first[0], second[0]).shape
+    _assert_equal_eager(lambda x, i, j: fn(table, x, i, j), xs, first, second)
+
+
+def test_index_by_a_0d_handle_batches_into_one_call() -> None:
+    table = torch.randn(10, 4)
+    tokens = [torch.tensor(v) for v in (3, 1, 4, 1, 5)]
+    policy = _assert_equal_eager(lambda i: table[i], tokens)
+    assert policy.stats.launches == 1  # one batched indexing (before: one per token)
+    assert policy.stats.unbatched_calls == 0
+
+
+def test_a_0d_bool_index_keeps_an_unknown_shape() -> None:
+    # x[mask] has a data-dependent shape: not guessed, run per example.
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.randn(3))[bg.batched_value(torch.tensor(True))]
+        assert h.spec is None
+
+
+def test_results_keep_their_named_fields() -> None:
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    with bg.BatchingPolicy():
+        hs = [bg.batched_value(x) for x in xs]
+        maxes = [h.max(-1) for h in hs]
+        assert type(maxes[0]) is type(xs[0].max(-1))
+        picked = [m.values + m.indices for m in maxes]  # the fields, as on tensors
+        tops = [torch.topk(h, 2, dim=-1).indices for h in hs]
+        got = bg.compute([maxes, picked, tops])
+    for x, m, p, t in zip(xs, *got):
+        want = x.max(-1)
+        assert type(m) is type(want)
+        torch.testing.assert_close(m.indices, want.indices)
+        torch.testing.assert_close(p, want.values + want.indices)
+        torch.testing.assert_close(t, torch.topk(x, 2, dim=-1).indices)
+
+
+Pair = namedtuple("Pair", "low high")
+
+
+def test_a_recorded_function_returning_a_list_or_namedtuple_returns_handles_so() -> None:
+    as_list = bg.batched_func(lambda x: [x - 1, x + 1])
+    as_pair = bg.batched_func(lambda x: Pair(x - 1, x + 1))
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.zeros(2))
+        listed, paired = as_list(h), as_pair(h)
+        assert type(listed) is list and type(paired) is Pair
+        got = bg.compute([listed, paired])
+    assert type(got[0]) is list and type(got[1]) is Pair
+    torch.testing.assert_close(got[1].high, torch.ones(2))
+
+
+def test_mask_and_integer_operators_record_as_on_tensors() -> None:
+    def fn(x: Any) -> Any:
+        ints = (x * 10).long()
+        mask = ((x > 0) & (x < 1)) | ~(x > -0.5) ^ (x > 2)
+        return (ints // 3 + 7 // (ints.abs() + 1) + ints % 4 + 5 % (ints.abs() + 1)).double() \
+            + mask.double() + (+x)
+
+    _assert_equal_eager(fn, [torch.randn(4, dtype=torch.float64) for _ in range(3)])
+
+
+def test_a_rule_that_changes_an_examples_shape_fails_loudly() -> None:
+    # Run as StackKey, x.sum(1) sums the wrong dimension of the batch: (B, 3) rows
+    # where each call alone gives (2,). The executor checks every step's shapes.
+    total = bg.batched_func(lambda x: x.sum(1))
+    fn = total.fn
+    with bg.BatchingPolicy(rules={fn: StackKey}):
+        handles = [total(bg.batched_value(torch.randn(2, 3))) for _ in range(2)]
+        with pytest.raises(BatchedCallError, match=r"per-example shape \(3,\).*returns \(2,\)"):
+            bg.compute(handles)
