@@ -203,3 +203,22 @@ def run_program(ops: dict[str, tuple[Applies, Op]], x: Any,
         if applies(a):
             values.append(op(a, values[pick_b % len(values)], c))
     return values
+
+
+async def run_program_awaiting(ops: dict[str, tuple[Applies, Op]], x: Any,
+                               program: list[tuple[str, int, int, int]],
+                               awaits: list[bool]) -> list[Any]:
+    """``run_program`` as a coroutine example that reads some of its values as it
+    goes (``awaits[k % len(awaits)]`` for the k-th step): later steps then mix the
+    tensors read with handles, as decoders do. ``x`` enters as ``batched_value(x)``
+    (itself when run eagerly)."""
+    values = [bg.batched_value(x)]
+    for k, (name, pick_a, pick_b, c) in enumerate(program):
+        applies, op = ops[name]
+        a = values[pick_a % len(values)]
+        if applies(a):
+            value = op(a, values[pick_b % len(values)], c)
+            if awaits[k % len(awaits)]:
+                value = await bg.value(value)
+            values.append(value)
+    return values

@@ -13,6 +13,7 @@ index by a tensor taken for a static int.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import torch
@@ -20,7 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
-from tests.property.tensor_programs import SHAPES, Modules, catalog, run_program
+from tests.property.tensor_programs import (
+    SHAPES,
+    Modules,
+    catalog,
+    run_program,
+    run_program_awaiting,
+)
 
 _MODULES = Modules().double()
 _OPS = catalog(_MODULES)
@@ -61,6 +68,36 @@ def _grads(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return grads
 
 
+def _check(
+    xs: list[torch.Tensor], eager: list[list[Any]], batched: Callable[[], list[list[Any]]],
+    programs_of: list[Any], seed: int,
+) -> None:
+    """Compare ``batched()``'s values, and the gradients of a weighted sum of them,
+    with ``eager``'s (the eager values' gradients are taken first)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = [[torch.randn(v.shape, generator=gen, dtype=torch.float64)
+                if v.is_floating_point() else None for v in vs] for vs in eager]
+    loss = sum(_weighted_sum(vs, ws) for vs, ws in zip(eager, weights))
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        loss.backward()
+    eager_grads = _grads(xs)
+
+    values = batched()
+    for i, (want, got) in enumerate(zip(eager, values)):
+        assert len(want) == len(got)
+        for j, (w, g) in enumerate(zip(want, got)):
+            where = f"example {i}, value {j} (after {programs_of[i][:j]})"
+            assert (g.shape, g.dtype) == (w.shape, w.dtype), where
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-10, equal_nan=True, msg=where)
+    loss = sum(_weighted_sum(vs, ws) for vs, ws in zip(values, weights))
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        loss.backward()
+    for k, (w, g) in enumerate(zip(eager_grads, _grads(xs))):
+        assert (w is None) == (g is None), f"gradient {k}: {w} vs {g}"
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-9, msg=f"gradient {k}")
+
+
 @settings(max_examples=4 * settings.default.max_examples)  # cheap: 4x the profile
 @given(shared=programs, spec=examples, dedupe=st.booleans(), seed=st.integers(0, 2**16))
 def test_tensor_programs_batched_equal_eager(
@@ -72,29 +109,45 @@ def test_tensor_programs_batched_equal_eager(
     xs = _inputs(spec, seed)
     program_of = [own or shared for _, own, _, _ in spec]
     _grads(xs)  # start from no gradients
-
     eager = [run_program(_OPS, x, p) for x, p in zip(xs, program_of)]
-    gen = torch.Generator().manual_seed(seed + 1)
-    weights = [[torch.randn(v.shape, generator=gen, dtype=torch.float64)
-                if v.is_floating_point() else None for v in vs] for vs in eager]
-    loss = sum(_weighted_sum(vs, ws) for vs, ws in zip(eager, weights))
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        loss.backward()
-    eager_grads = _grads(xs)
 
-    with bg.BatchingPolicy(dedupe=dedupe):
-        handles = [run_program(_OPS, bg.batched_value(x), p) for x, p in zip(xs, program_of)]
-        values = bg.compute(handles)
-    for i, (want, got) in enumerate(zip(eager, values)):
-        assert len(want) == len(got)
-        for j, (w, g) in enumerate(zip(want, got)):
-            where = f"example {i}, value {j} (after {program_of[i][:j]})"
-            assert (g.shape, g.dtype) == (w.shape, w.dtype), where
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-10, equal_nan=True, msg=where)
-    loss = sum(_weighted_sum(vs, ws) for vs, ws in zip(values, weights))
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        loss.backward()
-    for k, (w, g) in enumerate(zip(eager_grads, _grads(xs))):
-        assert (w is None) == (g is None), f"gradient {k}: {w} vs {g}"
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-9, msg=f"gradient {k}")
+    def batched() -> list[list[Any]]:
+        with bg.BatchingPolicy(dedupe=dedupe):
+            handles = [run_program(_OPS, bg.batched_value(x), p) for x, p in zip(xs, program_of)]
+            return bg.compute(handles)  # type: ignore[no-any-return]
+
+    _check(xs, eager, batched, program_of, seed)
+
+
+def _run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError("an eager example suspended")
+
+
+@settings(max_examples=2 * settings.default.max_examples)
+@given(shared=programs, spec=examples, awaits=st.lists(st.booleans(), min_size=1, max_size=4),
+       groups=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_tensor_programs_reading_values_as_coroutines_equal_eager(
+    shared: list[tuple[str, int, int, int]],
+    spec: list[tuple[tuple[int, ...], Any, int, bool]],
+    awaits: list[bool],
+    groups: int,
+    seed: int,
+) -> None:
+    xs = _inputs(spec, seed)
+    program_of = [own or shared for _, own, _, _ in spec]
+    _grads(xs)
+    eager = [_run_eagerly(run_program_awaiting(_OPS, x, p, awaits))
+             for x, p in zip(xs, program_of)]
+
+    def batched() -> list[list[Any]]:
+        return bg.run_all(  # type: ignore[no-any-return]
+            [run_program_awaiting(_OPS, x, p, awaits)
+             for x, p in zip(xs, program_of)],
+            groups=groups,
+        )
+
+    _check(xs, eager, batched, program_of, seed)
