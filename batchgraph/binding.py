@@ -39,7 +39,7 @@ from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
 from batchgraph.recording import CallSite
 from batchgraph.rules import KeyFactory, choose_key
-from batchgraph.specs import TensorSpec, rebuild_sequence
+from batchgraph.specs import NO_TENSOR, TensorSpec, rebuild_sequence
 
 __all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
 
@@ -251,7 +251,7 @@ def _show(spec: Any) -> str:
         return spec.describe()
     if isinstance(spec, tuple):
         return "(" + ", ".join(_show(s) for s in spec) + ")"
-    return "an unknown structure"
+    return "None" if spec is NO_TENSOR else "an unknown structure"
 
 
 class _ExampleOf:

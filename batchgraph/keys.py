@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from batchgraph.specs import CallSignature, InputSlot, TensorSpec
+from batchgraph.specs import CallSignature, InputSlot, TensorSpec, flatten_output
 
 __all__ = [
     "BatchKey",
@@ -213,7 +213,15 @@ class VmapKey(BatchKey):
         apply = call.apply
 
         def per_example(*xs: torch.Tensor) -> Any:
-            return apply(fn, xs)
+            out = apply(fn, xs)
+            if isinstance(out, torch.Tensor):
+                return out
+            # vmap returns tensors only: a result holding None ((out, None) from
+            # attention without weights) goes back as its tensors, in order, which is
+            # all the executor reads of it.
+            leaves: list[torch.Tensor] = []
+            flatten_output(out, leaves)
+            return tuple(leaves)
 
         self._batched = torch.func.vmap(per_example, randomness="different")
 
@@ -227,7 +235,9 @@ class VmapKey(BatchKey):
 def _expand(out: Any, size: int) -> Any:
     if isinstance(out, torch.Tensor):
         return out.unsqueeze(0).expand(size, *out.shape)
-    return type(out)(_expand(o, size) for o in out)
+    if out is None:
+        return None
+    return tuple(_expand(o, size) for o in out)
 
 
 class UnbatchedKey(BatchKey):

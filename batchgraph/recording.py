@@ -41,6 +41,7 @@ from batchgraph.signatures import (
     template_argument,
 )
 from batchgraph.specs import (
+    NO_TENSOR,
     CallSignature,
     InputSlot,
     OutSpec,
@@ -395,10 +396,11 @@ def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:
     """What a recorded call returns: a handle per tensor, in the result's nesting.
 
     A single tensor (or a result whose structure is unknown until it runs) gets one
-    handle; a tuple result gets a tuple of handles, nested like the eager result.
+    handle; a tuple result gets a tuple of handles, nested like the eager result, with
+    ``None`` where the result holds ``None``.
     """
     if type(spec) is not tuple:
-        return ResultHandle(graph, node, leaf, spec)
+        return None if spec is NO_TENSOR else ResultHandle(graph, node, leaf, spec)
     out = []
     for child in cast(tuple[OutSpec, ...], spec):
         out.append(handles_for(graph, node, leaf, child))

@@ -31,7 +31,7 @@ from batchgraph.gathering import GatherPlan, GatherPlanner, record_uses
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.passes import LiveGraph
-from batchgraph.specs import OutSpec, TensorSpec
+from batchgraph.specs import NO_TENSOR, OutSpec, TensorSpec
 
 __all__ = [
     "GatherPlan",
@@ -341,7 +341,7 @@ def _flatten_spec(spec: OutSpec, out: list[OutSpec]) -> None:
     if type(spec) is tuple:
         for child in cast(tuple[OutSpec, ...], spec):
             _flatten_spec(child, out)
-    else:
+    elif spec is not NO_TENSOR:
         out.append(spec)
 
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Union, cast
 import torch
 
 __all__ = [
+    "NO_TENSOR",
     "CallSignature",
     "InputSlot",
     "OutSpec",
@@ -47,7 +48,23 @@ class TensorSpec(NamedTuple):
         return f"{tuple(self.shape)} {dtype} on {self.device}"
 
 
-OutSpec = Union[TensorSpec, tuple["OutSpec", ...], None]
+class _NoTensor:
+    """The spec of a ``None`` inside a result (``attention(q, k, v, need_weights=False)``
+    returns ``(out, None)``): no tensor, no leaf; its handle is ``None``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NO_TENSOR"
+
+    def __reduce__(self) -> str:
+        return "NO_TENSOR"  # unpickles as the one instance
+
+
+NO_TENSOR = _NoTensor()
+
+# None: a structure unknown until the call runs.
+OutSpec = Union[TensorSpec, tuple["OutSpec", ...], _NoTensor, None]
 
 # One object per distinct TensorSpec that call results carry, so the recording hot
 # path can compare signatures by identity (equal specs are the same object).
@@ -74,7 +91,9 @@ def count_leaves(spec: OutSpec) -> int:
     """Number of tensors in an output spec tree (1 for an unknown structure)."""
     if spec is None or isinstance(spec, TensorSpec):
         return 1
-    return sum(count_leaves(s) for s in spec)
+    if spec is NO_TENSOR:
+        return 0
+    return sum(count_leaves(s) for s in cast(tuple[OutSpec, ...], spec))
 
 
 def spec_of(value: Any) -> OutSpec:
@@ -87,7 +106,7 @@ def spec_of(value: Any) -> OutSpec:
     if isinstance(value, torch.Tensor):
         return TensorSpec.of(value)
     if isinstance(value, (tuple, list)):
-        return tuple(spec_of(v) for v in value)
+        return tuple(NO_TENSOR if v is None else spec_of(v) for v in value)
     raise TypeError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
 
 
@@ -134,7 +153,8 @@ def flatten_output(value: Any, out: list[torch.Tensor]) -> None:
         out.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
-            flatten_output(v, out)
+            if v is not None:  # NO_TENSOR: no leaf
+                flatten_output(v, out)
     else:
         raise TypeError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
 

@@ -95,12 +95,24 @@ class Modules(nn.Module):
         self.lin = nn.Linear(4, 4)
         self.cell = nn.GRUCell(4, 4)
         self.softmax = nn.Softmax(dim=-1)
+        self.conv = nn.Conv1d(4, 3, 2)  # (C=4, L) per example
+        self.pool = nn.MaxPool1d(2)
+        self.norm = nn.LayerNorm(4)
+        self.prelu = nn.PReLU(4)  # per channel: dim 1 of a batch, dim 0 of an example
+        self.bilinear = nn.Bilinear(4, 4, 2)
+        self.batchnorm = nn.BatchNorm1d(4).eval()
+        self.embed = nn.Embedding(10, 3, padding_idx=0)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
 
 
 def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
     """Name -> (applies, op). ``m``'s modules are called through ``batched_func``
     sites made here, which run eagerly when no policy records."""
     lin, cell, softmax = bg.batched_func(m.lin), bg.batched_func(m.cell), bg.batched_func(m.softmax)
+    conv, pool, norm = bg.batched_func(m.conv), bg.batched_func(m.pool), bg.batched_func(m.norm)
+    prelu, bilinear = bg.batched_func(m.prelu), bg.batched_func(m.bilinear)
+    batchnorm, embed = bg.batched_func(m.batchnorm), bg.batched_func(m.embed)
+    attention = bg.batched_func(m.attention)
     ops: dict[str, tuple[Applies, Op]] = {
         # Elementwise, with broadcasting and Python scalars on either side.
         "tanh": (_always, lambda a, b, c: torch.tanh(a)),
@@ -116,7 +128,9 @@ def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
         "masks": (_always, lambda a, b, c: (((a > 0) & (a < 1)) | ~(a > -0.5) ^ (a > 2)).double() + (+a)),
         "compare": (_always, lambda a, b, c: (a == 0.5).double() + (a != a.sum()).double() * a),
         "int_ops": (_always, lambda a, b, c: (((a * 10).long() // 3) % 4 + 7 // ((a * 3).long().abs() + 1)).double() + a),
-        "casts": (_always, lambda a, b, c: a.float().double() + a.to(torch.float32).to(a.dtype)),
+        # Float32 round trips, the gradient kept in float64: merged casts sum their
+        # float32 gradients before casting back, eager code after (1e-7 apart).
+        "casts": (_always, lambda a, b, c: a + (a.to(torch.float32).to(a.dtype) + a.float().double() - 2 * a).detach()),
         "detach": (_always, lambda a, b, c: a.detach() * a),
         "relu_gelu": (_always, lambda a, b, c: F.relu(a) + F.gelu(a)),
         "lerp_addcmul": (_always, lambda a, b, c: torch.lerp(a, torch.zeros_like(a), 0.3) + torch.addcmul(a, a, a, value=0.5)),
@@ -187,6 +201,22 @@ def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
         "linear": (_features, lambda a, b, c: lin(a)),
         "gru_cell": (lambda a: bool(a.ndim == 1 and a.shape[0] == 4), lambda a, b, c: cell(a, torch.tanh(a))),
         "softmax_module": (_always, lambda a, b, c: softmax(a)),
+        "conv_pool": (lambda a: bool(a.ndim == 2 and a.shape[0] == 4 and a.shape[1] >= 3),
+                      lambda a, b, c: pool(conv(a))),
+        "layer_norm_module": (_features, lambda a, b, c: norm(a)),
+        "prelu": (lambda a: bool(a.ndim == 2 and a.shape[1] == 4), lambda a, b, c: prelu(a)),
+        "bilinear": (_features, lambda a, b, c: bilinear(a, torch.tanh(a))),
+        "batchnorm_eval": (lambda a: bool(a.ndim == 1 and a.shape[0] == 4) or bool(a.ndim == 2 and a.shape[0] == 4),
+                           lambda a, b, c: batchnorm(a.unsqueeze(0)).squeeze(0)),
+        "embed_tokens": (_nonempty, lambda a, b, c: embed((a.abs() * 3).long().clamp(max=9)).sum(-1) * a),
+        "attention": (lambda a: bool(a.ndim == 2 and a.shape[-1] == 4),
+                      lambda a, b, c: attention(a, a, a, need_weights=False)[0]),
+        "cross_entropy": (lambda a: bool(a.ndim in (1, 2) and a.shape[-1] == 4), lambda a, b, c: F.cross_entropy(a, a.argmax(-1))),
+        "losses": (_always, lambda a, b, c: F.mse_loss(a, torch.zeros_like(a)) + F.smooth_l1_loss(a, a * 0.5)
+                   + F.binary_cross_entropy_with_logits(a, (a > 0).double())),
+        "cosine": (_ranked, lambda a, b, c: F.cosine_similarity(a, a + 1, dim=-1)),
+        "one_hot_static": (_nonempty, lambda a, b, c: F.one_hot((a.abs() * 2).long().clamp(max=4), 5).double() + a.unsqueeze(-1)),
+        "interpolate": (lambda a: bool(a.ndim == 2), lambda a, b, c: F.interpolate(a.unsqueeze(0), scale_factor=2.0).squeeze(0)),
         "index_put": (_rows, lambda a, b, c: a.index_put((torch.tensor([0]),), torch.tensor(7.0, dtype=a.dtype))),
     }
     return ops

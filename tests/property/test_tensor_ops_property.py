@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,14 +89,19 @@ def _check(
         for j, (w, g) in enumerate(zip(want, got)):
             where = f"example {i}, value {j} (after {programs_of[i][:j]})"
             assert (g.shape, g.dtype) == (w.shape, w.dtype), where
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-10, equal_nan=True, msg=where)
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10, equal_nan=True, msg=where)
     loss = sum(_weighted_sum(vs, ws) for vs, ws in zip(values, weights))
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         loss.backward()
     for k, (w, g) in enumerate(zip(eager_grads, _grads(xs))):
         assert (w is None) == (g is None), f"gradient {k}: {w} vs {g}"
         if w is not None:
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-9, msg=f"gradient {k}")
+            torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-9, equal_nan=True,
+                                       msg=f"gradient {k}")
+
+
+# The catalog's attention runs through vmap's per-example fallback on the CPU, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 
 
 @settings(max_examples=4 * settings.default.max_examples)  # cheap: 4x the profile

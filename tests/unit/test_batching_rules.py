@@ -158,3 +158,34 @@ def test_a_rule_that_changes_an_examples_shape_fails_loudly() -> None:
         handles = [total(bg.batched_value(torch.randn(2, 3))) for _ in range(2)]
         with pytest.raises(BatchedCallError, match=r"per-example shape \(3,\).*returns \(2,\)"):
             bg.compute(handles)
+
+
+def test_a_result_holding_none_returns_none_in_its_place() -> None:
+    # nn.MultiheadAttention(..., need_weights=False) returns (out, None); such a
+    # result was refused as "not a tensor".
+    pair = bg.batched_func(lambda x: (x * 2, None, (x + 1, None)))
+    xs = [torch.randn(3) for _ in range(3)]
+    with bg.BatchingPolicy() as policy:
+        outs = [pair(bg.batched_value(x)) for x in xs]
+        assert outs[0][1] is None and outs[0][2][1] is None
+        got = bg.compute(outs)
+    assert policy.stats.launches == 1
+    for x, (doubled, none, (plus, inner)) in zip(xs, got):
+        assert none is None and inner is None
+        torch.testing.assert_close(doubled, x * 2)
+        torch.testing.assert_close(plus, x + 1)
+
+
+# vmap runs CPU attention through its (slower, correct) per-example fallback, and says so.
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_attention_without_weights_matches_eager() -> None:
+    attention = nn.MultiheadAttention(4, 2, batch_first=True)
+    site = bg.batched_func(attention)
+    xs = [torch.randn(3, 4), torch.randn(2, 4), torch.randn(3, 4)]
+    with bg.BatchingPolicy():
+        outs = [site(*[bg.batched_value(x)] * 3, need_weights=False) for x in xs]
+        got = bg.compute(outs)
+    for x, (out, weights) in zip(xs, got):
+        want, _ = attention(x, x, x, need_weights=False)
+        assert weights is None
+        torch.testing.assert_close(out, want)
