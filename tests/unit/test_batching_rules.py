@@ -189,3 +189,27 @@ def test_attention_without_weights_matches_eager() -> None:
         want, _ = attention(x, x, x, need_weights=False)
         assert weights is None
         torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, c: x * c,  # float32 (3,) times a float64 0-d tensor is float32
+        lambda x, c: torch.where(x > 0, x, c),
+        lambda x, c: torch.maximum(x, c),
+        lambda x, c: x > c,  # compared in float32, as eagerly
+        lambda x, c: c * torch.ones(2),  # the 0-d handle itself
+        lambda x, c: (x * 10).int() & c.long(),
+        lambda x, c: x.to(c),  # a conversion takes c's dtype: no cast
+        lambda x, c: (x * 10).int() + c.long() + 2.5,
+    ],
+)
+def test_0d_inputs_keep_their_rank_in_type_promotion(fn: Callable[..., Any]) -> None:
+    # Stacked, a 0-d input gains a dimension and would win the promotion.
+    xs = [torch.randn(3) for _ in range(3)]
+    cs = [torch.tensor(v, dtype=torch.float64) for v in (0.3, -1.5, 2.0)]
+    got, _ = _batched(fn, xs, cs)
+    for x, c, value in zip(xs, cs, got):
+        want = fn(x, c)
+        assert value.dtype == want.dtype
+        torch.testing.assert_close(value, want, rtol=0, atol=0)
