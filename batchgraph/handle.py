@@ -29,20 +29,40 @@ __all__ = ["ResultHandle"]
 # Tensor properties that are computations (recorded); other non-callable tensor
 # attributes (grad, requires_grad, ...) only exist on computed values.
 _TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-_PROPERTY_GETTERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+class _TensorProperty:
+    """The recorded form of each such property: one importable function per property
+    (``batchgraph.handle:_TensorProperty.T``), so batches recorded in worker
+    processes name it, and one call-signature cache per property."""
+
+    @staticmethod
+    def T(t: torch.Tensor) -> torch.Tensor:  # each named as its property
+        return t.T
+
+    @staticmethod
+    def mT(t: torch.Tensor) -> torch.Tensor:
+        return t.mT
+
+    @staticmethod
+    def H(t: torch.Tensor) -> torch.Tensor:
+        return t.H
+
+    @staticmethod
+    def mH(t: torch.Tensor) -> torch.Tensor:
+        return t.mH
+
+    @staticmethod
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return t.real
+
+    @staticmethod
+    def imag(t: torch.Tensor) -> torch.Tensor:
+        return t.imag
 
 
 def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    # One function object per property, so its call-signature cache is shared.
-    getter = _PROPERTY_GETTERS.get(name)
-    if getter is None:
-
-        def getter(t: torch.Tensor) -> torch.Tensor:
-            value: torch.Tensor = getattr(t, name)
-            return value
-
-        getter.__qualname__ = f"Tensor.{name}"
-        _PROPERTY_GETTERS[name] = getter
+    getter: Callable[[torch.Tensor], torch.Tensor] = getattr(_TensorProperty, name)
     return getter
 
 

@@ -13,7 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import batchgraph as bg
 from tests.property.models import DagModel, LeafCell, TreeModel
+from tests.property.tensor_programs import SHAPES, Modules, catalog, run_program
 from tests.property.test_batched_equals_eager import dags, trees
+from tests.property.test_tensor_ops_property import programs as tensor_programs
 from tests.unit.schedules import same_schedule
 
 
@@ -258,3 +260,44 @@ def test_failing_batched_call_names_the_dataset_index() -> None:
     batch = bg.GraphDataset([5.0, 1.0, 2.0, -3.0], bg.GraphCollate(M, "f"))[[3, 1]]
     with pytest.raises(bg.BatchedCallError, match=r"examples 1, 3\)"):
         bg.bind(batch, model)
+
+
+# Random tensor programs (the catalog of tests/property/tensor_programs.py) recorded in
+# the worker's way: every function they record must be nameable there.
+PROGRAM_MODEL = Modules().double()
+
+
+def _run_tensor_program(model: Any, item: tuple[torch.Tensor, Any]) -> Any:
+    x, program = item
+    return run_program(catalog(model), bg.batched_value(x), program)
+
+
+PROGRAM_COLLATE = bg.GraphCollate(PROGRAM_MODEL, _run_tensor_program)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@given(program=tensor_programs, shapes=st.lists(st.sampled_from(SHAPES), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_tensor_programs_portable_equal_in_process(
+    program: list[tuple[str, int, int, int]], shapes: list[tuple[int, ...]], seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    items = [(torch.randn(s, generator=gen, dtype=torch.float64), program) for s in shapes]
+    with bg.BatchingPolicy() as policy:
+        handles = [_run_tensor_program(PROGRAM_MODEL, item) for item in items]
+    want = policy.compute(handles)
+    got = bg.bind(PROGRAM_COLLATE(items), PROGRAM_MODEL)
+    for w, g in zip(want, got):
+        assert len(w) == len(g)
+        for a, b in zip(w, g):
+            assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_tensor_properties_record_in_portable_batches() -> None:
+    # h.T and h.mT record a getter function, which a worker's batch must name.
+    items = [(torch.randn(2, 4, dtype=torch.float64), [("mT", 0, 0, 0), ("transpose", 1, 0, 0)])]
+    got = bg.bind(PROGRAM_COLLATE(items), PROGRAM_MODEL)
+    torch.testing.assert_close(got[0][1], items[0][0].mT)
+    for name in ("T", "mT", "H", "mH", "real", "imag"):
+        getter = bg.handle._property_getter(name)
+        assert bg.naming.resolve_function(bg.naming.function_name(getter)) is getter
