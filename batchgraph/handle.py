@@ -36,29 +36,19 @@ class _TensorProperty:
     (``batchgraph.handle:_TensorProperty.T``), so batches recorded in worker
     processes name it, and one call-signature cache per property."""
 
-    @staticmethod
-    def T(t: torch.Tensor) -> torch.Tensor:  # each named as its property
-        return t.T
 
-    @staticmethod
-    def mT(t: torch.Tensor) -> torch.Tensor:
-        return t.mT
+def _define_getter(name: str) -> None:
+    def getter(t: torch.Tensor) -> torch.Tensor:
+        value: torch.Tensor = getattr(t, name)
+        return value
 
-    @staticmethod
-    def H(t: torch.Tensor) -> torch.Tensor:
-        return t.H
+    getter.__name__ = name
+    getter.__qualname__ = f"_TensorProperty.{name}"
+    setattr(_TensorProperty, name, staticmethod(getter))
 
-    @staticmethod
-    def mH(t: torch.Tensor) -> torch.Tensor:
-        return t.mH
 
-    @staticmethod
-    def real(t: torch.Tensor) -> torch.Tensor:
-        return t.real
-
-    @staticmethod
-    def imag(t: torch.Tensor) -> torch.Tensor:
-        return t.imag
+for _name in sorted(_TENSOR_PROPERTIES):
+    _define_getter(_name)
 
 
 def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
