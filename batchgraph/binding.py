@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from batchgraph import gcpause
+from batchgraph.autocasting import autocast_enabled
 from batchgraph.errors import BatchgraphError, ShapeMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import Graph
@@ -305,6 +306,7 @@ def bind(
 
     Raises:
         ScheduleMismatchError: if the batch does not fit ``model`` (nothing computed).
+        RuntimeError: inside ``torch.autocast``: the batch was recorded without it.
 
     Example:
         >>> import batchgraph as bg, torch
@@ -318,6 +320,12 @@ def bind(
         >>> len(bg.bind(bg.export(p, hs, m), m))
         2
     """
+    if autocast_enabled():
+        raise RuntimeError(
+            "bg.bind runs inside torch.autocast, but the batch was recorded (in a worker) "
+            "without it: its calls' dtypes are full precision. Call bind outside the "
+            "autocast region, or record in the main process inside it (BatchingPolicy)."
+        )
     binder = _BINDERS.get(model)
     if binder is None or binder.rules != dict(rules or {}):
         binder = _BINDERS[model] = Binder(model, rules)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from batchgraph.autocasting import autocast_state, in_autocast_state
 from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import STORE_SHIFT, Graph
@@ -94,10 +95,20 @@ class Executor:
         wanted = [key_grad.get(step.key) for step in schedule.steps]
         ambient = torch.is_grad_enabled()
         guard = torch.enable_grad() if not ambient and True in wanted else contextlib.nullcontext()
+        # Likewise each call runs in the autocast state it was recorded in (mostly
+        # none, and none is in force: nothing to do).
+        casts = graph.key_autocast
+        ambient_cast = autocast_state()
+        keys = graph.keys
         try:
             with guard:
                 for step, grad in zip(schedule.steps, wanted):
-                    graph.stores.append(self._run_step(step, grad))
+                    cast = casts.get(step.key) if casts else None
+                    if cast == ambient_cast or isinstance(keys[step.key], ConstantKey):
+                        graph.stores.append(self._run_step(step, grad))
+                    else:
+                        with in_autocast_state(cast):
+                            graph.stores.append(self._run_step(step, grad))
                     added += 1
         except BaseException:
             del graph.stores[len(graph.stores) - added :]

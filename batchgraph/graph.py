@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 from torch.utils._pytree import tree_map_only
 
+from batchgraph.autocasting import AutocastState
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
@@ -75,12 +76,14 @@ class Graph:
         self._policy: Callable[[], Any] = _no_policy
         self.dedupe_table: dict[Any, int] = {}
         self.keys: list[BatchKey] = []
-        self.key_ids: dict[tuple[BatchKey, bool | None], int] = {}
+        self.key_ids: dict[tuple[Any, ...], int] = {}
         # Whether grad was enabled where a call was recorded, per key id: a call runs
         # in that mode, as it would have run eagerly (``with torch.no_grad():`` around
         # a recorded call then holds, whatever the mode at compute). A key recorded in
         # both modes has one id for each, so the two never batch together.
         self.key_grad: dict[int, bool] = {}
+        # Key ids recorded under autocast, and its state (see batchgraph.autocasting).
+        self.key_autocast: dict[int, AutocastState] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
         self.node_depth: list[int] = []
@@ -135,15 +138,22 @@ class Graph:
     def policy(self, policy: Any) -> None:
         self._policy = weakref.ref(policy)
 
-    def key_id(self, key: BatchKey, grad: bool | None = None) -> int:
-        """The id of ``key`` (recorded with grad enabled or not; None: either)."""
-        kid = self.key_ids.get((key, grad))
+    def key_id(
+        self, key: BatchKey, grad: bool | None = None, autocast: AutocastState | None = None
+    ) -> int:
+        """The id of ``key`` recorded with grad enabled or not (None: either), and in
+        the autocast state ``autocast`` (None: off). Calls of one key recorded in
+        different modes get different ids, so they never run as one call."""
+        ident = (key, grad) if autocast is None else (key, grad, autocast)
+        kid = self.key_ids.get(ident)
         if kid is None:
             kid = len(self.keys)
             self.keys.append(key)
-            self.key_ids[(key, grad)] = kid
+            self.key_ids[ident] = kid
             if grad is not None:
                 self.key_grad[kid] = grad
+            if autocast is not None:
+                self.key_autocast[kid] = autocast
         return kid
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:

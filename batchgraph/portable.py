@@ -307,7 +307,8 @@ def export(policy: BatchingPolicy, outputs: Any, model: nn.Module) -> PortableBa
         The portable batch; run it with ``bg.bind(batch, model)``.
 
     Raises:
-        ValueError, LookupError: see ``Exporter.export``.
+        ValueError, LookupError: see ``Exporter.export``; ValueError also for calls
+            recorded under ``torch.autocast`` (a portable batch runs without it).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -321,6 +322,12 @@ def export(policy: BatchingPolicy, outputs: Any, model: nn.Module) -> PortableBa
         >>> [t.shape for t in bg.bind(export(p, hs, m), m)]
         [torch.Size([2]), torch.Size([2]), torch.Size([2])]
     """
+    if policy.graph.key_autocast:
+        raise ValueError(
+            "calls recorded under torch.autocast cannot be exported: a portable batch "
+            "keeps no autocast state and bind runs it without autocast. Record outside "
+            "the autocast region, or compute in this process."
+        )
     return Exporter(model).export(policy, outputs)
 
 

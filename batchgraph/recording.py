@@ -25,6 +25,12 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from batchgraph.autocasting import (
+    AutocastState,
+    autocast_enabled,
+    autocast_state,
+    without_autocast_cache,
+)
 from batchgraph.errors import (
     NotATensorError,
     ShapeMismatchError,
@@ -69,6 +75,7 @@ __all__ = [
 
 _new_handle = object.__new__  # see the end of CallSite.__call__
 _grad_enabled = torch.is_grad_enabled
+_autocast_enabled = autocast_enabled
 
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
 
@@ -133,12 +140,16 @@ class CallSite:
         tensor([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "cache", "fn", "last", "last1", "name")
+    __slots__ = ("__weakref__", "autocast", "cache", "fn", "last", "last1", "name", "shadows")
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], autocast: AutocastState | None = None) -> None:
         self.fn = fn
         self.name = callable_name(fn)
         self.cache: dict[Any, _Entry] = {}
+        # Calls made under autocast record through a shadow site per autocast state,
+        # with its own caches: their specs (and keys) are that state's.
+        self.autocast = autocast
+        self.shadows: dict[AutocastState, CallSite] = {}
         # The last signature of handle and number arguments and its entry: one tuple,
         # so it is replaced atomically (sites are shared by threads).
         self.last: tuple[list[Any] | None, Any] = (None, None)
@@ -157,6 +168,8 @@ class CallSite:
         policy = _ACTIVE.get()
         if policy is None:
             return self.fn(*args, **kwargs)
+        if _autocast_enabled() and self.autocast is None:
+            return self._shadow()(*args, **kwargs)
         graph = policy.graph
         if (
             len(args) == 1
@@ -221,7 +234,7 @@ class CallSite:
         if memo[0] == graph.uid and memo[2] is grad:
             kid = memo[1]
         else:
-            kid = graph.key_id(entry.key, grad)
+            kid = graph.key_id(entry.key, grad, self.autocast)
             entry.memo = (graph.uid, kid, grad)
         spec = entry.spec
         fresh = node = len(graph.node_key)
@@ -273,6 +286,15 @@ class CallSite:
             c.spec = children[1][1]
             return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
+
+    def _shadow(self) -> CallSite:
+        """The site recording this callable's calls in the current autocast state."""
+        state = autocast_state()
+        assert state is not None
+        shadow = self.shadows.get(state)
+        if shadow is None:
+            shadow = self.shadows[state] = CallSite(self.fn, autocast=state)
+        return shadow
 
     def _entry(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
@@ -359,7 +381,7 @@ def _fake_apply(
 ) -> Any:
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead)."""
-    with FakeTensorMode(allow_non_fake_inputs=True), draws:
+    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws:
         fakes = [
             0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
             for i, s in enumerate(call.input_specs)

@@ -208,8 +208,10 @@ def probe_vmap(key: BatchKey) -> bool:
         return True
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from batchgraph.autocasting import without_autocast_cache
+
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True):
             inputs = [
                 torch.empty((2, *s.shape), dtype=s.dtype, device=s.device)
                 for s in key.call.input_specs

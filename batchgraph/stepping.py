@@ -26,6 +26,12 @@ from typing import Any
 
 import torch
 
+from batchgraph.autocasting import (
+    AutocastState,
+    autocast_enabled,
+    autocast_state,
+    in_autocast_state,
+)
 from batchgraph.awaiting import (
     DRIVING,
     DeadlockError,
@@ -48,6 +54,7 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 _inference_enabled = torch.is_inference_mode_enabled
+_autocast_enabled = autocast_enabled
 
 
 def _keep_modes(ex: Example, outer: bool, outer_inference: bool) -> None:
@@ -64,6 +71,15 @@ def _keep_modes(ex: Example, outer: bool, outer_inference: bool) -> None:
         ex.grad = None
 
 
+def _keep_autocast(ex: Example, outer: AutocastState | None) -> None:
+    """After ``ex`` suspended: if its autocast state is not the driver's, keep it in a
+    guard that puts the driver's back (leaving the guard restores the example's)."""
+    if autocast_state() != outer:
+        guard = in_autocast_state(outer)
+        guard.__enter__()
+        ex.autocast = guard
+
+
 def _resume_modes(ex: Example) -> None:
     """Before ``ex`` resumes: the modes it had when it suspended."""
     if ex.grad is not None:
@@ -72,6 +88,10 @@ def _resume_modes(ex: Example) -> None:
     if guard is not None:  # leaving the guard restores the example's whole state
         ex.inference = None
         guard.__exit__(None, None, None)
+    cast = ex.autocast
+    if cast is not None:
+        ex.autocast = None
+        cast.__exit__(None, None, None)
 
 
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
@@ -86,8 +106,8 @@ class Example:
     """One coroutine example and where it stands."""
 
     __slots__ = (
-        "coro", "done", "error", "final", "grad", "index", "inference", "ready", "result", "steps",
-        "throw", "wait",
+        "autocast", "coro", "done", "error", "final", "grad", "index", "inference", "ready",
+        "result", "steps", "throw", "wait",
     )
 
     def __init__(self, index: int, coro: Coroutine[Any, Any, Any]) -> None:
@@ -105,6 +125,7 @@ class Example:
         # awaited inside ``with torch.no_grad():``); None: the driver's.
         self.grad: bool | None = None
         self.inference: Any = None  # likewise for inference mode: the guard holding it
+        self.autocast: Any = None  # and for autocast (see _keep_autocast)
 
     def close(self) -> None:
         """Close an unfinished coroutine (GeneratorExit inside it), quietly."""
@@ -209,10 +230,12 @@ class Lane:
         # ``with torch.no_grad():`` would leave it off for the others (and, leaving the
         # block later, restore the mode it found: another example's). Each example
         # gets its own mode back when it resumes, and the driver's is kept around it.
-        # The same holds for inference mode, which only a guard object can set.
+        # The same holds for inference mode, which only a guard object can set, and
+        # for autocast.
         outer, outer_inference = _grad_enabled(), _inference_enabled()
+        outer_cast = autocast_state()
         while True:
-            if ex.grad is not None or ex.inference is not None:
+            if ex.grad is not None or ex.inference is not None or ex.autocast is not None:
                 _resume_modes(ex)
             try:
                 yielded = coro.send(send) if throw is None else coro.throw(throw)
@@ -227,6 +250,8 @@ class Lane:
             if (_grad_enabled() is not outer or ex.grad is not None
                     or _inference_enabled() is not outer_inference):
                 _keep_modes(ex, outer, outer_inference)
+            if outer_cast is not None or _autocast_enabled():
+                _keep_autocast(ex, outer_cast)
             throw = None
             if type(yielded) is not Wait:
                 throw = UnsupportedAwaitError(
