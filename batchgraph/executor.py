@@ -179,7 +179,7 @@ class Executor:
                 f"{key.label} returned {len(leaves)} tensors for a batch; its calls, run "
                 f"one at a time, return {len(specs)}"
             )
-        for leaf, spec in zip(leaves, specs):
+        for i, (leaf, spec) in enumerate(zip(leaves, specs)):
             shape = leaf.shape
             if not shape or shape[0] != size:
                 raise BatchedCallError(
@@ -198,6 +198,17 @@ class Executor:
                     "batching rule does not keep each example's meaning. Register VmapKey "
                     "for it (BatchingPolicy(rules={...}))."
                 )
+            if isinstance(spec, TensorSpec) and leaf.dtype != spec.dtype:
+                if step.key not in graph.key_autocast:
+                    raise BatchedCallError(
+                        f"{key.label} returned {leaf.dtype} for a batch of {size} calls, "
+                        f"where each call run alone returns {spec.dtype}: its batching rule "
+                        "does not keep each example's type promotion. Register VmapKey for "
+                        "it (BatchingPolicy(rules={...}))."
+                    )
+                # Under autocast, vmap runs some ops out of its reach (prelu): such a
+                # result gets the dtype the eager call has.
+                leaves[i] = leaf.to(spec.dtype)
         return leaves
 
     def _check_unchanged(self, nodes: list[int]) -> None:

@@ -141,3 +141,18 @@ def test_exporting_calls_recorded_in_autocast_is_refused_clearly(lin: Any) -> No
         handles = [model.lin(bg.batched_value(x)) for x in XS]
     with pytest.raises(ValueError, match=r"recorded under torch\.autocast cannot"):
         bg.export(policy, handles, model)
+
+
+def test_a_vmapped_call_autocast_does_not_reach_gets_the_eager_dtype() -> None:
+    # vmap runs prelu outside autocast's reach: float32 rows where eager code gives
+    # bfloat16; the executor gives the rows the recorded dtype.
+    prelu = nn.PReLU(4)
+    site = bg.batched_func(prelu)
+    xs = [torch.randn(2, 4) for _ in range(2)]
+    with torch.no_grad(), _autocast():
+        with bg.BatchingPolicy():
+            handles = [site(bg.batched_value(x)) for x in xs]
+        got = bg.compute(handles)
+        want = [prelu(x) for x in xs]
+    for g, w in zip(got, want):
+        _assert_like(g, w)

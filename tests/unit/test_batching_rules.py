@@ -213,3 +213,18 @@ def test_0d_inputs_keep_their_rank_in_type_promotion(fn: Callable[..., Any]) -> 
         want = fn(x, c)
         assert value.dtype == want.dtype
         torch.testing.assert_close(value, want, rtol=0, atol=0)
+
+
+class _PromotingKey(StackKey):
+    """A broken rule: its batched call comes out in float64."""
+
+    def run(self, fn: Callable[..., Any], inputs: Any, size: int) -> Any:
+        return super().run(fn, inputs, size).double()
+
+
+def test_a_rule_that_changes_an_examples_dtype_fails_loudly() -> None:
+    tanh = bg.batched_func(torch.tanh)
+    with bg.BatchingPolicy(rules={torch.tanh: _PromotingKey}):
+        handles = [tanh(bg.batched_value(torch.randn(3))) for _ in range(2)]
+        with pytest.raises(BatchedCallError, match=r"returned torch\.float64 .* returns torch\.float32"):
+            bg.compute(handles)
