@@ -242,61 +242,61 @@ class ResultHandle:
         return recorded.__get__(self)
 
     def __add__(self, other: Any) -> Any:
-        return _record(torch.add, (self, other), {})
+        return _binary(torch.add, (self, other))
 
     def __radd__(self, other: Any) -> Any:
-        return _record(torch.add, (other, self), {})
+        return _binary(torch.add, (other, self))
 
     def __sub__(self, other: Any) -> Any:
-        return _record(torch.sub, (self, other), {})
+        return _binary(torch.sub, (self, other))
 
     def __rsub__(self, other: Any) -> Any:
-        return _record(torch.sub, (other, self), {})
+        return _binary(torch.sub, (other, self))
 
     def __mul__(self, other: Any) -> Any:
-        return _record(torch.mul, (self, other), {})
+        return _binary(torch.mul, (self, other))
 
     def __rmul__(self, other: Any) -> Any:
-        return _record(torch.mul, (other, self), {})
+        return _binary(torch.mul, (other, self))
 
     def __truediv__(self, other: Any) -> Any:
-        return _record(torch.div, (self, other), {})
+        return _binary(torch.div, (self, other))
 
     def __rtruediv__(self, other: Any) -> Any:
-        return _record(torch.div, (other, self), {})
+        return _binary(torch.div, (other, self))
 
     def __pow__(self, other: Any) -> Any:
-        return _record(torch.pow, (self, other), {})
+        return _binary(torch.pow, (self, other))
 
     def __rpow__(self, other: Any) -> Any:
-        return _record(torch.pow, (other, self), {})
+        return _binary(torch.pow, (other, self))
 
     def __floordiv__(self, other: Any) -> Any:
-        return _record(torch.floor_divide, (self, other), {})
+        return _binary(torch.floor_divide, (self, other))
 
     def __rfloordiv__(self, other: Any) -> Any:
-        return _record(torch.floor_divide, (other, self), {})
+        return _binary(torch.floor_divide, (other, self))
 
     def __mod__(self, other: Any) -> Any:
-        return _record(torch.remainder, (self, other), {})
+        return _binary(torch.remainder, (self, other))
 
     def __rmod__(self, other: Any) -> Any:
-        return _record(torch.remainder, (other, self), {})
+        return _binary(torch.remainder, (other, self))
 
     # Masks: `(h > 0) & keep`, `~done`. Commutative, so the reflected forms record
     # the same call (the torch functions want the tensor first).
     def __and__(self, other: Any) -> Any:
-        return _record(torch.bitwise_and, (self, other), {})
+        return _binary(torch.bitwise_and, (self, other))
 
     __rand__ = __and__
 
     def __or__(self, other: Any) -> Any:
-        return _record(torch.bitwise_or, (self, other), {})
+        return _binary(torch.bitwise_or, (self, other))
 
     __ror__ = __or__
 
     def __xor__(self, other: Any) -> Any:
-        return _record(torch.bitwise_xor, (self, other), {})
+        return _binary(torch.bitwise_xor, (self, other))
 
     __rxor__ = __xor__
 
@@ -307,10 +307,10 @@ class ResultHandle:
         return _record(torch.positive, (self,), {})
 
     def __matmul__(self, other: Any) -> Any:
-        return _record(torch.matmul, (self, other), {})
+        return _binary(torch.matmul, (self, other))
 
     def __rmatmul__(self, other: Any) -> Any:
-        return _record(torch.matmul, (other, self), {})
+        return _binary(torch.matmul, (other, self))
 
     # Comparisons record elementwise ops (masks), == and != included, as on tensors:
     # `if h == eos:` must fail as `if h > 0:` does (its truth is not known yet), not
@@ -318,28 +318,38 @@ class ResultHandle:
     __hash__ = object.__hash__
 
     def __eq__(self, other: Any) -> Any:  # type: ignore[override]
-        return _record(torch.eq, (self, other), {})
+        return _binary(torch.eq, (self, other))
 
     def __ne__(self, other: Any) -> Any:  # type: ignore[override]
-        return _record(torch.ne, (self, other), {})
+        return _binary(torch.ne, (self, other))
 
     def __lt__(self, other: Any) -> Any:
-        return _record(torch.lt, (self, other), {})
+        return _binary(torch.lt, (self, other))
 
     def __le__(self, other: Any) -> Any:
-        return _record(torch.le, (self, other), {})
+        return _binary(torch.le, (self, other))
 
     def __gt__(self, other: Any) -> Any:
-        return _record(torch.gt, (self, other), {})
+        return _binary(torch.gt, (self, other))
 
     def __ge__(self, other: Any) -> Any:
-        return _record(torch.ge, (self, other), {})
+        return _binary(torch.ge, (self, other))
 
     def __neg__(self) -> Any:
         return _record(torch.neg, (self,), {})
 
     def __abs__(self) -> Any:
         return _record(torch.abs, (self,), {})
+
+
+def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:
+    """An operator's call, recorded; NotImplemented for an operand it does not take,
+    as a tensor's operators answer (so ``h == None`` is False and ``h + "a"`` raises
+    Python's own TypeError)."""
+    try:
+        return _record(fn, args, {})
+    except TypeError:
+        return NotImplemented
 
 
 def _not_known(what: str) -> TypeError:

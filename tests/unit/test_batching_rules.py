@@ -228,3 +228,14 @@ def test_a_rule_that_changes_an_examples_dtype_fails_loudly() -> None:
         handles = [tanh(bg.batched_value(torch.randn(3))) for _ in range(2)]
         with pytest.raises(BatchedCallError, match=r"returned torch\.float64 .* returns torch\.float32"):
             bg.compute(handles)
+
+
+def test_operators_answer_operands_they_do_not_take_as_tensors_do() -> None:
+    t = torch.ones(2)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(t)
+        # A tensor compared with None (or a string) is unequal to it; not an error.
+        assert (h == None) is False and (h != None) is True  # noqa: E711
+        assert (None == h) is False and None not in [h]  # noqa: E711, SIM300 (reflected ==)
+        with pytest.raises(TypeError, match="unsupported operand"):
+            _ = h + "a"
