@@ -188,17 +188,19 @@ class Executor:
                     "callable does not take a leading batch dimension, register VmapKey "
                     "for it (BatchingPolicy(rules={...}))."
                 )
+            if not isinstance(spec, TensorSpec):
+                continue
             # A batching rule that loses an example's meaning mostly shows in the
-            # shape (and one that keeps the shape right is caught by the property
+            # shape or dtype (and one that keeps both right is caught by the property
             # tests): checked per step, so it costs nothing per call.
-            if isinstance(spec, TensorSpec) and shape[1:] != spec.shape:
+            if shape[1:] != spec.shape:
                 raise BatchedCallError(
                     f"{key.label} returned per-example shape {tuple(shape[1:])} for a batch "
                     f"of {size} calls, where each call run alone returns {spec.shape}: its "
                     "batching rule does not keep each example's meaning. Register VmapKey "
                     "for it (BatchingPolicy(rules={...}))."
                 )
-            if isinstance(spec, TensorSpec) and leaf.dtype != spec.dtype:
+            if leaf.dtype != spec.dtype:
                 if step.key not in graph.key_autocast:
                     raise BatchedCallError(
                         f"{key.label} returned {leaf.dtype} for a batch of {size} calls, "

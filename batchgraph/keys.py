@@ -357,8 +357,6 @@ ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset(
     }
 )
 
-# Reductions: with no argument but the tensor they reduce it whole (ReductionKey);
-# with an int ``dim`` (position 1) it counts per-example dimensions (DimArgKey).
 # Elementwise in the batching sense, but they take the dtype of an argument rather
 # than promote with it.
 _CONVERSIONS: frozenset[Any] = frozenset(
@@ -369,6 +367,8 @@ _CONVERSIONS: frozenset[Any] = frozenset(
     }
 )
 
+# Reductions: with no argument but the tensor they reduce it whole (ReductionKey);
+# with an int ``dim`` (position 1) it counts per-example dimensions (DimArgKey).
 REDUCTION_FUNCTIONS: frozenset[Any] = frozenset(
     {
         torch.sum, torch.mean, torch.prod, torch.amax, torch.amin, torch.argmax,
