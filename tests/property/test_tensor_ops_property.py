@@ -13,6 +13,7 @@ index by a tensor taken for a static int.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -157,3 +158,51 @@ def test_tensor_programs_reading_values_as_coroutines_equal_eager(
         )
 
     _check(xs, eager, batched, program_of, seed)
+
+
+# Float32 copies of the modules, for autocast (which leaves float64 alone).
+_MODULES32 = Modules()
+_OPS32 = catalog(_MODULES32)
+
+
+def _run_in_and_out_of_autocast(x: Any, program: list[tuple[str, int, int, int]],
+                                inside: list[bool]) -> list[Any]:
+    """``run_program``, each step inside ``torch.autocast`` (CPU, bfloat16) or not."""
+    values = [x]
+    for k, (name, pick_a, pick_b, c) in enumerate(program):
+        applies, op = _OPS32[name]
+        a = values[pick_a % len(values)]
+        if applies(a):
+            region = (torch.autocast("cpu", dtype=torch.bfloat16) if inside[k % len(inside)]
+                      else contextlib.nullcontext())
+            with region:
+                values.append(op(a, values[pick_b % len(values)], c))
+    return values
+
+
+@given(shared=programs, spec=examples, inside=st.lists(st.booleans(), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_tensor_programs_in_and_out_of_autocast_keep_eager_dtypes(
+    shared: list[tuple[str, int, int, int]],
+    spec: list[tuple[tuple[int, ...], Any, int, bool]],
+    inside: list[bool],
+    seed: int,
+) -> None:
+    # Values computed in bfloat16 differ in their last bits between a batch and one
+    # example, so this compares what must match exactly: every value is a real tensor
+    # of the eager shape and dtype (the spec recorded in its autocast state).
+    xs = [x.detach().float() for x in _inputs(spec, seed)]
+    program_of = [own or shared for _, own, _, _ in spec]
+    with torch.no_grad():
+        try:
+            eager = [_run_in_and_out_of_autocast(x, p, inside) for x, p in zip(xs, program_of)]
+        except RuntimeError:  # a program autocast makes invalid eagerly (dtype clashes)
+            return
+        with bg.BatchingPolicy():
+            handles = [_run_in_and_out_of_autocast(bg.batched_value(x), p, inside)
+                       for x, p in zip(xs, program_of)]
+        got = bg.compute(handles)
+    for i, (want, values) in enumerate(zip(eager, got)):
+        for j, (w, g) in enumerate(zip(want, values)):
+            assert type(g) is torch.Tensor, f"example {i}, value {j}: {type(g).__name__}"
+            assert (g.shape, g.dtype) == (w.shape, w.dtype), f"example {i}, value {j}"
