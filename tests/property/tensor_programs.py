@@ -131,10 +131,13 @@ def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
         # Float32 round trips, the gradient kept in float64: merged casts sum their
         # float32 gradients before casting back, eager code after (1e-7 apart).
         "casts": (_always, lambda a, b, c: a + (a.to(torch.float32).to(a.dtype) + a.float().double() - 2 * a).detach()),
-        # 0-d tensors rank below tensors with dimensions in type promotion.
-        "promote_0d": (_always, lambda a, b, c: (a.float() * torch.tensor(1.5, dtype=torch.float64)).double()
-                       + (a.sum() * torch.ones(2, dtype=torch.float32)).double().sum()
-                       + torch.where(a.float() > torch.tensor(0.1, dtype=torch.float64), 1.0, 0.0)),
+        # 0-d tensors rank below tensors with dimensions in type promotion (computed
+        # in float32 when eager, the gradient kept in float64 as for "casts").
+        "promote_0d": (_always, lambda a, b, c: a + (
+            (a.float() * torch.tensor(1.5, dtype=torch.float64)).double()
+            + (a.sum() * torch.ones(2, dtype=torch.float32)).double().sum()
+            + torch.where(a.float() > torch.tensor(0.1, dtype=torch.float64), 1.0, 0.0) - a
+        ).detach()),
         "detach": (_always, lambda a, b, c: a.detach() * a),
         "relu_gelu": (_always, lambda a, b, c: F.relu(a) + F.gelu(a)),
         "lerp_addcmul": (_always, lambda a, b, c: torch.lerp(a, torch.zeros_like(a), 0.3) + torch.addcmul(a, a, a, value=0.5)),
