@@ -178,7 +178,7 @@ def compare(name: str, make: Any, sources: list[list[int]]) -> tuple[list[Any], 
     return batched, Timing(name, mid - start, end - mid, last - end)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=40)
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=3)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
