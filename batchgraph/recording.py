@@ -10,35 +10,23 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedFakeTensorException,
-    UnsupportedOperatorException,
-)
 
 from batchgraph.autocasting import (
     AutocastState,
     autocast_enabled,
     autocast_state,
-    without_autocast_cache,
-)
-from batchgraph.errors import (
-    NotATensorError,
-    ShapeMismatchError,
 )
 from batchgraph.handle import ResultHandle
+from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.pinning import unpin_stubs
-from batchgraph.rules import RandomDraws, choose_key, may_be_random, probe_vmap
+from batchgraph.rules import choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
     encode_argument,
     foreign_handle,
@@ -49,15 +37,11 @@ from batchgraph.signatures import (
 from batchgraph.specs import (
     NO_TENSOR,
     CallSignature,
-    InputSlot,
     OutSpec,
     TensorSpec,
     count_leaves,
     intern_spec,
     rebuild_sequence,
-    sequence_kind,
-    spec_of,
-    tuple_parts,
 )
 
 if TYPE_CHECKING:
@@ -78,16 +62,6 @@ _grad_enabled = torch.is_grad_enabled
 _autocast_enabled = autocast_enabled
 
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
-
-# Errors meaning "the structure of the result cannot be known before running".
-_UNKNOWABLE = (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    UnsupportedOperatorException,
-    UnsupportedFakeTensorException,
-    NotImplementedError,
-)
-
 
 def active_policy() -> BatchingPolicy | None:
     """The policy recording in this context, or None (then code runs eagerly)."""
@@ -336,82 +310,8 @@ class CallSite:
         return _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
 
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
-        """The call's output spec (None: unknowable before it runs), whether it
-        draws random numbers (assumed when that cannot be told either), and the
-        result's sequence type (see ``sequence_kind``)."""
-        if any(s is None for s in call.input_specs):
-            return None, True, None
-        draws = RandomDraws()
-        try:
-            try:
-                out = _fake_apply(self.fn, call, draws, frozenset())
-            except DataDependentOutputException:
-                # ``table[i]`` with a 0-d integer tensor ``i`` (a predicted token) reads
-                # its value, which a fake tensor has not. Such an index acts exactly as
-                # the int would, and no int changes the result's shape: run it with 0.
-                scalars = _scalar_index_slots(self.fn, call)
-                if not scalars:
-                    raise
-                out = _fake_apply(self.fn, call, draws, scalars)
-        except _UNKNOWABLE:
-            return None, True, None
-        except TypeError:
-            raise
-        except Exception as err:
-            shown = ", ".join(
-                f"input {i}: {s.describe()}" for i, s in enumerate(call.input_specs) if s
-            )
-            raise ShapeMismatchError(
-                f"{self.name} does not accept these per-example inputs ({shown}): "
-                f"{type(err).__name__}: {err}. Per-example values carry no batch "
-                "dimension; check the shapes the per-example code passes to this call."
-            ) from err
-        try:
-            return spec_of(out), draws.seen, sequence_kind(out)
-        except TypeError as err:
-            raise NotATensorError(
-                f"{self.name} returned {type(out).__name__}; a recorded call must return a "
-                "tensor or a tuple of tensors. Wrap the tensor work in a module or function "
-                "that returns tensors, and do the rest on computed values."
-            ) from err
-
-
-def _fake_apply(
-    fn: Callable[..., Any], call: CallSignature, draws: RandomDraws, as_zero: frozenset[int]
-) -> Any:
-    """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
-    get the int 0 instead)."""
-    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws:
-        fakes = [
-            0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
-            for i, s in enumerate(call.input_specs)
-            if s is not None
-        ]
-        return call.apply(fn, fakes)
-
-
-_INDEXING: tuple[Any, ...] = (operator.getitem, torch.Tensor.__getitem__)
-_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8})
-
-
-def _scalar_index_slots(fn: Any, call: CallSignature) -> frozenset[int]:
-    """The input slots of ``call`` that are 0-d integer tensors used as indices,
-    when the index holds nothing else but ints, slices, ``None`` and ``...`` (with
-    other tensor indices a 0-d one is an advanced index, not an int). Empty when
-    ``call`` is not such an indexing.
-    """
-    if fn not in _INDEXING or len(call.args) != 2 or call.kwargs:
-        return frozenset()
-    slots = set()
-    for part in tuple_parts(call.args[1]):
-        if type(part) is InputSlot:
-            spec = call.input_specs[part.slot]
-            if spec is None or spec.shape or spec.dtype not in _INDEX_DTYPES:
-                return frozenset()
-            slots.add(part.slot)
-        elif not (part is None or part is Ellipsis or type(part) in (int, slice)):
-            return frozenset()
-    return frozenset(slots)
+        """See ``batchgraph.inference.infer_spec``."""
+        return infer_spec(self.fn, self.name, call)
 
 
 def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
+from tests.property.decoder_models import run_eagerly
 from tests.property.tensor_programs import run_program_awaiting
 from tests.property.test_tensor_ops_property import (
     _OPS,
     _inputs,
-    _run_eagerly,
     examples,
     programs,
 )
@@ -51,7 +51,7 @@ def test_requests_equal_eager_under_any_timing_and_cancellation(
     xs = [x.detach() for x in _inputs(spec, seed)]
     program_of = [own or shared for _, own, _, _ in spec]
     with torch.no_grad():
-        eager = [_run_eagerly(run_program_awaiting(_OPS, x, p, awaits))
+        eager = [run_eagerly(run_program_awaiting(_OPS, x, p, awaits))
                  for x, p in zip(xs, program_of)]
 
     async def request(batcher: bg.AsyncBatcher, i: int) -> Any:

@@ -14,7 +14,7 @@ index by a tensor taken for a static int.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
+from tests.property.decoder_models import run_eagerly
 from tests.property.tensor_programs import (
     SHAPES,
     Modules,
@@ -126,14 +127,6 @@ def test_tensor_programs_batched_equal_eager(
     _check(xs, eager, batched, program_of, seed)
 
 
-def _run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    raise AssertionError("an eager example suspended")
-
-
 @settings(max_examples=2 * settings.default.max_examples)
 @given(shared=programs, spec=examples, awaits=st.lists(st.booleans(), min_size=1, max_size=4),
        groups=st.integers(1, 2), seed=st.integers(0, 2**16))
@@ -147,7 +140,7 @@ def test_tensor_programs_reading_values_as_coroutines_equal_eager(
     xs = _inputs(spec, seed)
     program_of = [own or shared for _, own, _, _ in spec]
     _grads(xs)
-    eager = [_run_eagerly(run_program_awaiting(_OPS, x, p, awaits))
+    eager = [run_eagerly(run_program_awaiting(_OPS, x, p, awaits))
              for x, p in zip(xs, program_of)]
 
     def batched() -> list[list[Any]]:

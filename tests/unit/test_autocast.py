@@ -9,7 +9,6 @@ ran in the state in force at ``compute``, not the one it was recorded in.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import batchgraph as bg
+from tests.property.decoder_models import run_eagerly
 
 BF16 = torch.bfloat16
 
@@ -100,19 +100,11 @@ async def _example(lin: Any, x: torch.Tensor, in_autocast: bool) -> list[torch.T
     return [first, second, third]
 
 
-def _run_eagerly(coro: Coroutine[Any, Any, Any]) -> Any:
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    raise AssertionError("an eager example suspended")
-
-
 @pytest.mark.parametrize("groups", [1, 2])
 def test_an_example_awaiting_in_autocast_keeps_it_to_itself(lin: Any, groups: int) -> None:
     flags = [True, False, True, False]
     xs = [*XS, XS[0]]
-    want = [_run_eagerly(_example(lin, x, f)) for x, f in zip(xs, flags)]
+    want = [run_eagerly(_example(lin, x, f)) for x, f in zip(xs, flags)]
     got = bg.run_all([_example(lin, x, f) for x, f in zip(xs, flags)], groups=groups)
     assert not torch.is_autocast_enabled("cpu")
     for w, g in zip(want, got):

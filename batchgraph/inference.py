@@ -1,0 +1,130 @@
+"""Shape inference: a recorded call's output spec, found by running it once on fake
+tensors of its per-example input specs (once per call signature).
+
+Besides the spec, the run tells whether the call draws random numbers (such calls
+are never merged) and the kind of sequence its result is (handles come back in it).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+
+from batchgraph.autocasting import without_autocast_cache
+from batchgraph.errors import NotATensorError, ShapeMismatchError
+from batchgraph.rules import RandomDraws
+from batchgraph.specs import CallSignature, InputSlot, OutSpec, sequence_kind, spec_of, tuple_parts
+
+__all__ = ["infer_spec"]
+
+# Errors meaning "the structure of the result cannot be known before running".
+_UNKNOWABLE = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    UnsupportedFakeTensorException,
+    NotImplementedError,
+)
+
+
+def infer_spec(
+    fn: Callable[..., Any], name: str, call: CallSignature
+) -> tuple[OutSpec, bool, type | None]:
+    """The call's output spec (None: unknowable before it runs), whether it
+    draws random numbers (assumed when that cannot be told either), and the
+    result's sequence type (see ``sequence_kind``).
+
+    Raises:
+        ShapeMismatchError: the call does not accept these per-example inputs.
+        NotATensorError: it returns something other than tensors.
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> spec = TensorSpec((3,), torch.float32, torch.device("cpu"))
+        >>> call = CallSignature((InputSlot(0),), (), (spec,), None)
+        >>> infer_spec(torch.tanh, "tanh", call)[0].shape
+        (3,)
+    """
+    if any(s is None for s in call.input_specs):
+        return None, True, None
+    draws = RandomDraws()
+    try:
+        try:
+            out = _fake_apply(fn, call, draws, frozenset())
+        except DataDependentOutputException:
+            # ``table[i]`` with a 0-d integer tensor ``i`` (a predicted token) reads
+            # its value, which a fake tensor has not. Such an index acts exactly as
+            # the int would, and no int changes the result's shape: run it with 0.
+            scalars = _scalar_index_slots(fn, call)
+            if not scalars:
+                raise
+            out = _fake_apply(fn, call, draws, scalars)
+    except _UNKNOWABLE:
+        return None, True, None
+    except TypeError:
+        raise
+    except Exception as err:
+        shown = ", ".join(
+            f"input {i}: {s.describe()}" for i, s in enumerate(call.input_specs) if s
+        )
+        raise ShapeMismatchError(
+            f"{name} does not accept these per-example inputs ({shown}): "
+            f"{type(err).__name__}: {err}. Per-example values carry no batch "
+            "dimension; check the shapes the per-example code passes to this call."
+        ) from err
+    try:
+        return spec_of(out), draws.seen, sequence_kind(out)
+    except TypeError as err:
+        raise NotATensorError(
+            f"{name} returned {type(out).__name__}; a recorded call must return a "
+            "tensor or a tuple of tensors. Wrap the tensor work in a module or function "
+            "that returns tensors, and do the rest on computed values."
+        ) from err
+
+
+def _fake_apply(
+    fn: Callable[..., Any], call: CallSignature, draws: RandomDraws, as_zero: frozenset[int]
+) -> Any:
+    """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
+    get the int 0 instead)."""
+    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws:
+        fakes = [
+            0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            for i, s in enumerate(call.input_specs)
+            if s is not None
+        ]
+        return call.apply(fn, fakes)
+
+
+_INDEXING: tuple[Any, ...] = (operator.getitem, torch.Tensor.__getitem__)
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8})
+
+
+def _scalar_index_slots(fn: Any, call: CallSignature) -> frozenset[int]:
+    """The input slots of ``call`` that are 0-d integer tensors used as indices,
+    when the index holds nothing else but ints, slices, ``None`` and ``...`` (with
+    other tensor indices a 0-d one is an advanced index, not an int). Empty when
+    ``call`` is not such an indexing.
+    """
+    if fn not in _INDEXING or len(call.args) != 2 or call.kwargs:
+        return frozenset()
+    slots = set()
+    for part in tuple_parts(call.args[1]):
+        if type(part) is InputSlot:
+            spec = call.input_specs[part.slot]
+            if spec is None or spec.shape or spec.dtype not in _INDEX_DTYPES:
+                return frozenset()
+            slots.add(part.slot)
+        elif not (part is None or part is Ellipsis or type(part) in (int, slice)):
+            return frozenset()
+    return frozenset(slots)
