@@ -11,6 +11,7 @@ __all__ = [
     "BatchedCallError",
     "BatchgraphError",
     "ConstantChangedError",
+    "ModuleModeChangedError",
     "NotATensorError",
     "NotComputedError",
     "PolicyClosedError",
@@ -51,3 +52,9 @@ class ConstantChangedError(BatchgraphError, RuntimeError):
     """A tensor recorded as a per-example input was changed in place before it was
     computed: the batched run would read its new values where the eager run read the
     old ones."""
+
+
+class ModuleModeChangedError(BatchgraphError, RuntimeError):
+    """A module was switched between ``train()`` and ``eval()`` after calls of it were
+    recorded and before they were computed: the batched run would use the new mode
+    (dropout, batch statistics) where the eager run used the old one."""

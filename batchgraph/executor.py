@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import autocast_state, in_autocast_state
-from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
+from batchgraph.errors import (
+    BatchedCallError,
+    ConstantChangedError,
+    ModuleModeChangedError,
+    NotATensorError,
+)
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
@@ -85,6 +90,8 @@ class Executor:
                 f"schedule starts at store {schedule.base_store} but the graph has "
                 f"{len(graph.stores)}; schedules must run in the order they were built"
             )
+        if graph.key_training:
+            self._check_modes(schedule)
         self._index_all(schedule)
         added = 0
         # Each call runs in the grad mode it was recorded in (graph.key_grad). The
@@ -212,6 +219,28 @@ class Executor:
                 # result gets the dtype the eager call has.
                 leaves[i] = leaf.to(spec.dtype)
         return leaves
+
+    def _check_modes(self, schedule: Schedule) -> None:
+        # Checked before any step runs: a refused batch computes nothing, and the
+        # caller can switch the module back and compute again.
+        graph = self.graph
+        modes, keys = graph.key_training, graph.keys
+        for step in schedule.steps:
+            recorded = modes.get(step.key)
+            if recorded is None:
+                continue
+            module = keys[step.key].fn
+            if getattr(module, "training", recorded) == recorded:
+                continue
+            then, now = ("train", "eval") if recorded else ("eval", "train")
+            raise ModuleModeChangedError(
+                f"calls of {keys[step.key].label} in {graph.name!r} ({len(step.nodes)} in "
+                f"this batch) were recorded in {then} mode, but the module is in {now} mode "
+                f"now: switched before they were computed. Eagerly they ran in {then} mode (dropout and "
+                "batch statistics differ). Compute them before calling train()/eval() "
+                f"(read a value, or policy.compute(...)), or switch back to {then} mode "
+                "and compute then."
+            )
 
     def _check_unchanged(self, nodes: list[int]) -> None:
         graph = self.graph

@@ -84,6 +84,9 @@ class Graph:
         self.key_grad: dict[int, bool] = {}
         # Key ids recorded under autocast, and its state (see batchgraph.autocasting).
         self.key_autocast: dict[int, AutocastState] = {}
+        # The train/eval mode a module's calls were recorded in, per key id: a call
+        # must run in that mode, so a module switched in between is refused at compute.
+        self.key_training: dict[int, bool] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
         self.node_depth: list[int] = []
@@ -139,12 +142,17 @@ class Graph:
         self._policy = weakref.ref(policy)
 
     def key_id(
-        self, key: BatchKey, grad: bool | None = None, autocast: AutocastState | None = None
+        self,
+        key: BatchKey,
+        grad: bool | None = None,
+        autocast: AutocastState | None = None,
+        training: bool | None = None,
     ) -> int:
-        """The id of ``key`` recorded with grad enabled or not (None: either), and in
-        the autocast state ``autocast`` (None: off). Calls of one key recorded in
-        different modes get different ids, so they never run as one call."""
-        ident = (key, grad) if autocast is None else (key, grad, autocast)
+        """The id of ``key`` recorded with grad enabled or not (None: either), in the
+        autocast state ``autocast`` (None: off) and, for a module's calls, with the
+        module in training mode or not (None: not a module). Calls of one key recorded
+        in different modes get different ids, so they never run as one call."""
+        ident = (key, grad, autocast, training)
         kid = self.key_ids.get(ident)
         if kid is None:
             kid = len(self.keys)
@@ -154,6 +162,8 @@ class Graph:
                 self.key_grad[kid] = grad
             if autocast is not None:
                 self.key_autocast[kid] = autocast
+            if training is not None:
+                self.key_training[kid] = training
         return kid
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:

@@ -96,10 +96,10 @@ class _Entry:
         # layer in eval mode, which may be trained later.
         self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
         self.rules_token = rules_token
-        # (graph uid, key id in that graph, grad mode it was recorded in): one tuple,
-        # so it is replaced atomically, and a uid rather than the graph, so the cache
-        # keeps no batch alive.
-        self.memo: tuple[int, int, bool] = (-1, -1, True)
+        # (graph uid, key id in that graph, grad mode and module mode it was recorded
+        # in): one tuple, so it is replaced atomically, and a uid rather than the
+        # graph, so the cache keeps no batch alive.
+        self.memo: tuple[int, int, bool, bool | None] = (-1, -1, True, None)
 
 
 class CallSite:
@@ -114,11 +114,17 @@ class CallSite:
         tensor([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "autocast", "cache", "fn", "last", "last1", "name", "shadows")
+    __slots__ = (
+        "__weakref__", "autocast", "cache", "fn", "last", "last1", "mode_module", "name",
+        "shadows",
+    )
 
     def __init__(self, fn: Callable[..., Any], autocast: AutocastState | None = None) -> None:
         self.fn = fn
         self.name = callable_name(fn)
+        # A module's calls note its train/eval mode: they must run in it (dropout on or
+        # off, batch or running statistics), as they would have run eagerly.
+        self.mode_module = fn if isinstance(fn, torch.nn.Module) else None
         self.cache: dict[Any, _Entry] = {}
         # Calls made under autocast record through a shadow site per autocast state,
         # with its own caches: their specs (and keys) are that state's.
@@ -205,11 +211,13 @@ class CallSite:
             refs = tuple(inputs)
         memo = entry.memo
         grad = _grad_enabled()
-        if memo[0] == graph.uid and memo[2] is grad:
+        module = self.mode_module
+        training = None if module is None else module.training
+        if memo[0] == graph.uid and memo[2] is grad and memo[3] is training:
             kid = memo[1]
         else:
-            kid = graph.key_id(entry.key, grad, self.autocast)
-            entry.memo = (graph.uid, kid, grad)
+            kid = graph.key_id(entry.key, grad, self.autocast, training)
+            entry.memo = (graph.uid, kid, grad, training)
         spec = entry.spec
         fresh = node = len(graph.node_key)
         if entry.dedupe and graph.dedupe:

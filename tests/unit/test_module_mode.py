@@ -1,0 +1,146 @@
+"""A module's calls keep the train/eval mode they were recorded in.
+
+Before: modules were held by reference, so a module switched with ``train()`` or
+``eval()`` between recording and ``compute`` ran every pending call in its new mode
+(dropout on or off, batch or running statistics): other values than the eager run,
+silently. Now each call notes its module's mode; calls recorded in different modes
+never batch together, and a batch whose module changed mode since is refused at
+compute, before anything runs, naming the module and both modes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import batchgraph as bg
+
+
+class Moody(nn.Module):
+    """Deterministic, and differs by mode: so a result tells which mode it ran in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2.0 if self.training else y - 1.0
+
+
+def _inputs(count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(count)
+    return [torch.randn(3, generator=gen, dtype=torch.float64) for _ in range(count)]
+
+
+def test_a_module_switched_before_compute_is_refused_and_runs_once_switched_back() -> None:
+    torch.manual_seed(0)
+    module = Moody()
+    site = bg.batched_func(module)
+    xs = _inputs(4)
+    want = [module(x) for x in xs]  # train mode
+    with bg.BatchingPolicy() as policy:
+        handles = [site(bg.batched_value(x)) for x in xs]
+    module.eval()
+    with pytest.raises(bg.ModuleModeChangedError, match=r"recorded in train mode, but the module is in eval mode"):
+        policy.compute(handles)
+    assert not any(h.computed for h in handles)  # refused before anything ran
+    module.train()
+    got = policy.compute(handles)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_calls_recorded_in_two_modes_never_merge() -> None:
+    module = Moody()
+    site = bg.batched_func(module)
+    x = _inputs(1)[0]
+    with bg.BatchingPolicy() as policy:
+        h = bg.batched_value(x)
+        trained = site(h)
+        module.eval()
+        evaluated = site(h)  # the same key and input: merged before, one node
+    assert trained.node != evaluated.node
+    assert policy.graph.node_key[trained.node] != policy.graph.node_key[evaluated.node]
+    torch.testing.assert_close(policy.compute(evaluated), module(x))
+    with pytest.raises(bg.ModuleModeChangedError, match="recorded in train mode"):
+        policy.compute(trained)
+    module.train()
+    torch.testing.assert_close(policy.compute(trained), module(x))
+
+
+def test_a_long_lived_graph_serves_across_a_mode_switch() -> None:
+    """Calls computed before the switch and calls recorded after it: no false alarm
+    (a check on the key alone would refuse the second batch)."""
+    module = Moody()
+    site = bg.batched_func(module)
+    xs = _inputs(2)
+    with bg.BatchingPolicy() as policy:
+        first = policy.compute(site(bg.batched_value(xs[0])))
+        module.eval()
+        second = policy.compute(site(bg.batched_value(xs[1])))
+    torch.testing.assert_close(second, module(xs[1]))
+    module.train()
+    torch.testing.assert_close(first, module(xs[0]))
+
+
+def test_a_submodule_reached_through_a_batched_module_is_checked() -> None:
+    class Model(bg.BatchedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Moody()
+
+        def forward(self, x: Any) -> Any:
+            return self.block(bg.batched_value(x))
+
+    model = Model()
+    with bg.BatchingPolicy() as policy:
+        handle = model(_inputs(1)[0])
+    model.eval()  # recursive: the block too
+    with pytest.raises(bg.ModuleModeChangedError, match="Moody"):
+        policy.compute(handle)
+
+
+def test_vmapped_batchnorm_recorded_in_eval_then_trained_is_refused_clearly() -> None:
+    # Used to fail inside vmap (batch statistics of one example).
+    norm = nn.BatchNorm1d(3).double().eval()
+    site = bg.batched_func(norm)
+    with bg.BatchingPolicy() as policy:
+        handle = site(bg.batched_value(torch.ones(2, 3, dtype=torch.float64)))
+    norm.train()
+    with pytest.raises(bg.ModuleModeChangedError, match="recorded in eval mode"):
+        policy.compute(handle)
+
+
+@given(st.lists(st.sampled_from(["record", "record", "switch", "compute"]), max_size=14))
+def test_random_record_switch_compute_sequences_match_eager(ops: list[str]) -> None:
+    """Each call computes as it would have eagerly, or compute is refused exactly when
+    some pending call was recorded in the other mode."""
+    torch.manual_seed(0)
+    module = Moody()
+    site = bg.batched_func(module)
+    xs = _inputs(len(ops) + 1)
+    pending: list[tuple[Any, torch.Tensor, bool]] = []  # handle, eager value, mode
+    with bg.BatchingPolicy() as policy:
+        for i, op in enumerate([*ops, "compute"]):
+            if op == "record":
+                with torch.no_grad():
+                    want = module(xs[i])
+                pending.append((site(bg.batched_value(xs[i])), want, module.training))
+            elif op == "switch":
+                module.train(not module.training)
+            elif pending:
+                stale = any(mode != module.training for _, _, mode in pending)
+                if stale:
+                    with pytest.raises(bg.ModuleModeChangedError):
+                        policy.compute([h for h, _, _ in pending])
+                    continue
+                got = policy.compute([h for h, _, _ in pending])
+                for g, (_, want, _) in zip(got, pending):
+                    torch.testing.assert_close(g, want)
+                pending.clear()
