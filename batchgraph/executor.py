@@ -150,12 +150,19 @@ class Executor:
             if graph.constant_versions:
                 self._check_unchanged(step.nodes)
             return [key.run(key.fn, [values], size)]
+        # A call recorded under no_grad takes its inputs detached: a gather also
+        # carries rows for later steps, so it may need grad where this call's own rows
+        # do not, and a view op (squeeze, a slice) of it would hand out values that
+        # require grad (without history) where the eager call's do not.
+        detach = grad is False
         if step.refs:
-            inputs: list[Any] = [self._fetch(refs) for refs in step.refs]
+            inputs: list[Any] = [self._fetch(refs, detach) for refs in step.refs]
         else:
             inputs = [None] * key.call.num_inputs
             for plan in step.gathers:
                 gathered = self._gather(plan)
+                if detach and gathered.requires_grad:
+                    gathered = gathered.detach()
                 if len(plan.positions) == 1:
                     inputs[plan.positions[0]] = gathered
                 else:
@@ -334,9 +341,13 @@ class Executor:
             gathered = gathered[:cut]
         return gathered
 
-    def _fetch(self, refs: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+    def _fetch(self, refs: Sequence[tuple[int, int, int]], detach: bool) -> list[Any]:
         stores = self.graph.stores
-        return [stores[sid][leaf][row] for sid, leaf, row in refs]
+        rows = [stores[sid][leaf][row] for sid, leaf, row in refs]
+        if detach:
+            return [r.detach() if isinstance(r, torch.Tensor) and r.requires_grad else r
+                    for r in rows]
+        return rows
 
     def _diagnose(
         self, key: BatchKey, step: Step, inputs: Sequence[Any], err: Exception

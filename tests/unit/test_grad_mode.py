@@ -3,6 +3,8 @@ whatever the mode when it is computed; coroutine examples each keep their own mo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -127,3 +129,27 @@ def test_closing_an_example_suspended_in_its_own_modes_restores_the_callers() ->
     assert closed == [True]  # its finally ran in its own inference mode
     assert example.inference is None
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_a_view_recorded_under_no_grad_does_not_require_grad() -> None:
+    """Before: the squeeze's input was gathered together with rows a later call needs
+    grad for, so the squeezed value (a view) required grad without history, where
+    the eager value does not: ``.numpy()`` on it raised."""
+    x = torch.randn((), dtype=torch.float64).requires_grad_()
+
+    def f(a: Any, b: Any) -> Any:
+        return a + b.sum()
+
+    with bg.BatchingPolicy() as policy:
+        h = bg.batched_value(x)
+        with torch.no_grad():
+            baseline = f(h, h)
+        score = f(h, h)  # the same call with grad: its rows ride in the same gather
+        with torch.no_grad():
+            squeezed = torch.squeeze(baseline)
+        got_baseline, got_score, got_squeezed = policy.compute([baseline, score, squeezed])
+    with torch.no_grad():
+        want = torch.squeeze(f(x, x))
+    assert not got_squeezed.requires_grad and not want.requires_grad
+    assert got_squeezed.numpy() == want.numpy()
+    assert got_score.requires_grad and not got_baseline.requires_grad

@@ -1,0 +1,157 @@
+"""One policy kept open across many computes gives eager values and gradients.
+
+A state machine records random tensor programs (``tensor_programs``) into one open
+``BatchingPolicy``, step by step, on inputs made along the way, and computes random
+subsets of what it recorded at random moments, as an interactive session or a server
+holding a policy open would. Later calls take values computed earlier (and merge with
+calls computed earlier) as inputs. Each compute's values must equal the eager run; at
+the end, so must the gradients of a weighted sum of every value with respect to the
+inputs and the modules' parameters.
+
+This exercises what one compute per policy does not: planning in place after earlier
+computes, merging a new call into a node computed earlier, reading stores of earlier
+computes in gathers, and backward through values computed at different times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import batchgraph as bg
+from tests.property.tensor_programs import SHAPES, Modules, catalog
+
+_MODULES = Modules().double()
+_OPS = catalog(_MODULES)
+
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
+
+
+class LongLivedPolicy(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        for p in _MODULES.parameters():
+            p.grad = None
+        self.policy = bg.BatchingPolicy()
+        self.policy.__enter__()
+        self.inputs: list[torch.Tensor] = []
+        self.handles: list[Any] = []
+        self.eager: list[torch.Tensor] = []
+        self.computed: dict[int, torch.Tensor] = {}  # position -> batched value
+        self.recipes: list[tuple[str, int, int, int, bool]] = []  # what record made, in order
+        self.without_grad: set[int] = set()  # positions recorded under no_grad
+        self.computes = 0
+
+    @initialize(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16))
+    def first_input(self, shape: tuple[int, ...], seed: int) -> None:
+        self.new_input(shape, seed, 1)
+
+    @rule(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
+          repeat=st.integers(0, 64))
+    def new_input(self, shape: tuple[int, ...], seed: int, repeat: int) -> None:
+        if self.inputs and repeat % 3 == 0:  # an earlier input's values: calls merge
+            x = self.inputs[repeat % len(self.inputs)].detach().clone()
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        x.requires_grad_()
+        self.inputs.append(x)
+        self.handles.append(bg.batched_value(x))
+        self.eager.append(x)
+
+    @rule(name=st.sampled_from(sorted(_OPS)), a=st.integers(0, 64), b=st.integers(0, 64),
+          c=st.integers(0, 64), grad=st.integers(0, 4))
+    def record(self, name: str, a: int, b: int, c: int, grad: int) -> None:
+        i, j = a % len(self.handles), b % len(self.handles)
+        self._record(name, i, j, c, grad > 0)
+
+    @rule(k=st.integers(0, 64))
+    def record_again(self, k: int) -> None:
+        """The same call on the same values as an earlier one (maybe computed by now):
+        it merges into that node."""
+        if self.recipes:
+            self._record(*self.recipes[k % len(self.recipes)])
+
+    def _record(self, name: str, i: int, j: int, c: int, grad: bool) -> None:
+        """Record ``name`` on values ``i`` and ``j``, with grad enabled or under
+        ``no_grad`` (such a call gets no gradient, whenever it computes)."""
+        applies, op = _OPS[name]
+        if not applies(self.eager[i]):
+            return
+        with torch.set_grad_enabled(grad):
+            try:
+                want = op(self.eager[i], self.eager[j], c)
+            except (RuntimeError, IndexError, ValueError):
+                return  # an input this op cannot take (eagerly too): not recorded
+            if not isinstance(want, torch.Tensor):
+                return
+            self.handles.append(op(self.handles[i], self.handles[j], c))
+        if not grad:
+            self.without_grad.add(len(self.eager))
+        self.eager.append(want)
+        self.recipes.append((name, i, j, c, grad))
+
+    @rule(picks=st.lists(st.integers(0, 64), min_size=1, max_size=6))
+    def compute(self, picks: list[int]) -> None:
+        positions = sorted({p % len(self.handles) for p in picks})
+        got = self.policy.compute([self.handles[p] for p in positions])
+        self.computes += 1
+        for p, value in zip(positions, got):
+            self.computed[p] = value
+
+    @invariant()
+    def computed_values_equal_eager(self) -> None:
+        for p, value in self.computed.items():
+            want = self.eager[p]
+            where = f"value {p} of {len(self.handles)}, after {self.computes} computes"
+            assert (value.shape, value.dtype) == (want.shape, want.dtype), where
+            if p in self.without_grad:
+                # Recorded under no_grad: no history, so it must not require grad (as
+                # eagerly, where only an inert view of a value that needs grad does;
+                # whether gradients flow is checked at the end).
+                assert not value.requires_grad, where
+            torch.testing.assert_close(value, want, rtol=1e-9, atol=1e-10, equal_nan=True,
+                                       msg=where)
+
+    def teardown(self) -> None:
+        try:
+            if not self.handles:
+                return
+            self.compute(list(range(len(self.handles))))
+            self.computed_values_equal_eager()
+            self._check_gradients()
+        finally:
+            self.policy.__exit__(None, None, None)
+
+    def _check_gradients(self) -> None:
+        gen = torch.Generator().manual_seed(len(self.handles))
+        weights = [torch.randn(v.shape, generator=gen, dtype=torch.float64)
+                   if v.is_floating_point() else None for v in self.eager]
+        want = self._grads(self.eager, weights)
+        got = self._grads([self.computed[p] for p in range(len(self.handles))], weights)
+        for k, (w, g) in enumerate(zip(want, got)):
+            assert (w is None) == (g is None), f"gradient {k}: {w} vs {g}"
+            if w is not None and g is not None:
+                torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-9, equal_nan=True,
+                                           msg=f"gradient {k}")
+
+    def _grads(self, values: list[torch.Tensor], weights: list[Any]) -> list[Any]:
+        tensors = [*self.inputs, *_MODULES.parameters()]
+        terms = [(v * w).sum() for v, w in zip(values, weights)
+                 if w is not None and v.requires_grad]
+        if not terms:
+            return [None] * len(tensors)
+        grads = torch.autograd.grad(torch.stack(terms).sum(), tensors, allow_unused=True,
+                                    retain_graph=True)
+        return list(grads)
+
+
+LongLivedPolicy.TestCase.settings = settings(
+    max_examples=settings.default.max_examples, stateful_step_count=25, deadline=None,
+)
+TestLongLivedPolicy = LongLivedPolicy.TestCase
