@@ -150,19 +150,12 @@ class Executor:
             if graph.constant_versions:
                 self._check_unchanged(step.nodes)
             return [key.run(key.fn, [values], size)]
-        # A call recorded under no_grad takes its inputs detached: a gather also
-        # carries rows for later steps, so it may need grad where this call's own rows
-        # do not, and a view op (squeeze, a slice) of it would hand out values that
-        # require grad (without history) where the eager call's do not.
-        detach = grad is False
         if step.refs:
-            inputs: list[Any] = [self._fetch(refs, detach) for refs in step.refs]
+            inputs: list[Any] = [self._fetch(refs) for refs in step.refs]
         else:
             inputs = [None] * key.call.num_inputs
             for plan in step.gathers:
                 gathered = self._gather(plan)
-                if detach and gathered.requires_grad:
-                    gathered = gathered.detach()
                 if len(plan.positions) == 1:
                     inputs[plan.positions[0]] = gathered
                 else:
@@ -179,12 +172,14 @@ class Executor:
         except Exception as err:
             raise self._diagnose(key, step, inputs, err) from err
         if key.combine == "list":
-            return self._columns(key, out, size)
+            return self._columns(key, out, size, grad is False)
         leaves: list[torch.Tensor] = []
         try:
             flatten_output(out, leaves)
         except TypeError as err:
             raise NotATensorError(f"{key.label} returned {type(out).__name__}: {err}") from err
+        if grad is False:
+            leaves = _without_inert_views(leaves)
         first = step.nodes[0]
         # (A graph bound from a PortableBatch carries no specs: its keys check alone.)
         specs = leaf_specs(key, graph.node_spec[first]) if first < len(graph.node_spec) else leaves
@@ -265,7 +260,7 @@ class Executor:
                     "reused buffer."
                 )
 
-    def _columns(self, key: BatchKey, out: Any, size: int) -> list[Any]:
+    def _columns(self, key: BatchKey, out: Any, size: int, no_grad: bool) -> list[Any]:
         if not isinstance(out, list) or len(out) != size:
             raise BatchedCallError(
                 f"{key.label} must return a list of {size} per-example results, got "
@@ -278,7 +273,7 @@ class Executor:
                 flatten_output(value, leaves)
             except TypeError as err:
                 raise NotATensorError(f"{key.label} returned {err}") from err
-            flat.append(leaves)
+            flat.append(_without_inert_views(leaves) if no_grad else leaves)
         # The last column keeps each whole result: handles whose structure was unknown
         # before running refer to it as leaf -1.
         return [*(list(column) for column in zip(*flat)), list(out)]
@@ -341,13 +336,9 @@ class Executor:
             gathered = gathered[:cut]
         return gathered
 
-    def _fetch(self, refs: Sequence[tuple[int, int, int]], detach: bool) -> list[Any]:
+    def _fetch(self, refs: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
         stores = self.graph.stores
-        rows = [stores[sid][leaf][row] for sid, leaf, row in refs]
-        if detach:
-            return [r.detach() if isinstance(r, torch.Tensor) and r.requires_grad else r
-                    for r in rows]
-        return rows
+        return [stores[sid][leaf][row] for sid, leaf, row in refs]
 
     def _diagnose(
         self, key: BatchKey, step: Step, inputs: Sequence[Any], err: Exception
@@ -382,3 +373,19 @@ def _long_tensor(rows: array[int]) -> torch.Tensor:
     if not rows:
         return torch.empty(0, dtype=torch.long)
     return torch.frombuffer(rows, dtype=torch.long)
+
+
+def _without_inert_views(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``leaves`` of a call run under no_grad, with inert views detached.
+
+    Under no_grad, a view op (squeeze, an index) of an input that needs grad gives a
+    view that requires grad but has no history: no gradient flows through it. A
+    batched input may need grad only because its gather also carries rows for later
+    calls, where the eager call's own input (computed under no_grad, say) does not,
+    and its value does not require grad (``.numpy()`` works on it). So such views go
+    out detached. An op that returns its input itself (dropout in eval mode,
+    ``.to()`` to its own dtype) keeps the input's history, as it does eagerly.
+    """
+    return [t.detach() if t.requires_grad and t.grad_fn is None and t._is_view() else t
+            for t in leaves]
+

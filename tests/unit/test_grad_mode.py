@@ -153,3 +153,19 @@ def test_a_view_recorded_under_no_grad_does_not_require_grad() -> None:
     assert not got_squeezed.requires_grad and not want.requires_grad
     assert got_squeezed.numpy() == want.numpy()
     assert got_score.requires_grad and not got_baseline.requires_grad
+
+
+def test_an_op_returning_its_input_under_no_grad_keeps_its_history() -> None:
+    """Eagerly, dropout in eval mode returns its input itself, so under no_grad too
+    the result carries gradient to it; so does the batched value."""
+    drop = bg.batched_func(nn.Dropout(0.5).eval())
+    x = torch.randn(3, dtype=torch.float64).requires_grad_()
+    with torch.no_grad():
+        eager = drop(x)
+    assert eager is x
+    with bg.BatchingPolicy() as policy:
+        with torch.no_grad():
+            handle = drop(bg.batched_value(x))
+        got = policy.compute(handle)
+    (grad,) = torch.autograd.grad((got * 2.0).sum(), [x])
+    torch.testing.assert_close(grad, torch.full((3,), 2.0, dtype=torch.float64))
