@@ -15,6 +15,7 @@ computes in gathers, and backward through values computed at different times.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -28,14 +29,22 @@ from tests.property.tensor_programs import SHAPES, Modules, catalog
 
 _MODULES = Modules().double()
 _OPS = catalog(_MODULES)
+# Float32 copies, for the variant that also records inside torch.autocast (which
+# leaves float64 alone).
+_MODULES32 = Modules()
+_OPS32 = catalog(_MODULES32)
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 
 
 class LongLivedPolicy(RuleBasedStateMachine):
+    # The float64 machine compares values and gradients exactly; the autocast one
+    # (below) what must match exactly in bfloat16: shapes, dtypes, real tensors.
+    modules, ops, dtype, autocast = _MODULES, _OPS, torch.float64, False
+
     def __init__(self) -> None:
         super().__init__()
-        for p in _MODULES.parameters():
+        for p in self.modules.parameters():
             p.grad = None
         self.policy = bg.BatchingPolicy()
         self.policy.__enter__()
@@ -43,7 +52,7 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.handles: list[Any] = []
         self.eager: list[torch.Tensor] = []
         self.computed: dict[int, torch.Tensor] = {}  # position -> batched value
-        self.recipes: list[tuple[str, int, int, int, bool]] = []  # what record made, in order
+        self.recipes: list[tuple[str, int, int, int, bool, bool]] = []  # what record made, in order
         self.without_grad: set[int] = set()  # positions recorded under no_grad
         self.computes = 0
 
@@ -58,17 +67,19 @@ class LongLivedPolicy(RuleBasedStateMachine):
             x = self.inputs[repeat % len(self.inputs)].detach().clone()
         else:
             gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(shape, generator=gen, dtype=torch.float64)
+            x = torch.randn(shape, generator=gen, dtype=self.dtype)
         x.requires_grad_()
         self.inputs.append(x)
         self.handles.append(bg.batched_value(x))
         self.eager.append(x)
 
     @rule(name=st.sampled_from(sorted(_OPS)), a=st.integers(0, 64), b=st.integers(0, 64),
-          c=st.integers(0, 64), grad=st.integers(0, 4))
-    def record(self, name: str, a: int, b: int, c: int, grad: int) -> None:
+          c=st.integers(0, 64), mode=st.integers(0, 5))
+    def record(self, name: str, a: int, b: int, c: int, mode: int) -> None:
+        """Record ``name`` on values ``a`` and ``b``: mostly with grad, sometimes under
+        ``no_grad`` (mode 0) and, in the autocast machine, inside autocast (mode 5)."""
         i, j = a % len(self.handles), b % len(self.handles)
-        self._record(name, i, j, c, grad > 0)
+        self._record(name, i, j, c, mode > 0, self.autocast and mode == 5)
 
     @rule(k=st.integers(0, 64))
     def record_again(self, k: int) -> None:
@@ -89,13 +100,15 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.handles.append(bg.batched_value(value) if wrap else value)
         self.eager.append(self.eager[p])
 
-    def _record(self, name: str, i: int, j: int, c: int, grad: bool) -> None:
-        """Record ``name`` on values ``i`` and ``j``, with grad enabled or under
-        ``no_grad`` (such a call gets no gradient, whenever it computes)."""
-        applies, op = _OPS[name]
+    def _record(self, name: str, i: int, j: int, c: int, grad: bool, cast: bool) -> None:
+        """Record ``name`` on values ``i`` and ``j``, eagerly too, in one grad mode and
+        autocast state (a call keeps both, whenever it computes)."""
+        applies, op = self.ops[name]
         if not applies(self.eager[i]):
             return
-        with torch.set_grad_enabled(grad):
+        region = (torch.autocast("cpu", dtype=torch.bfloat16) if cast
+                  else contextlib.nullcontext())
+        with torch.set_grad_enabled(grad), region:
             try:
                 want = op(self.eager[i], self.eager[j], c)
             except (RuntimeError, IndexError, ValueError):
@@ -106,7 +119,7 @@ class LongLivedPolicy(RuleBasedStateMachine):
         if not grad:
             self.without_grad.add(len(self.eager))
         self.eager.append(want)
-        self.recipes.append((name, i, j, c, grad))
+        self.recipes.append((name, i, j, c, grad, cast))
 
     @rule(picks=st.lists(st.integers(0, 64), min_size=1, max_size=6))
     def compute(self, picks: list[int]) -> None:
@@ -121,6 +134,7 @@ class LongLivedPolicy(RuleBasedStateMachine):
         for p, value in self.computed.items():
             want = self.eager[p]
             where = f"value {p} of {len(self.handles)}, after {self.computes} computes"
+            assert type(value) is torch.Tensor, where  # not a FakeTensor
             assert (value.shape, value.dtype) == (want.shape, want.dtype), where
             if p in self.without_grad and not want.requires_grad:
                 # Recorded under no_grad, from values that need no grad either: the
@@ -129,6 +143,8 @@ class LongLivedPolicy(RuleBasedStateMachine):
                 # a view of a value that needs grad, requires grad under no_grad too;
                 # whether gradients flow is checked at the end.)
                 assert not value.requires_grad, where
+            if self.dtype is not torch.float64:
+                continue  # bfloat16 values differ in their last bits batched
             torch.testing.assert_close(value, want, rtol=1e-9, atol=1e-10, equal_nan=True,
                                        msg=where)
 
@@ -138,7 +154,8 @@ class LongLivedPolicy(RuleBasedStateMachine):
                 return
             self.compute(list(range(len(self.handles))))
             self.computed_values_equal_eager()
-            self._check_gradients()
+            if self.dtype is torch.float64:
+                self._check_gradients()
         finally:
             self.policy.__exit__(None, None, None)
 
@@ -155,7 +172,7 @@ class LongLivedPolicy(RuleBasedStateMachine):
                                            msg=f"gradient {k}")
 
     def _grads(self, values: list[torch.Tensor], weights: list[Any]) -> list[Any]:
-        tensors = [*self.inputs, *_MODULES.parameters()]
+        tensors = [*self.inputs, *self.modules.parameters()]
         terms = [(v * w).sum() for v, w in zip(values, weights)
                  if w is not None and v.requires_grad]
         if not terms:
@@ -169,3 +186,11 @@ LongLivedPolicy.TestCase.settings = settings(
     max_examples=settings.default.max_examples, stateful_step_count=25, deadline=None,
 )
 TestLongLivedPolicy = LongLivedPolicy.TestCase
+
+
+class LongLivedPolicyInAndOutOfAutocast(LongLivedPolicy):
+    modules, ops, dtype, autocast = _MODULES32, _OPS32, torch.float32, True
+
+
+LongLivedPolicyInAndOutOfAutocast.TestCase.settings = LongLivedPolicy.TestCase.settings
+TestLongLivedPolicyInAndOutOfAutocast = LongLivedPolicyInAndOutOfAutocast.TestCase
