@@ -125,6 +125,14 @@ class StackKey(BatchKey):
     """For callables that take a leading batch dimension (``nn.Linear``, ``LSTMCell``).
 
     The batched call is the per-example call with every tensor input stacked.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> lin = bg.batched_func(torch.nn.Linear(3, 2))
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [lin(torch.full((3,), float(i))) for i in range(4)]
+        >>> [tuple(t.shape) for t in bg.compute(hs)], p.stats.launches
+        ([(2,), (2,), (2,), (2,)], 1)
     """
 
 
@@ -134,6 +142,15 @@ class ElementwiseKey(BatchKey):
     Per-example broadcasting aligns shapes from the right; after stacking, an input
     of lower rank would broadcast against the batch dimension instead. So inputs of
     lower rank are viewed as ``(B, 1, ..., 1, *shape)`` first.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as p:   # (2, 3) + (3,) per example, as eagerly
+        ...     hs = [bg.batched_value(torch.ones(2, 3)) + bg.batched_value(torch.arange(3.0))
+        ...           for _ in range(2)]
+        >>> bg.compute(hs)[0]
+        tensor([[1., 2., 3.],
+                [1., 2., 3.]])
     """
 
     def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
@@ -208,6 +225,13 @@ class DimArgKey(BatchKey):
 
     A non-negative ``dim`` is shifted by one for the batch dimension; negative ones
     already count from the end and stay. Built only when ``dim`` is an int.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as p:   # softmax over each example's own dim 0
+        ...     hs = [torch.softmax(bg.batched_value(torch.zeros(4)), 0) for _ in range(3)]
+        >>> bg.compute(hs)[2], p.stats.launches
+        (tensor([0.2500, 0.2500, 0.2500, 0.2500]), 1)
     """
 
     def __init__(
@@ -232,6 +256,14 @@ class ReductionKey(BatchKey):
     Per example the op reduces every element to a 0-d result; batched it reduces
     dimension 1 of the ``(B, -1)`` view, one value per example. Built only for calls
     with the tensor as their one argument (a ``dim`` goes to ``DimArgKey``).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     hs = [bg.batched_value(torch.tensor([[1, 5], [7, 2]]) * i).argmax()
+        ...           for i in (1, -1)]
+        >>> bg.compute(hs)   # indices into each example's flattened values
+        [tensor(2), tensor(0)]
     """
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
@@ -239,7 +271,15 @@ class ReductionKey(BatchKey):
 
 
 class IndexKey(BatchKey):
-    """``h[idx]`` with a static index (ints, slices, ``None``, ``...``)."""
+    """``h[idx]`` with a static index (ints, slices, ``None``, ``...``).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     hs = [bg.batched_value(torch.arange(6.0).view(2, 3) + i)[:, 1] for i in (0, 10)]
+        >>> bg.compute(hs)
+        [tensor([1., 4.]), tensor([11., 14.])]
+    """
 
     def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
         super().__init__(fn, call, deterministic=deterministic)
@@ -256,6 +296,16 @@ class VmapKey(BatchKey):
 
     Correct for whatever ``vmap`` supports (per-example semantics by construction);
     random ops draw independent values per example (``randomness="different"``).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> def trace_of(m):                 # no batching rule knows this function
+        ...     return torch.trace(m)
+        >>> trace = bg.batched_func(trace_of)
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [trace(torch.eye(3) * i) for i in (1.0, 2.0)]
+        >>> bg.compute(hs), p.stats.launches
+        ([tensor(3.), tensor(6.)], 1)
     """
 
     def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
@@ -291,7 +341,18 @@ def _expand(out: Any, size: int) -> Any:
 
 
 class UnbatchedKey(BatchKey):
-    """Runs the calls one at a time (the callable cannot batch). Stats count these."""
+    """Runs the calls one at a time (the callable cannot batch). Stats count these.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> def positive_sum(x):             # value-dependent Python: vmap cannot run it
+        ...     return x.sum() if bool(x.sum() > 0) else -x.sum()
+        >>> f = bg.batched_func(positive_sum)
+        >>> with bg.BatchingPolicy() as p:
+        ...     hs = [f(torch.full((2,), v)) for v in (1.0, -3.0)]
+        >>> bg.compute(hs), p.stats.unbatched_calls, p.stats.launches
+        ([tensor(2.), tensor(6.)], 2, 2)
+    """
 
     combine: ClassVar[str] = "list"
     batchable: ClassVar[bool] = False

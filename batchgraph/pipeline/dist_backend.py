@@ -40,6 +40,15 @@ def torch_distributed_backend(request: BackendRequest) -> PipelineRuntime:
     Raises:
         RuntimeError: without an initialised process group.
         PipelineConfigError: if the world size is not a multiple of the pipeline's devices.
+
+    Example (each process of ``torchrun --nproc-per-node 2 train.py``; the façade
+    calls this backend for ``backend="torch.distributed"``):
+        >>> import torch.distributed as dist                      # doctest: +SKIP
+        >>> from batchgraph.pipeline import Pipeline              # doctest: +SKIP
+        >>> dist.init_process_group("gloo")                       # doctest: +SKIP
+        >>> pipe = Pipeline(model, stages=2, microbatches=8, schedule="1f1b",
+        ...                 loss_fn=loss_fn, backend="torch.distributed")  # doctest: +SKIP
+        >>> loss = pipe.train_step(inputs, targets)               # doctest: +SKIP
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

@@ -75,7 +75,14 @@ def split_microbatches(batch: Batch, microbatches: int) -> list[tuple[Tensor, ..
 
 
 def merge_microbatches(outputs: Sequence[tuple[Tensor, ...]]) -> Tensor | tuple[Tensor, ...]:
-    """Concatenate per-microbatch outputs along dimension 0 (a tensor if there is one output)."""
+    """Concatenate per-microbatch outputs along dimension 0 (a tensor if there is one output).
+
+    Example:
+        >>> import torch
+        >>> parts = split_microbatches(torch.arange(5.0), 2)
+        >>> merge_microbatches(parts)
+        tensor([0., 1., 2., 3., 4.])
+    """
     merged = tuple(torch.cat(list(parts), dim=0) for parts in zip(*outputs))
     return merged[0] if len(merged) == 1 else merged
 

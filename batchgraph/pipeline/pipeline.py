@@ -108,7 +108,13 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
 
 
 def available_backends() -> tuple[str, ...]:
-    """The registered backend names, sorted."""
+    """The registered backend names, sorted: ``("threads", "torch.distributed")`` once
+    ``batchgraph.pipeline`` is imported (its ``dist_backend`` registers the second).
+
+    Example:
+        >>> "threads" in available_backends()
+        True
+    """
     return tuple(sorted(_BACKENDS))
 
 
