@@ -201,6 +201,11 @@ class ResultHandle:
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise _not_known(f"a NumPy array of {self!r}")
 
+    def __format__(self, format_spec: str) -> str:
+        if not format_spec:  # f"{h}": the handle's description, as print(h) gives
+            return repr(self)
+        raise _not_known(f"{self!r} formatted with {format_spec!r}")
+
     def item(self) -> Any:
         raise _not_known(f"{self!r}.item()")
 
@@ -209,6 +214,32 @@ class ResultHandle:
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
         raise _not_known(f"{self!r}.numpy()")
+
+    # Autograd runs on computed values: these would otherwise be recorded as calls
+    # and fail in shape inference with an autograd error about fake tensors.
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise _on_values_only(self, "backward()")
+
+    def register_hook(self, hook: Callable[..., Any]) -> Any:
+        raise _on_values_only(self, "register_hook()")
+
+    def retain_grad(self) -> None:
+        raise _on_values_only(self, "retain_grad()")
+
+    # A handle stands for a value of one live graph, and never changes (in-place calls
+    # are refused): a copy is the handle itself. Pickling would need the graph.
+    def __copy__(self) -> ResultHandle:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ResultHandle:
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self!r} cannot be pickled: it stands for a value of a graph that lives in "
+            "this process. Pickle computed tensors (bg.compute), or record in worker "
+            "processes with bg.GraphCollate, whose batches pickle."
+        )
 
     def __repr__(self) -> str:
         spec = self.spec
@@ -356,6 +387,14 @@ def _not_known(what: str) -> TypeError:
     return TypeError(
         f"{what} is not known while recording. Compute it first, or write the example "
         "as a coroutine and `await bg.value(h)` (see bg.run_all)."
+    )
+
+
+def _on_values_only(handle: ResultHandle, what: str) -> TypeError:
+    return TypeError(
+        f"{what} runs on computed values, and {handle!r} is a recorded one: compute "
+        "it first (bg.compute(...), or read it in a coroutine with `await "
+        "bg.value(h)`) and call it on the tensor"
     )
 
 

@@ -193,7 +193,7 @@ def test_a_coroutine_that_changes_its_constant_fails_alone() -> None:
 
 @pytest.mark.parametrize("read", [
     int, float, complex, lambda h: h.item(), lambda h: h.tolist(), lambda h: h.numpy(),
-    lambda h: [0, 1, 2][h], lambda h: __import__("numpy").asarray(h),
+    lambda h: [0, 1, 2][h], lambda h: __import__("numpy").asarray(h), lambda h: f"{h:.2f}",
 ])
 def test_reading_a_python_value_of_a_handle_tells_how(read: Any) -> None:
     """The usual slip in a decoder, `tok = int(logits.argmax())` without an await."""
@@ -201,3 +201,28 @@ def test_reading_a_python_value_of_a_handle_tells_how(read: Any) -> None:
         h = bg.batched_value(torch.tensor(1))
         with pytest.raises(TypeError, match=r"not known while recording.*await bg.value"):
             read(h)
+
+
+@pytest.mark.parametrize("call", [
+    lambda h: h.sum().backward(), lambda h: h.register_hook(print), lambda h: h.retain_grad(),
+])
+def test_autograd_on_a_handle_tells_to_compute_first(call: Any) -> None:
+    """Before: recorded as a call, then refused by shape inference with an autograd
+    error about its fake input ("element 0 of tensors does not require grad")."""
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(2, requires_grad=True))
+        with pytest.raises(TypeError, match=r"runs on computed values.*compute it first"):
+            call(h)
+
+
+def test_pickling_a_handle_says_why_not_and_copies_are_the_handle() -> None:
+    import copy
+    import pickle
+
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(2))
+        # Before: "cannot pickle 'weakref.ReferenceType' object", from deep inside.
+        with pytest.raises(TypeError, match=r"cannot be pickled.*GraphCollate"):
+            pickle.dumps([h])
+        copied = copy.deepcopy({"state": [h, 1]})
+        assert copied["state"][0] is h and copy.copy(h) is h
