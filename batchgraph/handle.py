@@ -98,7 +98,11 @@ class ResultHandle:
         spec = self.spec
         if isinstance(spec, TensorSpec):
             if not spec.shape:
-                raise TypeError("len() of a 0-d tensor handle")
+                # As for a 0-d tensor; torch.tensor([h, g]) also ends here.
+                raise TypeError(
+                    "len() of a 0-d tensor handle. To make a tensor of handles, use "
+                    "torch.stack([...]) (torch.tensor([...]) needs their values)"
+                )
             return spec.shape[0]
         raise TypeError(f"len() of {self!r}: its structure is unknown until it runs")
 

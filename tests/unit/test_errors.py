@@ -226,3 +226,11 @@ def test_pickling_a_handle_says_why_not_and_copies_are_the_handle() -> None:
             pickle.dumps([h])
         copied = copy.deepcopy({"state": [h, 1]})
         assert copied["state"][0] is h and copy.copy(h) is h
+
+
+def test_torch_tensor_of_handles_points_to_stack() -> None:
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(2)).sum()
+        with pytest.raises(TypeError, match=r"use torch\.stack\(\[\.\.\.\]\)"):
+            torch.tensor([h, h])
+        assert torch.stack([h, h]).shape == (2,)
