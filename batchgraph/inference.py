@@ -97,7 +97,8 @@ def _fake_apply(
 ) -> Any:
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead)."""
-    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws:
+    with (without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws,
+          draws.calls()):
         fakes = [
             0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
             for i, s in enumerate(call.input_specs)

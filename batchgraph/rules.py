@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.keys import (
@@ -101,6 +102,48 @@ class RandomDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
                            kwargs: Any = None) -> Any:
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.seen = True
+        return func(*args, **(kwargs or {}))
+
+    def calls(self) -> TorchFunctionMode:
+        """A mode that also notes calls of functions that draw only with some
+        arguments (dropout with ``training=True``), where this run drew nothing.
+
+        A signature is cached for later calls, and what decides such a draw (a
+        module's mode, a flag the function reads) may change while it is in use:
+        a function calling dropout in eval mode now would otherwise be merged with
+        identical calls once the layer trains, all examples sharing one mask.
+
+        Example:
+            >>> draws = RandomDraws()
+            >>> with draws.calls():
+            ...     _ = torch.nn.functional.dropout(torch.ones(3), 0.5, training=False)
+            >>> draws.seen
+            True
+        """
+        return _MayDraw(self)
+
+
+# Functions that draw random numbers for some arguments only (and their modules
+# call them whatever their mode).
+MAY_DRAW_FUNCTIONS: frozenset[Any] = RANDOM_FUNCTIONS | frozenset({
+    nn.functional.dropout1d, nn.functional.dropout2d, nn.functional.dropout3d,
+    nn.functional.feature_alpha_dropout, nn.functional.rrelu, torch.rrelu,
+    torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+})
+
+
+class _MayDraw(TorchFunctionMode):
+    def __init__(self, draws: RandomDraws) -> None:
+        super().__init__()
+        self.draws = draws
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        try:
+            if func in MAY_DRAW_FUNCTIONS:
+                self.draws.seen = True
+        except TypeError:  # an unhashable callable
+            pass
         return func(*args, **(kwargs or {}))
 
 

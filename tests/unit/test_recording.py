@@ -434,12 +434,43 @@ def test_dropout_put_in_training_mode_after_eval_is_not_merged() -> None:
         a, b = drop(h), drop(h)
     torch.testing.assert_close(bg.compute(a), x)
     layer.train()
+    _assert_identical_calls_draw_apart(drop)
+
+
+def _assert_identical_calls_draw_apart(site: Any) -> None:
+    """Two identical calls of ``site`` on one input stay two nodes, with own draws."""
     with bg.BatchingPolicy():
-        h = bg.batched_value(x)
-        a, b = drop(h), drop(h)
+        h = bg.batched_value(torch.ones(64))
+        a, b = site(h), site(h)
     assert a.node != b.node
     va, vb = bg.compute([a, b])
     assert not torch.equal(va, vb)  # two masks of 64 draws: equal with chance 2**-64
+
+
+class _Flag:
+    training = False
+
+
+@pytest.mark.parametrize("make", [
+    lambda layer, flag: lambda x: layer(x) * 1.0,  # a closure over a dropout module
+    lambda layer, flag: lambda x: torch.nn.functional.dropout(x, 0.5, training=flag.training),
+])
+def test_a_function_that_calls_dropout_in_eval_mode_is_not_merged_once_it_trains(
+    make: Any,
+) -> None:
+    """Its signature is cached when first recorded. Before: a function recorded with
+    its dropout off drew nothing in shape inference, so identical calls kept merging
+    after the layer (or the flag it reads) turned training on: every example shared
+    one mask, silently."""
+    layer, flag = nn.Dropout(0.5).eval(), _Flag()
+    noisy = bg.batched_func(make(layer, flag))
+    x = torch.ones(64)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x)
+        torch.testing.assert_close(bg.compute(noisy(h)), x)
+    layer.train()
+    flag.training = True
+    _assert_identical_calls_draw_apart(noisy)
 
 
 @pytest.mark.parametrize("draw", [
