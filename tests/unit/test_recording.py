@@ -431,7 +431,7 @@ def test_dropout_put_in_training_mode_after_eval_is_not_merged() -> None:
     layer.eval()
     with bg.BatchingPolicy():
         h = bg.batched_value(x)
-        a, b = drop(h), drop(h)
+        a, _ = drop(h), drop(h)  # two identical calls in eval mode
     torch.testing.assert_close(bg.compute(a), x)
     layer.train()
     _assert_identical_calls_draw_apart(drop)
