@@ -237,11 +237,11 @@ class Executor:
             then, now = ("train", "eval") if recorded else ("eval", "train")
             raise ModuleModeChangedError(
                 f"calls of {keys[step.key].label} in {graph.name!r} ({len(step.nodes)} in "
-                f"this batch) were recorded in {then} mode, but the module is in {now} mode "
-                f"now: switched before they were computed. Eagerly they ran in {then} mode (dropout and "
-                "batch statistics differ). Compute them before calling train()/eval() "
-                f"(read a value, or policy.compute(...)), or switch back to {then} mode "
-                "and compute then."
+                f"this batch) were recorded in {then} mode, but the module is in {now} "
+                f"mode now: switched before they were computed. Eagerly they ran in {then} "
+                "mode (dropout and batch statistics differ). Compute them before calling "
+                "train()/eval() (read a value, or policy.compute(...)), or switch back to "
+                f"{then} mode and compute then."
             )
 
     def _check_unchanged(self, nodes: list[int]) -> None:
@@ -388,4 +388,3 @@ def _without_inert_views(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     return [t.detach() if t.requires_grad and t.grad_fn is None and t._is_view() else t
             for t in leaves]
-
