@@ -46,8 +46,6 @@ class LongLivedPolicy(RuleBasedStateMachine):
         super().__init__()
         for p in self.modules.parameters():
             p.grad = None
-        self.policy = bg.BatchingPolicy()
-        self.policy.__enter__()
         self.inputs: list[torch.Tensor] = []
         self.handles: list[Any] = []
         self.eager: list[torch.Tensor] = []
@@ -56,8 +54,13 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.without_grad: set[int] = set()  # positions recorded under no_grad
         self.computes = 0
 
-    @initialize(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16))
-    def first_input(self, shape: tuple[int, ...], seed: int) -> None:
+    @initialize(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
+                scheduler=st.sampled_from(["agenda", "depth"]), dedupe=st.integers(0, 3))
+    def open_policy(self, shape: tuple[int, ...], seed: int, scheduler: str,
+                    dedupe: int) -> None:
+        """Either scheduler; merging identical calls mostly on (as by default)."""
+        self.policy = bg.BatchingPolicy(scheduler=scheduler, dedupe=dedupe > 0)
+        self.policy.__enter__()
         self.new_input(shape, seed, 1)
 
     @rule(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
@@ -157,7 +160,8 @@ class LongLivedPolicy(RuleBasedStateMachine):
             if self.dtype is torch.float64:
                 self._check_gradients()
         finally:
-            self.policy.__exit__(None, None, None)
+            if hasattr(self, "policy"):  # opened by the first step
+                self.policy.__exit__(None, None, None)
 
     def _check_gradients(self) -> None:
         gen = torch.Generator().manual_seed(len(self.handles))
