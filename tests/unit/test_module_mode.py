@@ -144,3 +144,33 @@ def test_random_record_switch_compute_sequences_match_eager(ops: list[str]) -> N
                 for g, (_, want, _) in zip(got, pending):
                     torch.testing.assert_close(g, want)
                 pending.clear()
+
+
+def test_an_async_batcher_serves_across_a_mode_switch_between_requests() -> None:
+    """The long-lived lane of a server: requests before a switch ran in one mode,
+    requests after it in the other; no request is refused (a check on the key alone,
+    tried before, refused the second wave)."""
+    import asyncio
+
+    module = Moody()
+    site = bg.batched_func(module)
+    xs = _inputs(6)
+
+    async def request(x: torch.Tensor) -> torch.Tensor:
+        value: torch.Tensor = await bg.value(site(bg.batched_value(x)))
+        return value
+
+    async def main() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        async with bg.AsyncBatcher(max_latency=0.005) as batcher:
+            first = await asyncio.gather(*(batcher.run(request(x)) for x in xs[:3]))
+            module.eval()
+            second = await asyncio.gather(*(batcher.run(request(x)) for x in xs[3:]))
+        return list(first), list(second)
+
+    first, second = asyncio.run(main())
+    with torch.no_grad():
+        for x, got in zip(xs[3:], second):
+            torch.testing.assert_close(got, module(x))
+        module.train()
+        for x, got in zip(xs[:3], first):
+            torch.testing.assert_close(got, module(x))
