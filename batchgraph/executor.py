@@ -101,7 +101,15 @@ class Executor:
         key_grad = graph.key_grad
         wanted = [key_grad.get(step.key) for step in schedule.steps]
         ambient = torch.is_grad_enabled()
-        guard = torch.enable_grad() if not ambient and True in wanted else contextlib.nullcontext()
+        guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if True in wanted:
+            if torch.is_inference_mode_enabled():
+                # Under inference mode, grad mode alone still gives inference tensors
+                # without history: leave it (this also turns grad mode on) for calls
+                # recorded with grad, as they ran eagerly.
+                guard = torch.inference_mode(False)
+            elif not ambient:
+                guard = torch.enable_grad()
         # Likewise each call runs in the autocast state it was recorded in (mostly
         # none, and none is in force: nothing to do).
         casts = graph.key_autocast

@@ -17,6 +17,7 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import weakref
@@ -259,8 +260,7 @@ class Graph:
         if other handles stand for the same node, so that an in-place change reaches
         only the caller's own value, as in eager code."""
         if n in self.shared:
-            with torch.enable_grad():  # a copy of a value with history keeps it
-                return tree_map_only(torch.Tensor, torch.Tensor.clone, value)
+            return tree_map_only(torch.Tensor, _own_copy, value)
         self.exposed.add(n)
         return value
 
@@ -308,10 +308,12 @@ class Graph:
                 "was alive at a later step (a batchgraph bug; please report it)"
             )
         column = store[leaf]
-        if torch.is_grad_enabled() or not getattr(column, "requires_grad", False):
+        if not getattr(column, "requires_grad", False) or (
+            torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        ):
             row = column[loc & ROW_MASK]
         else:  # read under no_grad, a row of a value with history keeps it, as eagerly
-            with torch.enable_grad():
+            with handing_out():
                 row = column[loc & ROW_MASK]
         value: torch.Tensor = self.hand_out(n, row)
         return value
@@ -319,6 +321,26 @@ class Graph:
 
 # Constants up to this many elements are merged by value; larger ones never.
 _VALUE_DEDUPE_NUMEL = 16
+
+
+def handing_out() -> contextlib.AbstractContextManager[Any]:
+    """Where rows of computed values are taken for the caller: with grad on and outside
+    inference mode, so that a row of a value with history keeps it, as the eager value
+    would, whatever mode the caller reads in (a view taken under no_grad or inference
+    mode has none)."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)  # which also turns grad on
+    return torch.enable_grad()
+
+
+def _own_copy(value: torch.Tensor) -> torch.Tensor:
+    """A copy that is what ``value`` is: an inference tensor (copied in inference
+    mode), or a tensor with ``value``'s history (copied where it is recorded)."""
+    if value.is_inference():
+        with torch.inference_mode():
+            return value.clone()
+    with handing_out():
+        return value.clone()
 
 
 def _no_policy() -> None:

@@ -169,3 +169,33 @@ def test_an_op_returning_its_input_under_no_grad_keeps_its_history() -> None:
         got = policy.compute(handle)
     (grad,) = torch.autograd.grad((got * 2.0).sum(), [x])
     torch.testing.assert_close(grad, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_calls_recorded_with_grad_keep_it_when_computed_and_read_in_inference_mode() -> None:
+    """Before: computed inside ``torch.inference_mode()``, they gave inference tensors
+    without history (backward raised "does not require grad"), and a value read there
+    (``h.value``) had none either."""
+    lin = _linear()
+    xs = [torch.full((3,), float(i), dtype=torch.float64) for i in range(3)]
+    with bg.BatchingPolicy():
+        handles = [lin(bg.batched_value(x)) for x in xs]
+    with torch.inference_mode():
+        values = bg.compute(handles)
+        read = handles[0].value
+    assert all(v.grad_fn is not None and not v.is_inference() for v in [*values, read])
+    (torch.stack(values).sum() + read.sum()).backward()
+    batched = lin.fn.weight.grad.clone()
+    lin.fn.weight.grad = None
+    (torch.stack([lin(x) for x in xs]).sum() + lin(xs[0]).sum()).backward()
+    torch.testing.assert_close(batched, lin.fn.weight.grad)
+
+
+def test_calls_recorded_in_inference_mode_and_computed_there_give_inference_tensors() -> None:
+    lin = _linear()
+    with torch.inference_mode():
+        with bg.BatchingPolicy():
+            handles = [lin(bg.batched_value(torch.ones(3, dtype=torch.float64)))
+                       for _ in range(2)]
+        values = bg.compute(handles)
+        want = lin(torch.ones(3, dtype=torch.float64))
+    assert want.is_inference() and all(v.is_inference() for v in values)
