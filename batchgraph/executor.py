@@ -32,7 +32,7 @@ from batchgraph.errors import (
     NotATensorError,
 )
 from batchgraph.gathering import CARRY, GatherPlan
-from batchgraph.graph import STORE_SHIFT, Graph
+from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.scheduling import Schedule, Step, leaf_specs
 from batchgraph.specs import TensorSpec, flatten_output
@@ -92,24 +92,8 @@ class Executor:
             )
         if graph.key_training:
             self._check_modes(schedule)
-        self._index_all(schedule)
         added = 0
-        # Each call runs in the grad mode it was recorded in (graph.key_grad). The
-        # gathers between them run with grad on wherever one call was recorded with it,
-        # even when computing under no_grad: a gather also carries rows for later
-        # steps, and gathering values that need no grad records nothing anyway.
-        key_grad = graph.key_grad
-        wanted = [key_grad.get(step.key) for step in schedule.steps]
-        ambient = torch.is_grad_enabled()
-        guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if True in wanted:
-            if torch.is_inference_mode_enabled():
-                # Under inference mode, grad mode alone still gives inference tensors
-                # without history: leave it (this also turns grad mode on) for calls
-                # recorded with grad, as they ran eagerly.
-                guard = torch.inference_mode(False)
-            elif not ambient:
-                guard = torch.enable_grad()
+        guard, wanted, constants_outside = self._modes(schedule)
         # Likewise each call runs in the autocast state it was recorded in (mostly
         # none, and none is in force: nothing to do).
         casts = graph.key_autocast
@@ -117,12 +101,20 @@ class Executor:
         keys = graph.keys
         try:
             with guard:
+                # Index tensors too are made here: in inference mode they would be
+                # inference tensors, which a gather with grad cannot save.
+                self._index_all(schedule)
                 for step, grad in zip(schedule.steps, wanted):
-                    cast = casts.get(step.key) if casts else None
-                    if cast == ambient_cast or isinstance(keys[step.key], ConstantKey):
+                    if isinstance(keys[step.key], ConstantKey):
+                        if constants_outside:
+                            with torch.inference_mode(False):
+                                graph.stores.append(self._run_step(step, grad))
+                        else:
+                            graph.stores.append(self._run_step(step, grad))
+                    elif (casts.get(step.key) if casts else None) == ambient_cast:
                         graph.stores.append(self._run_step(step, grad))
                     else:
-                        with in_autocast_state(cast):
+                        with in_autocast_state(casts.get(step.key)):
                             graph.stores.append(self._run_step(step, grad))
                     added += 1
         except BaseException:
@@ -148,7 +140,7 @@ class Executor:
         except ValueError:  # everything is computed
             graph.first_uncomputed = len(node_loc)
 
-    def _run_step(self, step: Step, grad: bool | None = None) -> list[Any]:
+    def _run_step(self, step: Step, grad: RecordedGrad | None = None) -> list[Any]:
         graph = self.graph
         key = graph.keys[step.key]
         size = len(step.nodes)
@@ -174,8 +166,11 @@ class Executor:
         try:
             if grad is None or grad is torch.is_grad_enabled():
                 out = key.run(key.fn, inputs, size)
+            elif grad is INFERENCE:
+                with torch.inference_mode():
+                    out = key.run(key.fn, inputs, size)
             else:  # recorded in the other grad mode
-                with torch.set_grad_enabled(grad):
+                with torch.set_grad_enabled(bool(grad)):
                     out = key.run(key.fn, inputs, size)
         except Exception as err:
             raise self._diagnose(key, step, inputs, err) from err
@@ -229,6 +224,55 @@ class Executor:
                 # result gets the dtype the eager call has.
                 leaves[i] = leaf.to(spec.dtype)
         return leaves
+
+    def _modes(
+        self, schedule: Schedule
+    ) -> tuple[contextlib.AbstractContextManager[Any], list[RecordedGrad | None], bool]:
+        """Around the run: a guard, each step's grad mode (None: as it is), and
+        whether constants are stacked outside inference mode.
+
+        Each call runs in the grad mode it was recorded in (graph.key_grad). The
+        gathers between them run with grad on wherever one call was recorded with
+        it, even when computing under no_grad: a gather also carries rows for later
+        steps, and gathering values that need no grad records nothing anyway.
+        """
+        graph = self.graph
+        key_grad = graph.key_grad
+        wanted: list[RecordedGrad | None] = [key_grad.get(step.key) for step in schedule.steps]
+        if graph.grad_constants:
+            self._constants_want_grad(schedule, wanted)
+        if not torch.is_inference_mode_enabled():
+            if True in wanted and not torch.is_grad_enabled():
+                return torch.enable_grad(), wanted, False
+            return contextlib.nullcontext(), wanted, False
+        # Calls with no recorded mode (a batch bound from workers) run in inference
+        # mode, as computed; constants (tensors of their own, or numbers) keep none.
+        keys = graph.keys
+        calls = [grad for step, grad in zip(schedule.steps, wanted)
+                 if not isinstance(keys[step.key], ConstantKey)]
+        if all(grad is None or grad is INFERENCE for grad in calls) and True not in wanted:
+            # Every call was made in inference mode (serving): all run in it as they
+            # are but the constants, which a later call recorded with grad may save.
+            return contextlib.nullcontext(), [None] * len(wanted), True
+        # Inference mode would make every value an inference tensor: no history, and
+        # unusable in later calls recorded outside it that save their inputs for
+        # backward. So steps run outside it (which turns grad on; calls recorded
+        # without grad turn it off), but for calls made in it.
+        wanted = [INFERENCE if grad is None and not isinstance(keys[step.key], ConstantKey)
+                  else grad for step, grad in zip(schedule.steps, wanted)]
+        return torch.inference_mode(False), wanted, False
+
+    def _constants_want_grad(
+        self, schedule: Schedule, wanted: list[RecordedGrad | None]
+    ) -> None:
+        # A step stacking a constant that requires grad runs with grad on (the
+        # stack then keeps the way back to it), whatever the mode at compute.
+        grad_constants, keys = self.graph.grad_constants, self.graph.keys
+        for i, step in enumerate(schedule.steps):
+            if isinstance(keys[step.key], ConstantKey) and not grad_constants.isdisjoint(
+                step.nodes
+            ):
+                wanted[i] = True
 
     def _check_modes(self, schedule: Schedule) -> None:
         # Checked before any step runs: a refused batch computes nothing, and the

@@ -31,9 +31,13 @@ from batchgraph.autocasting import AutocastState
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
-__all__ = ["Graph", "Ref", "exact_number", "scalar_spec"]
+__all__ = ["INFERENCE", "Graph", "RecordedGrad", "Ref", "exact_number", "scalar_spec"]
 
 Ref = tuple[int, int]  # (node, leaf)
+
+# The grad mode a call is recorded in: grad on (True), off (False), or inference mode.
+INFERENCE = "inference"
+RecordedGrad = bool | str
 
 _graph_uids = itertools.count()
 
@@ -82,7 +86,7 @@ class Graph:
         # in that mode, as it would have run eagerly (``with torch.no_grad():`` around
         # a recorded call then holds, whatever the mode at compute). A key recorded in
         # both modes has one id for each, so the two never batch together.
-        self.key_grad: dict[int, bool] = {}
+        self.key_grad: dict[int, RecordedGrad] = {}
         # Key ids recorded under autocast, and its state (see batchgraph.autocasting).
         self.key_autocast: dict[int, AutocastState] = {}
         # The train/eval mode a module's calls were recorded in, per key id: a call
@@ -97,6 +101,9 @@ class Graph:
         # The version counter of each tensor constant when it was recorded: the tensor
         # is read when its step computes, and must not have changed by then.
         self.constant_versions: dict[int, int] = {}
+        # Tensor constants that require grad: stacked with grad on, whatever the mode
+        # at compute, so that their batched value keeps the way back to them.
+        self.grad_constants: set[int] = set()
         self._constant_kids: dict[TensorSpec, int] = {}
         self._scalar_kids: dict[type | torch.dtype, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):
@@ -145,14 +152,15 @@ class Graph:
     def key_id(
         self,
         key: BatchKey,
-        grad: bool | None = None,
+        grad: RecordedGrad | None = None,
         autocast: AutocastState | None = None,
         training: bool | None = None,
     ) -> int:
-        """The id of ``key`` recorded with grad enabled or not (None: either), in the
-        autocast state ``autocast`` (None: off) and, for a module's calls, with the
-        module in training mode or not (None: not a module). Calls of one key recorded
-        in different modes get different ids, so they never run as one call."""
+        """The id of ``key`` recorded with grad enabled or not, or in inference mode
+        (``INFERENCE``; None: any), in the autocast state ``autocast`` (None: off)
+        and, for a module's calls, with the module in training mode or not (None: not
+        a module). Calls of one key recorded in different modes get different ids, so
+        they never run as one call."""
         ident = (key, grad, autocast, training)
         kid = self.key_ids.get(ident)
         if kid is None:
@@ -206,6 +214,8 @@ class Graph:
         self.constants[n] = value
         if isinstance(value, torch.Tensor) and not value.is_inference():
             self.constant_versions[n] = value._version
+            if value.requires_grad:
+                self.grad_constants.add(n)
         return n
 
     def add_scalar(self, value: bool | int | float) -> int:
@@ -308,13 +318,8 @@ class Graph:
                 "was alive at a later step (a batchgraph bug; please report it)"
             )
         column = store[leaf]
-        if not getattr(column, "requires_grad", False) or (
-            torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        ):
+        with reading(column):
             row = column[loc & ROW_MASK]
-        else:  # read under no_grad, a row of a value with history keeps it, as eagerly
-            with handing_out():
-                row = column[loc & ROW_MASK]
         value: torch.Tensor = self.hand_out(n, row)
         return value
 
@@ -323,11 +328,19 @@ class Graph:
 _VALUE_DEDUPE_NUMEL = 16
 
 
-def handing_out() -> contextlib.AbstractContextManager[Any]:
-    """Where rows of computed values are taken for the caller: with grad on and outside
-    inference mode, so that a row of a value with history keeps it, as the eager value
-    would, whatever mode the caller reads in (a view taken under no_grad or inference
-    mode has none)."""
+def reading(column: Any) -> contextlib.AbstractContextManager[Any]:
+    """Where rows of ``column``, a computed value, are taken for the caller: with grad
+    on and outside inference mode when it has history, so that its rows keep it, as
+    the eager value would, whatever mode the caller reads in (a view taken under
+    no_grad or in inference mode has none); in the caller's mode otherwise."""
+    if getattr(column, "requires_grad", False) and (
+        not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+    ):
+        return _handing_out()
+    return contextlib.nullcontext()
+
+
+def _handing_out() -> contextlib.AbstractContextManager[Any]:
     if torch.is_inference_mode_enabled():
         return torch.inference_mode(False)  # which also turns grad on
     return torch.enable_grad()
@@ -339,7 +352,7 @@ def _own_copy(value: torch.Tensor) -> torch.Tensor:
     if value.is_inference():
         with torch.inference_mode():
             return value.clone()
-    with handing_out():
+    with reading(value):
         return value.clone()
 
 

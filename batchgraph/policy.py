@@ -21,7 +21,7 @@ import torch
 from batchgraph import gcpause
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
-from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, handing_out
+from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, reading
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
@@ -166,11 +166,9 @@ class BatchingPolicy:
         self.computes += 1
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
         schedule.stats = self.stats
-        # Rows of values with history keep it, even when computed under no_grad or
-        # inference mode (a call recorded with grad has it, as eagerly); gathering rows
-        # of others records nothing.
-        with handing_out():
-            result = _rebuild(obj, _row_views(graph, handles))
+        # Rows of values with history keep it, even when read under no_grad or in
+        # inference mode (a call recorded with grad has it, as eagerly): see reading.
+        result = _rebuild(obj, _row_views(graph, handles))
         self._mark = time.perf_counter()
         return result
 
@@ -268,7 +266,8 @@ def _row_views(graph: Graph, handles: list[ResultHandle]) -> dict[tuple[int, int
     for (store, leaf), count in counts.items():
         column = graph.stores[store][leaf]
         if count >= _UNBIND_FROM and isinstance(column, torch.Tensor):
-            views[(store, leaf)] = column.unbind(0)
+            with reading(column):
+                views[(store, leaf)] = column.unbind(0)
     return views
 
 

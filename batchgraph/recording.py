@@ -22,6 +22,7 @@ from batchgraph.autocasting import (
     autocast_enabled,
     autocast_state,
 )
+from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
@@ -59,6 +60,7 @@ __all__ = [
 
 _new_handle = object.__new__  # see the end of CallSite.__call__
 _grad_enabled = torch.is_grad_enabled
+_inference_enabled = torch.is_inference_mode_enabled
 _autocast_enabled = autocast_enabled
 
 _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", default=None)
@@ -99,7 +101,7 @@ class _Entry:
         # (graph uid, key id in that graph, grad mode and module mode it was recorded
         # in): one tuple, so it is replaced atomically, and a uid rather than the
         # graph, so the cache keeps no batch alive.
-        self.memo: tuple[int, int, bool, bool | None] = (-1, -1, True, None)
+        self.memo: tuple[int, int, RecordedGrad, bool | None] = (-1, -1, True, None)
 
 
 class CallSite:
@@ -210,7 +212,9 @@ class CallSite:
                         self.last = (sig, entry)
             refs = tuple(inputs)
         memo = entry.memo
-        grad = _grad_enabled()
+        grad: RecordedGrad = _grad_enabled()
+        if not grad and _inference_enabled():
+            grad = INFERENCE  # its calls give inference tensors, as eagerly
         module = self.mode_module
         training = None if module is None else module.training
         if memo[0] == graph.uid and memo[2] is grad and memo[3] is training:

@@ -119,15 +119,24 @@ class LongLivedPolicy(RuleBasedStateMachine):
             if not isinstance(want, torch.Tensor):
                 return
             self.handles.append(op(self.handles[i], self.handles[j], c))
-        if not grad:
+        if not grad and not any(want is self.eager[k] for k in (i, j)):
+            # (An op returning its input itself, dropout in eval mode, keeps the batched
+            # input's history, which may need grad for rows of other calls gathered
+            # with it: a flag no gradient flows through, left alone.)
             self.without_grad.add(len(self.eager))
         self.eager.append(want)
         self.recipes.append((name, i, j, c, grad, cast))
 
-    @rule(picks=st.lists(st.integers(0, 64), min_size=1, max_size=6))
-    def compute(self, picks: list[int]) -> None:
+    @rule(picks=st.lists(st.integers(0, 64), min_size=1, max_size=6),
+          ambient=st.sampled_from(["grad", "grad", "no_grad", "inference"]))
+    def compute(self, picks: list[int], ambient: str = "grad") -> None:
+        """Compute some values, with grad on, under ``no_grad`` or in inference mode:
+        each call still runs in the mode it was recorded in."""
         positions = sorted({p % len(self.handles) for p in picks})
-        got = self.policy.compute([self.handles[p] for p in positions])
+        region = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
+                  "inference": torch.inference_mode}[ambient]
+        with region():
+            got = self.policy.compute([self.handles[p] for p in positions])
         self.computes += 1
         for p, value in zip(positions, got):
             self.computed[p] = value
@@ -142,9 +151,9 @@ class LongLivedPolicy(RuleBasedStateMachine):
             if p in self.without_grad and not want.requires_grad:
                 # Recorded under no_grad, from values that need no grad either: the
                 # batched value must not require grad, although its gather may have
-                # carried rows that do. (Eagerly, an op returning its input itself, or
-                # a view of a value that needs grad, requires grad under no_grad too;
-                # whether gradients flow is checked at the end.)
+                # carried rows that do (a view of it would, with no history). Eagerly,
+                # a view of a value that needs grad requires grad under no_grad too;
+                # whether gradients flow is checked at the end.
                 assert not value.requires_grad, where
             if self.dtype is not torch.float64:
                 continue  # bfloat16 values differ in their last bits batched

@@ -199,3 +199,33 @@ def test_calls_recorded_in_inference_mode_and_computed_there_give_inference_tens
         values = bg.compute(handles)
         want = lin(torch.ones(3, dtype=torch.float64))
     assert want.is_inference() and all(v.is_inference() for v in values)
+
+
+def test_a_constant_that_requires_grad_keeps_its_gradient_when_stacked_under_no_grad() -> None:
+    """Before: read first under no_grad (or inference mode), a ``batched_value`` of a
+    tensor that requires grad was stacked without history, and calls recorded with
+    grad on it later gave no gradient to it (or, from inference mode, raised)."""
+    lin = _linear()
+    for region in (torch.no_grad, torch.inference_mode):
+        x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        with bg.BatchingPolicy() as policy:
+            h = bg.batched_value(x)
+            with region():
+                policy.compute(h)
+            out = policy.compute(lin(h).sum())
+        (grad,) = torch.autograd.grad(out, [x])
+        torch.testing.assert_close(grad, lin.fn.weight.sum(0).detach())
+
+
+def test_calls_recorded_in_inference_mode_give_inference_tensors_wherever_computed() -> None:
+    """Before: computed outside inference mode, they gave normal tensors."""
+    lin = _linear()
+    with bg.BatchingPolicy() as policy:
+        with torch.inference_mode():
+            handles = [lin(bg.batched_value(torch.full((3,), float(i), dtype=torch.float64)))
+                       for i in range(2)]
+        with torch.no_grad():
+            baseline = lin(bg.batched_value(torch.ones(3, dtype=torch.float64)))
+        values = policy.compute([*handles, baseline])
+    assert all(v.is_inference() for v in values[:2])
+    assert not values[2].is_inference() and not values[2].requires_grad
