@@ -167,7 +167,11 @@ class Executor:
             if grad is None or grad is torch.is_grad_enabled():
                 out = key.run(key.fn, inputs, size)
             elif grad is INFERENCE:
-                with torch.inference_mode():
+                # Outside a compute made wholly in inference mode (see _modes), a call
+                # made in it runs without grad, out of it: inference tensors here
+                # could not be saved by later calls with grad, where eager values
+                # (views of normal tensors) could.
+                with torch.set_grad_enabled(False):
                     out = key.run(key.fn, inputs, size)
             else:  # recorded in the other grad mode
                 with torch.set_grad_enabled(bool(grad)):
@@ -175,13 +179,13 @@ class Executor:
         except Exception as err:
             raise self._diagnose(key, step, inputs, err) from err
         if key.combine == "list":
-            return self._columns(key, out, size, grad is False)
+            return self._columns(key, out, size, grad)
         leaves: list[torch.Tensor] = []
         try:
             flatten_output(out, leaves)
         except TypeError as err:
             raise NotATensorError(f"{key.label} returned {type(out).__name__}: {err}") from err
-        if grad is False:
+        if grad is False or grad is INFERENCE:
             leaves = _without_inert_views(leaves)
         first = step.nodes[0]
         # (A graph bound from a PortableBatch carries no specs: its keys check alone.)
@@ -257,7 +261,7 @@ class Executor:
         # Inference mode would make every value an inference tensor: no history, and
         # unusable in later calls recorded outside it that save their inputs for
         # backward. So steps run outside it (which turns grad on; calls recorded
-        # without grad turn it off), but for calls made in it.
+        # without grad, or in inference mode, turn it off).
         wanted = [INFERENCE if grad is None and not isinstance(keys[step.key], ConstantKey)
                   else grad for step, grad in zip(schedule.steps, wanted)]
         return torch.inference_mode(False), wanted, False
@@ -312,7 +316,9 @@ class Executor:
                     "reused buffer."
                 )
 
-    def _columns(self, key: BatchKey, out: Any, size: int, no_grad: bool) -> list[Any]:
+    def _columns(
+        self, key: BatchKey, out: Any, size: int, grad: RecordedGrad | None
+    ) -> list[Any]:
         if not isinstance(out, list) or len(out) != size:
             raise BatchedCallError(
                 f"{key.label} must return a list of {size} per-example results, got "
@@ -325,7 +331,9 @@ class Executor:
                 flatten_output(value, leaves)
             except TypeError as err:
                 raise NotATensorError(f"{key.label} returned {err}") from err
-            flat.append(_without_inert_views(leaves) if no_grad else leaves)
+            flat.append(
+                _without_inert_views(leaves) if grad is False or grad is INFERENCE else leaves
+            )
         # The last column keeps each whole result: handles whose structure was unknown
         # before running refer to it as leaf -1.
         return [*(list(column) for column in zip(*flat)), list(out)]
@@ -428,7 +436,8 @@ def _long_tensor(rows: array[int]) -> torch.Tensor:
 
 
 def _without_inert_views(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``leaves`` of a call run under no_grad, with inert views detached.
+    """``leaves`` of a call run under no_grad (or in inference mode), with inert views
+    detached.
 
     Under no_grad, a view op (squeeze, an index) of an input that needs grad gives a
     view that requires grad but has no history: no gradient flows through it. A
@@ -440,3 +449,4 @@ def _without_inert_views(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     return [t.detach() if t.requires_grad and t.grad_fn is None and t._is_view() else t
             for t in leaves]
+

@@ -34,6 +34,10 @@ _OPS = catalog(_MODULES)
 _MODULES32 = Modules()
 _OPS32 = catalog(_MODULES32)
 
+_GRAD_MODES: dict[str, Any] = {
+    "grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference": torch.inference_mode,
+}
+
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 
 
@@ -50,8 +54,8 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.handles: list[Any] = []
         self.eager: list[torch.Tensor] = []
         self.computed: dict[int, torch.Tensor] = {}  # position -> batched value
-        self.recipes: list[tuple[str, int, int, int, bool, bool]] = []  # what record made, in order
-        self.without_grad: set[int] = set()  # positions recorded under no_grad
+        self.recipes: list[tuple[str, int, int, int, str, bool]] = []  # what record made, in order
+        self.without_grad: set[int] = set()  # positions recorded without grad
         self.computes = 0
 
     @initialize(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
@@ -77,12 +81,14 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.eager.append(x)
 
     @rule(name=st.sampled_from(sorted(_OPS)), a=st.integers(0, 64), b=st.integers(0, 64),
-          c=st.integers(0, 64), mode=st.integers(0, 5))
+          c=st.integers(0, 64), mode=st.integers(0, 6))
     def record(self, name: str, a: int, b: int, c: int, mode: int) -> None:
         """Record ``name`` on values ``a`` and ``b``: mostly with grad, sometimes under
-        ``no_grad`` (mode 0) and, in the autocast machine, inside autocast (mode 5)."""
+        ``no_grad`` (mode 0), in inference mode (6) and, in the autocast machine,
+        inside autocast (5)."""
         i, j = a % len(self.handles), b % len(self.handles)
-        self._record(name, i, j, c, mode > 0, self.autocast and mode == 5)
+        grad = {0: "no_grad", 6: "inference"}.get(mode, "grad")
+        self._record(name, i, j, c, grad, self.autocast and mode == 5)
 
     @rule(k=st.integers(0, 64))
     def record_again(self, k: int) -> None:
@@ -103,15 +109,16 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.handles.append(bg.batched_value(value) if wrap else value)
         self.eager.append(self.eager[p])
 
-    def _record(self, name: str, i: int, j: int, c: int, grad: bool, cast: bool) -> None:
-        """Record ``name`` on values ``i`` and ``j``, eagerly too, in one grad mode and
-        autocast state (a call keeps both, whenever it computes)."""
+    def _record(self, name: str, i: int, j: int, c: int, grad: str, cast: bool) -> None:
+        """Record ``name`` on values ``i`` and ``j``, eagerly too, in one grad mode
+        (``"grad"``, ``"no_grad"``, ``"inference"``) and autocast state (a call keeps
+        both, whenever it computes)."""
         applies, op = self.ops[name]
         if not applies(self.eager[i]):
             return
         region = (torch.autocast("cpu", dtype=torch.bfloat16) if cast
                   else contextlib.nullcontext())
-        with torch.set_grad_enabled(grad), region:
+        with _GRAD_MODES[grad](), region:
             try:
                 want = op(self.eager[i], self.eager[j], c)
             except (RuntimeError, IndexError, ValueError):
@@ -119,7 +126,7 @@ class LongLivedPolicy(RuleBasedStateMachine):
             if not isinstance(want, torch.Tensor):
                 return
             self.handles.append(op(self.handles[i], self.handles[j], c))
-        if not grad and not any(want is self.eager[k] for k in (i, j)):
+        if grad != "grad" and not any(want is self.eager[k] for k in (i, j)):
             # (An op returning its input itself, dropout in eval mode, keeps the batched
             # input's history, which may need grad for rows of other calls gathered
             # with it: a flag no gradient flows through, left alone.)
@@ -133,9 +140,7 @@ class LongLivedPolicy(RuleBasedStateMachine):
         """Compute some values, with grad on, under ``no_grad`` or in inference mode:
         each call still runs in the mode it was recorded in."""
         positions = sorted({p % len(self.handles) for p in picks})
-        region = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
-                  "inference": torch.inference_mode}[ambient]
-        with region():
+        with _GRAD_MODES[ambient]():
             got = self.policy.compute([self.handles[p] for p in positions])
         self.computes += 1
         for p, value in zip(positions, got):

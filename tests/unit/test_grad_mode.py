@@ -217,15 +217,22 @@ def test_a_constant_that_requires_grad_keeps_its_gradient_when_stacked_under_no_
         torch.testing.assert_close(grad, lin.fn.weight.sum(0).detach())
 
 
-def test_calls_recorded_in_inference_mode_give_inference_tensors_wherever_computed() -> None:
-    """Before: computed outside inference mode, they gave normal tensors."""
+def test_calls_recorded_in_inference_mode_run_without_grad_wherever_computed() -> None:
+    """Computed with others outside inference mode, they give normal tensors without
+    grad (inference tensors there could not be saved by later calls with grad, where
+    eager values, views of normal tensors, could); computed wholly inside it, they
+    give inference tensors, as eagerly."""
     lin = _linear()
     with bg.BatchingPolicy() as policy:
         with torch.inference_mode():
             handles = [lin(bg.batched_value(torch.full((3,), float(i), dtype=torch.float64)))
                        for i in range(2)]
-        with torch.no_grad():
-            baseline = lin(bg.batched_value(torch.ones(3, dtype=torch.float64)))
-        values = policy.compute([*handles, baseline])
-    assert all(v.is_inference() for v in values[:2])
-    assert not values[2].is_inference() and not values[2].requires_grad
+        score = lin(bg.batched_value(torch.ones(3, dtype=torch.float64)))
+        values = policy.compute([*handles, score])
+    assert not any(v.is_inference() or v.requires_grad for v in values[:2])
+    assert values[2].requires_grad
+    with torch.inference_mode():
+        with bg.BatchingPolicy() as policy:
+            handles = [lin(bg.batched_value(torch.ones(3, dtype=torch.float64)))
+                       for _ in range(2)]
+        assert all(v.is_inference() for v in policy.compute(handles))
