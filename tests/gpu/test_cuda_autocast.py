@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import batchgraph as bg
-from tests.property.decoder_models import run_eagerly
+from tests.unit.test_autocast import check_awaiting_in_autocast
 
 pytestmark = pytest.mark.gpu
 
@@ -69,26 +69,6 @@ def test_cpu_autocast_does_not_reach_cuda_calls(lin: Any) -> None:
     _assert_like(got, lin(xs[0]))
 
 
-async def _example(lin: Any, x: torch.Tensor, in_autocast: bool) -> list[torch.Tensor]:
-    if in_autocast:
-        with _autocast():
-            first = await bg.value(lin(x))  # suspends inside the region
-            second = lin(x)
-        third = lin(x)
-    else:
-        first = await bg.value(lin(x))
-        second = lin(x)
-        third = lin(x)
-    return [first, second, third]
-
-
 @pytest.mark.parametrize("groups", [1, 2])
 def test_an_example_awaiting_in_cuda_autocast_keeps_it_to_itself(lin: Any, groups: int) -> None:
-    flags = [True, False, True, False]
-    xs = [*_xs(), _xs()[0]]
-    want = [run_eagerly(_example(lin, x, f)) for x, f in zip(xs, flags)]
-    got = bg.run_all([_example(lin, x, f) for x, f in zip(xs, flags)], groups=groups)
-    assert not torch.is_autocast_enabled("cuda")
-    for w, g in zip(want, got):
-        for a, b in zip(w, g):
-            _assert_like(b, a)
+    check_awaiting_in_autocast(_autocast, lin, [*_xs(), _xs()[0]], groups, _assert_like)

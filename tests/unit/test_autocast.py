@@ -9,6 +9,7 @@ ran in the state in force at ``compute``, not the one it was recorded in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -87,9 +88,11 @@ def test_calls_in_and_out_of_autocast_do_not_batch_together(lin: Any) -> None:
     assert (got[0].dtype, got[1].dtype) == (BF16, torch.float32)
 
 
-async def _example(lin: Any, x: torch.Tensor, in_autocast: bool) -> list[torch.Tensor]:
+async def _example(
+    region: Callable[[], Any], lin: Any, x: torch.Tensor, in_autocast: bool
+) -> list[torch.Tensor]:
     if in_autocast:
-        with _autocast():
+        with region():
             first = await bg.value(lin(x))  # suspends inside the region
             second = lin(x)
         third = lin(x)
@@ -100,16 +103,25 @@ async def _example(lin: Any, x: torch.Tensor, in_autocast: bool) -> list[torch.T
     return [first, second, third]
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_an_example_awaiting_in_autocast_keeps_it_to_itself(lin: Any, groups: int) -> None:
+def check_awaiting_in_autocast(
+    region: Callable[[], Any], lin: Any, xs: list[torch.Tensor], groups: int,
+    assert_like: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Examples that await inside ``region`` (an autocast) or not give the eager
+    values, and leave no autocast behind (also used by tests/gpu)."""
     flags = [True, False, True, False]
-    xs = [*XS, XS[0]]
-    want = [run_eagerly(_example(lin, x, f)) for x, f in zip(xs, flags)]
-    got = bg.run_all([_example(lin, x, f) for x, f in zip(xs, flags)], groups=groups)
+    want = [run_eagerly(_example(region, lin, x, f)) for x, f in zip(xs, flags)]
+    got = bg.run_all([_example(region, lin, x, f) for x, f in zip(xs, flags)], groups=groups)
     assert not torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cuda")
     for w, g in zip(want, got):
         for a, b in zip(w, g):
-            _assert_like(b, a)
+            assert_like(b, a)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_an_example_awaiting_in_autocast_keeps_it_to_itself(lin: Any, groups: int) -> None:
+    check_awaiting_in_autocast(_autocast, lin, [*XS, XS[0]], groups, _assert_like)
 
 
 def test_binding_a_worker_batch_inside_autocast_is_refused_clearly() -> None:
