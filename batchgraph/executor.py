@@ -449,4 +449,3 @@ def _without_inert_views(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     return [t.detach() if t.requires_grad and t.grad_fn is None and t._is_view() else t
             for t in leaves]
-
