@@ -33,7 +33,9 @@ __all__ = ["fewer_collections"]
 
 YOUNG_THRESHOLD = 50_000
 
-_lock = threading.Lock()
+# Reentrant: ``leave`` runs from a graph's finalizer, which the collector may call in
+# the middle of ``enter`` (any allocation can start a collection) on the same thread.
+_lock = threading.RLock()
 _active = 0
 _saved: tuple[int, int, int] | None = None
 
@@ -42,11 +44,13 @@ def enter() -> None:
     """Start a batch's quiet period (pair every call with ``leave``)."""
     global _active, _saved
     with _lock:
-        if _active == 0:
-            _saved = gc.get_threshold()
-            young, *older = _saved
-            gc.set_threshold(max(young, YOUNG_THRESHOLD), *older)
+        # Counted first: a period that a finalizer ends from here on is another one,
+        # so it cannot bring the count to zero and restore the thresholds under us.
         _active += 1
+        if _active == 1:
+            saved = gc.get_threshold()
+            _saved = saved
+            gc.set_threshold(max(saved[0], YOUNG_THRESHOLD), *saved[1:])
 
 
 def leave() -> None:
@@ -55,8 +59,8 @@ def leave() -> None:
     with _lock:
         _active -= 1
         if _active == 0 and _saved is not None:
-            gc.set_threshold(*_saved)
-            _saved = None
+            saved, _saved = _saved, None
+            gc.set_threshold(*saved)
 
 
 @contextmanager
