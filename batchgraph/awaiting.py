@@ -112,12 +112,9 @@ def value(obj: Any) -> Wait:
         An awaitable whose result is ``obj`` with every handle replaced by its
         per-example tensor (or tuple of tensors). A plain tensor, or a handle that is
         already computed, gives its value at once: the coroutine also runs eagerly.
-        A value is a row view of the batched result, or a copy where identical calls
-        of several examples were merged: changing it in place never reaches another
-        example's values. A view's change does reach this example's calls on the same
-        handle computed afterwards, as in eager code, but also those recorded before
-        the change and not awaited yet (eagerly, they ran before it): clone the value
-        before changing it while such calls are pending.
+        A value is the example's own tensor, as an eager result is: changing it in
+        place reaches the calls recorded on its handle after the change, and neither
+        those recorded before it (pending ones included) nor other examples' values.
 
     Raises:
         UnsupportedAwaitError: if ``obj`` is neither a handle, a tensor nor a container

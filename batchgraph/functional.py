@@ -67,6 +67,7 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
         h.node = node
         h.leaf = 0
         h.spec = graph.node_spec[node]
+        h._out = None
         return h
     where = torch.device(device) if device is not None else None
     if policy is None:

@@ -129,13 +129,12 @@ class Graph:
         self.generation_first = 0
         self.revived: list[int] = []
         self.revived_pending: list[int] = []
-        # Values are handed out (handle.value, bg.value) as row views of the stores, so
-        # a caller may change one in place, as it may its own tensor in eager code. No
-        # other example may see that change: a node that identical calls were merged
-        # into (``shared``) hands out copies, and a node whose view was handed out
-        # (``exposed``) takes no more merges.
+        # Values are handed out (handle.value, bg.value) as the caller's own tensors,
+        # which it may change in place, as it may its own tensor in eager code. No
+        # stored value, and so no other call or example, may see that change: values
+        # are handed out from a copy of the stored ones, and where identical calls were
+        # merged into one node (``shared``), each handle gets a copy of its own.
         self.shared: set[int] = set()
-        self.exposed: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.node_key)
@@ -232,8 +231,7 @@ class Graph:
             signature = (kid, value) if value or kind is not float else (kid, exact_number(value))
             existing = self.dedupe_table.setdefault(signature, n)  # one hash
             if existing != n:
-                exposed = self.exposed
-                if existing >= self.generation_first and (not exposed or existing not in exposed):
+                if existing >= self.generation_first:
                     self.shared.add(existing)  # merge's usual case, inlined
                     self.merged_constants += 1
                     return existing
@@ -255,9 +253,6 @@ class Graph:
         ``fresh``, should use: ``node`` (merged), or ``fresh`` where ``node`` cannot be
         shared any more (``fresh`` then takes over ``signature``).
         """
-        if node in self.exposed:  # its value may have been changed in place
-            self.dedupe_table[signature] = fresh
-            return fresh
         if node < self.generation_first:  # an older step's node (coroutine runs)
             node = self.revive(node, signature, fresh)
             if node == fresh:
@@ -266,12 +261,12 @@ class Graph:
         return node
 
     def hand_out(self, n: int, value: Any) -> Any:
-        """``value``, a row view of node ``n``'s store, as handed to the caller: a copy
-        if other handles stand for the same node, so that an in-place change reaches
-        only the caller's own value, as in eager code."""
+        """``value``, node ``n``'s row of a copy of its store (``private_rows``), as
+        handed to the caller: copied again if other handles stand for the same node,
+        so that an in-place change reaches only the caller's own value, as in eager
+        code."""
         if n in self.shared:
             return tree_map_only(torch.Tensor, _own_copy, value)
-        self.exposed.add(n)
         return value
 
     def revive(self, node: int, signature: Any, fresh: int) -> int:
@@ -320,7 +315,11 @@ class Graph:
         column = store[leaf]
         with reading(column):
             row = column[loc & ROW_MASK]
-        value: torch.Tensor = self.hand_out(n, row)
+        # The caller's own copy: an in-place change must not reach the store, which
+        # calls recorded before the change still read (eagerly they ran before it).
+        if isinstance(row, torch.Tensor):
+            return _own_copy(row)
+        value: torch.Tensor = tree_map_only(torch.Tensor, _own_copy, row)
         return value
 
 
@@ -344,6 +343,14 @@ def _handing_out() -> contextlib.AbstractContextManager[Any]:
     if torch.is_inference_mode_enabled():
         return torch.inference_mode(False)  # which also turns grad on
     return torch.enable_grad()
+
+
+def private_rows(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of a copy of ``column``, a stored value, for handing out many at once
+    (one copy for all; see ``Graph.leaf_value`` for why a copy)."""
+    copy = _own_copy(column)
+    with reading(copy):
+        return copy.unbind(0)
 
 
 def _own_copy(value: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from batchgraph.specs import OutSpec, TensorSpec
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
 
-__all__ = ["ResultHandle"]
+__all__ = ["ResultHandle", "snapshot", "unchanged"]
 
 
 # Tensor properties that are computations (recorded); other non-callable tensor
@@ -56,6 +56,20 @@ def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return getter
 
 
+def unchanged(out: tuple[torch.Tensor, int | None]) -> bool:
+    """Whether a handed-out value (``handle._out``) is as it was handed out, so that a
+    call recorded on its handle may read the stored row instead (see ``snapshot``)."""
+    return out[1] is not None and out[0]._version == out[1]
+
+
+def snapshot(handle: ResultHandle) -> torch.Tensor:
+    """What a call recorded on ``handle`` takes when its handed-out value was changed in
+    place: a copy of the value as it is now. The eager call would have read it now; a
+    copy, because a later change must not reach the call either."""
+    assert handle._out is not None
+    return handle._out[0].clone()
+
+
 class ResultHandle:
     """A recorded value: output ``leaf`` of ``node`` (the whole result if its structure
     was unknown before running).
@@ -70,7 +84,8 @@ class ResultHandle:
     """
 
     # _gen: the graph's generation when the handle was made (see batchgraph.releasing).
-    __slots__ = ("_gen", "_graph", "leaf", "node", "spec")
+    # _out: the value handed out for it, with that value's version then (see ``value``).
+    __slots__ = ("_gen", "_graph", "_out", "leaf", "node", "spec")
 
     def __init__(self, graph: Graph, node: int, leaf: int, spec: OutSpec) -> None:
         # CallSite.__call__ sets these fields itself (faster): keep the two in step.
@@ -79,6 +94,7 @@ class ResultHandle:
         self.node = node
         self.leaf = leaf
         self.spec = spec
+        self._out: tuple[torch.Tensor, int | None] | None = None
 
     # -- structure -----------------------------------------------------------------
     # A call with several outputs returns a tuple of handles (see ``handles_for``), so
@@ -165,9 +181,17 @@ class ResultHandle:
     def value(self) -> Any:
         """The computed per-example tensor (for an unknown structure: the whole result).
 
+        The value is the caller's own tensor, as an eager call's result would be: every
+        read of the handle gives the same tensor, and changing it in place reaches the
+        calls recorded on the handle afterwards, but neither those recorded before the
+        change nor any other example.
+
         Raises:
             NotComputedError: if the handle has not been computed yet.
         """
+        out = self._out
+        if out is not None:
+            return out[0]
         if not self.computed:
             raise NotComputedError(
                 f"{self!r} has not been computed yet; call bg.compute(...) on it (or on a "
@@ -175,7 +199,16 @@ class ResultHandle:
             )
         if self.spec is None:  # the whole result, whatever its structure turned out to be
             return self._graph.leaf_value(self.node, -1)
-        return self._graph.leaf_value(self.node, self.leaf)
+        return self.handed(self._graph.leaf_value(self.node, self.leaf))
+
+    def handed(self, value: Any) -> Any:
+        """Note ``value``, a tensor no store shares, as this handle's value: later reads
+        give it again, and calls recorded on the handle after it changed in place read
+        it as it is then (``unchanged``)."""
+        if type(self.spec) is TensorSpec and isinstance(value, torch.Tensor):
+            # Inference tensors keep no version: they count as changed (None).
+            self._out = (value, None if value.is_inference() else value._version)
+        return value
 
     # -- coroutines (see batchgraph.awaiting) ---------------------------------------------
     def __await__(self) -> Generator[Any, Any, Any]:

@@ -21,7 +21,7 @@ import torch
 from batchgraph import gcpause
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
-from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, reading
+from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, private_rows
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
@@ -166,8 +166,9 @@ class BatchingPolicy:
         self.computes += 1
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
         schedule.stats = self.stats
-        # Rows of values with history keep it, even when read under no_grad or in
-        # inference mode (a call recorded with grad has it, as eagerly): see reading.
+        # The caller gets its own copies (graph.private_rows); rows of values with
+        # history keep it, even when read under no_grad or in inference mode (a call
+        # recorded with grad has it, as eagerly): see graph.reading.
         result = _rebuild(obj, _row_views(graph, handles))
         self._mark = time.perf_counter()
         return result
@@ -256,28 +257,39 @@ def _collect(obj: Any, out: list[ResultHandle]) -> None:
 _UNBIND_FROM = 8
 
 
-def _row_views(graph: Graph, handles: list[ResultHandle]) -> dict[tuple[int, int], Any]:
-    """Per (store, leaf) from which many handles are requested: its rows, unbound."""
+def _row_views(
+    graph: Graph, handles: list[ResultHandle]
+) -> dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int | None]]:
+    """Per (store, leaf) from which many handles are requested: the rows of a copy of
+    it, and that copy's version (which its rows share; None for inference tensors)."""
     loc = graph.node_loc
     counts = Counter(
-        (loc[h.node] >> STORE_SHIFT, h.leaf) for h in handles if type(h.spec) is TensorSpec
+        (loc[h.node] >> STORE_SHIFT, h.leaf)
+        for h in handles if type(h.spec) is TensorSpec and h._out is None
     )
-    views: dict[tuple[int, int], Any] = {}
+    views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int | None]] = {}
     for (store, leaf), count in counts.items():
         column = graph.stores[store][leaf]
         if count >= _UNBIND_FROM and isinstance(column, torch.Tensor):
-            with reading(column):
-                views[(store, leaf)] = column.unbind(0)
+            rows = private_rows(column)
+            views[(store, leaf)] = (rows, None if column.is_inference() else rows[0]._version)
     return views
 
 
-def _rebuild(obj: Any, views: dict[tuple[int, int], Any]) -> Any:
+def _rebuild(
+    obj: Any, views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int | None]]
+) -> Any:
     if type(obj) is ResultHandle:
-        if views and type(obj.spec) is TensorSpec:
+        if views and obj._out is None and type(obj.spec) is TensorSpec:
             where = obj._graph.node_loc[obj.node]
-            rows = views.get((where >> STORE_SHIFT, obj.leaf))
-            if rows is not None:
-                return obj._graph.hand_out(obj.node, rows[where & ROW_MASK])
+            found = views.get((where >> STORE_SHIFT, obj.leaf))
+            if found is not None:
+                rows, version = found
+                row = rows[where & ROW_MASK]
+                if obj.node in obj._graph.shared:  # another handle reads this row too
+                    return obj.handed(obj._graph.hand_out(obj.node, row))
+                obj._out = (row, version)  # ResultHandle.handed, inlined
+                return row
         return obj.value
     if isinstance(obj, list):
         return [_rebuild(x, views) for x in obj]

@@ -23,7 +23,7 @@ from batchgraph.autocasting import (
     autocast_state,
 )
 from batchgraph.graph import INFERENCE, RecordedGrad
-from batchgraph.handle import ResultHandle
+from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.pinning import unpin_stubs
@@ -159,9 +159,12 @@ class CallSite:
             and type(a := args[0]) is ResultHandle
             and a._graph is graph
             and type(spec := a.spec) is TensorSpec
+            and ((given := a._out) is None or unchanged(given))
         ):
             # The commonest call, one handle for one tensor of this graph (an embedding,
-            # a linear layer, an activation), without the general path's lists.
+            # a linear layer, an activation), without the general path's lists. A handle
+            # whose handed-out value changed in place takes the general path, which
+            # passes a copy of that value instead (signatures.encode_argument).
             last1 = self.last1
             entry = last1[1]
             if last1[0] is not spec or entry.rules_token != policy.rules_token:
@@ -177,7 +180,10 @@ class CallSite:
             sig: list[Any] = []
             simple = True  # only handles and numbers: the last-signature check applies
             for a in args:
-                if type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec:
+                if (
+                    type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec
+                    and ((given := a._out) is None or unchanged(given))
+                ):
                     # The common case, inlined: a handle for one tensor of this graph.
                     source = a.node
                     inputs.append((source, a.leaf))
@@ -229,8 +235,7 @@ class CallSite:
             # One setdefault hashes the signature once (a tuple's hash is not cached).
             node = graph.dedupe_table.setdefault((kid, refs), fresh)
             if node != fresh:
-                exposed = graph.exposed
-                if node >= graph.generation_first and (not exposed or node not in exposed):
+                if node >= graph.generation_first:
                     graph.shared.add(node)  # Graph.merge's usual case, inlined
                 else:
                     node = graph.merge(node, (kid, refs), fresh)
@@ -252,6 +257,7 @@ class CallSite:
             h.node = node
             h.leaf = 0
             h.spec = spec
+            h._out = None
             return h
         children = entry.children
         if children is None:
@@ -264,12 +270,14 @@ class CallSite:
             h.node = node
             h.leaf = 0
             h.spec = children[0][1]
+            h._out = None
             c = _new_handle(ResultHandle)
             c._graph = graph
             c._gen = graph.generation
             c.node = node
             c.leaf = 1
             c.spec = children[1][1]
+            c._out = None
             return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 

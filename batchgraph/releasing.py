@@ -46,7 +46,7 @@ from batchgraph.graph import STORE_SHIFT, Graph
 
 __all__ = ["Generation", "StoreReleaser"]
 
-# What is noted for merging (table entries, shared and exposed nodes) may grow by this
+# What is noted for merging (table entries and shared nodes) may grow by this
 # much (and double) before released nodes are forgotten: a scan over all of it, so
 # not at every step. 0 forgets at every step (for tests).
 FORGET_SLACK = 4096
@@ -134,7 +134,7 @@ class StoreReleaser:
 
     def _noted(self) -> int:
         graph = self.graph
-        return len(graph.dedupe_table) + len(graph.shared) + len(graph.exposed)
+        return len(graph.dedupe_table) + len(graph.shared)
 
     def _forget_released(self) -> None:
         # A released node is never read again, nor merged with (a merge with it records
@@ -149,8 +149,7 @@ class StoreReleaser:
             where = loc[n]
             return where >= 0 and not stores[where >> STORE_SHIFT]
 
-        for nodes in (graph.shared, graph.exposed):
-            nodes.difference_update([n for n in nodes if released(n)])
+        graph.shared.difference_update([n for n in graph.shared if released(n)])
         table = graph.dedupe_table
         for signature in [sig for sig, n in table.items() if released(n)]:
             del table[signature]

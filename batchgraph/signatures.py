@@ -27,7 +27,7 @@ import torch
 
 from batchgraph.errors import PolicyClosedError, PolicyMismatchError
 from batchgraph.graph import exact_number
-from batchgraph.handle import ResultHandle
+from batchgraph.handle import ResultHandle, snapshot, unchanged
 from batchgraph.specs import InputSlot, TensorSpec, make_seq
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -
     if type(a) is ResultHandle:
         if a._graph is not graph:
             foreign_handle(a, graph)
+        if a._out is not None and not unchanged(a._out):
+            # Its value was changed in place after it was handed out: the eager call
+            # would read it as it is now (and not see later changes).
+            return encode_argument(snapshot(a), graph, inputs, depth)
         spec = a.spec
         d = graph.node_depth[a.node]
         if d > depth[0]:

@@ -56,6 +56,8 @@ class LongLivedPolicy(RuleBasedStateMachine):
         self.computed: dict[int, torch.Tensor] = {}  # position -> batched value
         self.recipes: list[tuple[str, int, int, int, str, bool]] = []  # what record made, in order
         self.without_grad: set[int] = set()  # positions recorded without grad
+        self.wrapped: set[int] = set()  # positions whose values became constants
+        self.saved: set[int] = set()  # ids of eager values taken by calls with grad
         self.computes = 0
 
     @initialize(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
@@ -108,6 +110,53 @@ class LongLivedPolicy(RuleBasedStateMachine):
         value = self.computed[p]
         self.handles.append(bg.batched_value(value) if wrap else value)
         self.eager.append(self.eager[p])
+        # Either way it may become a constant, which must stay as it is until computed
+        # (ConstantChangedError): neither position is changed from now on.
+        self.wrapped.update((p, len(self.handles) - 1))
+
+    @rule(k=st.integers(0, 64), whole=st.booleans(),
+          then=st.none() | st.sampled_from(sorted(_OPS)), b=st.integers(0, 64),
+          c=st.integers(0, 64))
+    def change_computed(self, k: int, whole: bool, then: str | None, b: int, c: int) -> None:
+        """Change a computed value in place, as an example masking its scores does, and
+        its eager twin alike; then maybe record a call on it and compute that. Calls
+        recorded on it before the change (pending or not) must not see the change;
+        those recorded after must."""
+        candidates = [p for p in sorted(self.computed) if self._changeable(p)]
+        if not candidates:
+            return
+        p = candidates[k % len(candidates)]
+        self._change(p, whole)
+        if then is not None:
+            made = len(self.handles)
+            self._record(then, p, b % len(self.handles), c, "grad", False)
+            if len(self.handles) > made:  # recorded: compute it now, for a short example
+                self.compute([made])
+
+    def _change(self, p: int, whole: bool) -> None:
+        for value in (self.computed[p], self.eager[p]):
+            inference = torch.inference_mode() if value.is_inference() else torch.no_grad()
+            with inference:
+                target = value if whole or value.dim() == 0 else value[..., :1]
+                if value.dtype is torch.bool:
+                    target.logical_not_()
+                elif value.is_floating_point() or value.is_complex():
+                    target.mul_(-0.5).add_(1.0)
+                else:
+                    target.add_(1)
+
+    def _changeable(self, p: int) -> bool:
+        value, want = self.computed[p], self.eager[p]
+        if value.requires_grad or want.requires_grad or p in self.wrapped:
+            return False
+        if id(want) in self.saved:
+            return False  # a call with grad may have saved it: backward would fail eagerly
+        # Eager values that share memory (a view and its base, or one tensor at two
+        # positions) change together, where batched values never share memory: not
+        # compared.
+        storage = want.untyped_storage().data_ptr()
+        return sum(t.untyped_storage().data_ptr() == storage
+                   for t in [*self.inputs, *self.eager]) == 1
 
     def _record(self, name: str, i: int, j: int, c: int, grad: str, cast: bool) -> None:
         """Record ``name`` on values ``i`` and ``j``, eagerly too, in one grad mode
@@ -126,6 +175,8 @@ class LongLivedPolicy(RuleBasedStateMachine):
             if not isinstance(want, torch.Tensor):
                 return
             self.handles.append(op(self.handles[i], self.handles[j], c))
+        if grad == "grad":
+            self.saved.update((id(self.eager[i]), id(self.eager[j])))
         if grad != "grad" and not any(want is self.eager[k] for k in (i, j)):
             # (An op returning its input itself, dropout in eval mode, keeps the batched
             # input's history, which may need grad for rows of other calls gathered

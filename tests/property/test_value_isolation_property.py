@@ -1,12 +1,13 @@
-"""A value an example changes in place never changes another example's values.
+"""A value an example changes in place reaches only the calls it should.
 
-``bg.value`` hands out row views of the batched results. Each example runs a random
+``bg.value`` hands out the example's own tensors. Each example runs a random
 program: it records calls on small token ids and on values it holds (so identical
 calls merge, across examples and across steps), reads values, and sometimes changes a
-freshly read value in place (``v.add_``) before letting its handle go. Under
-``run_all`` every value read must equal the eager run, where each example owns its
-tensors: a merged node hands out copies, and a node whose view was handed out takes
-no more merges.
+value in place: a freshly read one before letting its handle go (``v.add_``), or one
+it goes on using. Under ``run_all`` every value read must equal the eager run, where
+each example owns its tensors: calls recorded on a handle after its value changed
+see the change, calls recorded before it (pending ones too) and other examples'
+values do not.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 import batchgraph as bg
 from tests.property.decoder_models import TokenModel, programs
 
-OPS = ("token", "apply", "pending", "await", "change_token", "change_apply")
+OPS = ("token", "apply", "pending", "await", "change_token", "change_apply", "change_held")
 
 
 class _Model(TokenModel):
@@ -36,6 +37,10 @@ class _Model(TokenModel):
                 held.insert(0, self.lin(pick) * 0.5)
             elif op == "await":
                 read.append(float((await bg.value(pick)).sum()))
+            elif op == "change_held":  # later calls on pick see this; earlier ones not
+                value = await bg.value(pick)
+                value.mul_(-1.0)
+                value[arg % value.shape[0]] += 3.0
             else:  # read a new value, change it in place, and let its handle go
                 fresh = (self.embed(bg.batched_value(arg % 3)) if op == "change_token"
                          else self.lin(pick))

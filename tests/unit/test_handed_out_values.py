@@ -1,8 +1,12 @@
-"""Values handed out by ``handle.value`` and ``bg.value``: row views of the batched
-results, copied only where another handle stands for the same (merged) node."""
+"""Values handed out by ``handle.value`` and ``bg.value``: the caller's own tensors, as
+eager results are. Changing one in place reaches the calls recorded on its handle
+afterwards, and neither the calls recorded before the change nor other examples."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
@@ -29,7 +33,7 @@ def test_merged_calls_hand_out_separate_values() -> None:
     assert torch.equal(b.value, expected)
 
 
-def test_an_unmerged_value_is_a_view_of_its_store() -> None:
+def test_a_value_shares_no_memory_with_the_store() -> None:
     lin = _linear()
     with torch.no_grad(), bg.BatchingPolicy() as policy:
         hs = [lin(bg.batched_value(torch.full((3,), float(i), dtype=torch.float64)))
@@ -37,22 +41,108 @@ def test_an_unmerged_value_is_a_view_of_its_store() -> None:
         policy.compute(hs)
         store = policy.graph.stores[-1][0]
         values = [h.value for h in hs]
-    for v in values:  # no copy for the common case: one owner
-        assert v.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+    for v in values:  # other calls still read the store: a change must not reach it
+        assert v.untyped_storage().data_ptr() != store.untyped_storage().data_ptr()
 
 
-def test_a_changed_value_is_not_merged_with_later() -> None:
+def test_every_read_of_a_handle_gives_the_same_tensor() -> None:
+    lin = _linear()
+    with torch.no_grad(), bg.BatchingPolicy() as policy:
+        hs = [lin(bg.batched_value(torch.full((3,), float(i), dtype=torch.float64)))
+              for i in range(10)]  # enough rows that compute hands them out together
+        got = policy.compute(hs)
+    assert all(h.value is v for h, v in zip(hs, got))
+    assert hs[0].value is hs[0].value
+
+
+def test_an_identical_call_after_a_change_computes_afresh() -> None:
     lin, x = _linear(), torch.ones(3, dtype=torch.float64)
     with torch.no_grad():
         expected = lin(x)
         with bg.BatchingPolicy() as policy:
             a = lin(bg.batched_value(x))
             policy.compute(a)
-            a.value.mul_(0.0)  # the caller changes its own value
-            b = lin(bg.batched_value(x))  # identical, but may not reuse a's changed row
-            assert b.node != a.node
+            a.value.mul_(0.0)  # the caller changes its own value, not the stored one
+            b = lin(bg.batched_value(x))  # identical: merged with a's node
+            assert b.node == a.node
             policy.compute(b)
             assert torch.equal(b.value, expected)
+            assert torch.equal(a.value, torch.zeros(3, dtype=torch.float64))
+
+
+def _mask_first(v: torch.Tensor) -> None:
+    v[0] = -100.0
+
+
+def _calls_around_a_change(x: torch.Tensor, log_softmax: Any, lin: Any) -> Any:
+    """Eager or recorded: calls on a value recorded before and after changing it."""
+    logits = lin(x)
+    before = log_softmax(logits, -1)  # pending while the value is changed
+    value = bg.compute(logits) if isinstance(logits, bg.ResultHandle) else logits
+    between = log_softmax(logits, -1)  # after the value was read, before the change
+    _mask_first(value)
+    after = log_softmax(logits, -1)
+    twice = logits * 2.0
+    return before, between, after, twice
+
+
+def _eager_and_batched(lin: Any, log_softmax: Any, count: int) -> tuple[list[Any], Any]:
+    """``_calls_around_a_change`` on ``count`` inputs, eagerly and batched, which must
+    give equal values: both results."""
+    xs = [torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+          for i in range(count)]
+    eager = [_calls_around_a_change(x, log_softmax, lin) for x in xs]
+    with bg.BatchingPolicy():
+        recorded = [_calls_around_a_change(x, log_softmax, lin) for x in xs]
+    got = bg.compute(recorded)
+    for want, have in zip(eager, got):
+        for w, h in zip(want, have):
+            torch.testing.assert_close(h, w)
+    return eager, got
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_calls_before_and_after_a_change_see_what_eager_calls_see(grad: bool) -> None:
+    lin = _linear()
+    log_softmax = bg.batched_func(torch.log_softmax)
+    with torch.set_grad_enabled(grad):
+        eager, got = _eager_and_batched(lin, log_softmax, 4)
+    if grad:
+        weights = lin.fn.weight
+        total = sum(sum(t.sum() for t in row) for row in got)
+        (batched,) = torch.autograd.grad(total, weights)
+        (expected,) = torch.autograd.grad(sum(sum(t.sum() for t in row) for row in eager), weights)
+        torch.testing.assert_close(batched, expected)
+
+
+def test_a_change_in_inference_mode_reaches_later_calls_only() -> None:
+    lin = _linear()
+    log_softmax = bg.batched_func(torch.log_softmax)
+    with torch.inference_mode():  # inference tensors keep no version: always copied
+        _eager_and_batched(lin, log_softmax, 3)
+
+
+def test_a_coroutine_masking_its_logits_leaves_pending_calls_alone() -> None:
+    lin = _linear()
+    log_softmax = bg.batched_func(torch.log_softmax)
+
+    async def example(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        logits = lin(x)
+        scores = log_softmax(logits, -1)  # recorded before the mask, awaited after
+        value = await bg.value(logits)
+        value[value.argmax()] = -float("inf")  # ban the best word in place
+        masked = log_softmax(logits, -1)  # recorded after: sees the mask
+        before, after = await bg.value((scores, masked))
+        return before, after, int(value.argmax())
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(9)]
+    with torch.no_grad():
+        eager = [run_eagerly(example(x)) for x in xs]
+        got = bg.run_all([example(x) for x in xs])
+    for (b, a, i), (gb, ga, gi) in zip(eager, got):
+        torch.testing.assert_close(gb, b)
+        torch.testing.assert_close(ga, a)
+        assert gi == i
 
 
 def test_copies_of_merged_values_keep_their_gradients() -> None:
@@ -97,12 +187,12 @@ def test_the_releaser_forgets_released_nodes() -> None:
         _ = c.value
         releaser._forget_from = 0  # scan at this step
         releaser.step()
-        merged, changed = a.node, c.node
-        assert merged in graph.shared and changed in graph.exposed
+        merged = a.node
+        assert merged in graph.shared
         del a, b, c  # nothing stands for the calls' store any more
         with policy:
-            lin(bg.batched_value(torch.zeros(3, dtype=torch.float64)))  # a new generation
+            lin(bg.batched_value(torch.full((3,), 2.0, dtype=torch.float64)))  # a new generation
         releaser._forget_from = 0
         releaser.step()
     assert graph.stores[graph.node_loc[merged] >> 32] == []
-    assert merged not in graph.shared and changed not in graph.exposed
+    assert merged not in graph.shared
