@@ -14,6 +14,7 @@ __all__ = [
     "ModuleModeChangedError",
     "NotATensorError",
     "NotComputedError",
+    "ParameterChangedError",
     "PolicyClosedError",
     "PolicyMismatchError",
     "ShapeMismatchError",
@@ -58,3 +59,9 @@ class ModuleModeChangedError(BatchgraphError, RuntimeError):
     """A module was switched between ``train()`` and ``eval()`` after calls of it were
     recorded and before they were computed: the batched run would use the new mode
     (dropout, batch statistics) where the eager run used the old one."""
+
+
+class ParameterChangedError(BatchgraphError, RuntimeError):
+    """A module's parameters changed in place (``optimizer.step()``) after calls of it
+    were recorded and before they were computed: the batched run would read the new
+    values where the eager run read the old ones."""

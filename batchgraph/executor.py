@@ -30,6 +30,7 @@ from batchgraph.errors import (
     ConstantChangedError,
     ModuleModeChangedError,
     NotATensorError,
+    ParameterChangedError,
 )
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
@@ -92,6 +93,8 @@ class Executor:
             )
         if graph.key_training:
             self._check_modes(schedule)
+        if graph.key_versions:
+            self._check_parameters(schedule)
         added = 0
         guard, wanted, constants_outside = self._modes(schedule)
         # Likewise each call runs in the autocast state it was recorded in (mostly
@@ -139,6 +142,7 @@ class Executor:
             graph.first_uncomputed = node_loc.index(-1, graph.first_uncomputed)
         except ValueError:  # everything is computed
             graph.first_uncomputed = len(node_loc)
+        graph.new_stamp()
 
     def _run_step(self, step: Step, grad: RecordedGrad | None = None) -> list[Any]:
         graph = self.graph
@@ -299,6 +303,23 @@ class Executor:
                 "train()/eval() (read a value, or policy.compute(...)), or switch back to "
                 f"{then} mode and compute then."
             )
+
+    def _check_parameters(self, schedule: Schedule) -> None:
+        # Before any step runs, as for modes: a refused batch computes nothing.
+        graph = self.graph
+        for step in schedule.steps:
+            if step.key in graph.key_versions and graph.parameters_changed(step.key):
+                key = graph.keys[step.key]
+                raise ParameterChangedError(
+                    f"the parameters of {key.label} in {graph.name!r} changed in place "
+                    "(optimizer.step(), or an in-place update) after its calls in this "
+                    f"batch ({len(step.nodes)}) were recorded and before they were "
+                    "computed. A batched call reads the parameters when it runs, so "
+                    "those calls would use the new values where eager calls used the old "
+                    "ones. Compute what you recorded before changing parameters "
+                    "(loss.backward() and optimizer.step() after bg.compute), or record "
+                    "the calls again."
+                )
 
     def _check_unchanged(self, nodes: list[int]) -> None:
         graph = self.graph

@@ -74,6 +74,9 @@ class Graph:
     def __init__(self, name: str = "graph") -> None:
         self.name = name
         self.uid = next(_graph_uids)  # never reused, unlike id()
+        # Changes with every compute (from the same counter, so no other graph has
+        # it): CallSite memos keyed by it see each key again once after a compute.
+        self.stamp = self.uid
         self.open = True
         # The BatchingPolicy recording into this graph, held weakly: policy -> graph ->
         # nothing back, so a batch's graph, handles and stores are freed by reference
@@ -92,6 +95,14 @@ class Graph:
         # The train/eval mode a module's calls were recorded in, per key id: a call
         # must run in that mode, so a module switched in between is refused at compute.
         self.key_training: dict[int, bool] = {}
+        # A module's parameters are read when its calls compute, so they must not
+        # change in place (optimizer.step()) in between. Their versions are part of a
+        # module key's identity, so calls recorded before and after a change never
+        # batch or merge together; ``key_versions`` keeps them per key id, for the
+        # check at compute. Noted when a call goes through ``key_id``: the first call
+        # of a key after each compute and after each optimizer step.
+        self.key_versions: dict[int, tuple[int, ...]] = {}
+        self._module_params: dict[int, tuple[torch.Tensor, ...]] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
         self.node_depth: list[int] = []
@@ -160,7 +171,12 @@ class Graph:
         and, for a module's calls, with the module in training mode or not (None: not
         a module). Calls of one key recorded in different modes get different ids, so
         they never run as one call."""
-        ident = (key, grad, autocast, training)
+        versions = None
+        if training is not None:
+            params = self._parameters_of(key.fn)
+            if params:
+                versions = tuple([p._version for p in params])
+        ident = (key, grad, autocast, training, versions)
         kid = self.key_ids.get(ident)
         if kid is None:
             kid = len(self.keys)
@@ -172,7 +188,34 @@ class Graph:
                 self.key_autocast[kid] = autocast
             if training is not None:
                 self.key_training[kid] = training
+            if versions is not None:
+                self.key_versions[kid] = versions
+                _watch_optimizer_steps(self)
         return kid
+
+    def _parameters_of(self, module: Any) -> tuple[torch.Tensor, ...]:
+        found = self._module_params.get(id(module))  # the key holds the module: id stays
+        if found is None:
+            found = tuple(module.parameters()) if isinstance(module, torch.nn.Module) else ()
+            self._module_params[id(module)] = found
+        return found
+
+    def parameters_changed(self, kid: int) -> bool:
+        """Whether the parameters of module key ``kid`` changed in place since its
+        calls were recorded.
+
+        Exact where the change came between computes or from an optimizer step (the
+        calls after it get a new key id); a change made otherwise (``p.mul_(...)``)
+        between two calls recorded with no compute in between counts for both."""
+        noted = self.key_versions.get(kid)
+        if noted is None:
+            return False
+        return tuple([p._version for p in self._module_params[id(self.keys[kid].fn)]]) != noted
+
+    def new_stamp(self) -> None:
+        """A compute ran (or an optimizer stepped): each key's next call goes through
+        ``key_id`` again, which notes its module's parameters' versions anew."""
+        self.stamp = next(_graph_uids)
 
     def add_node(self, kid: int, inputs: tuple[Ref, ...], depth: int, spec: OutSpec) -> int:
         # CallSite.__call__ inlines this for speed: keep the two in step.
@@ -321,6 +364,28 @@ class Graph:
             return _own_copy(row)
         value: torch.Tensor = tree_map_only(torch.Tensor, _own_copy, row)
         return value
+
+
+# Graphs that noted modules' parameters' versions: after an optimizer step, their
+# next calls note them anew (a new stamp), so calls recorded after the step get key
+# ids of their own, apart from those recorded before it.
+_WATCHED: weakref.WeakSet[Graph] = weakref.WeakSet()
+_hook_registered = False
+
+
+def _watch_optimizer_steps(graph: Graph) -> None:
+    global _hook_registered
+    _WATCHED.add(graph)
+    if not _hook_registered:
+        _hook_registered = True
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_optimizer_step(*_: Any) -> None:
+    for graph in list(_WATCHED):
+        graph.new_stamp()
 
 
 # Constants up to this many elements are merged by value; larger ones never.

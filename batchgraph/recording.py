@@ -98,9 +98,9 @@ class _Entry:
         # layer in eval mode, which may be trained later.
         self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
         self.rules_token = rules_token
-        # (graph uid, key id in that graph, grad mode and module mode it was recorded
-        # in): one tuple, so it is replaced atomically, and a uid rather than the
-        # graph, so the cache keeps no batch alive.
+        # (graph stamp, key id in that graph, grad mode and module mode it was
+        # recorded in): one tuple, so it is replaced atomically, and a stamp rather
+        # than the graph, so the cache keeps no batch alive.
         self.memo: tuple[int, int, RecordedGrad, bool | None] = (-1, -1, True, None)
 
 
@@ -223,11 +223,13 @@ class CallSite:
             grad = INFERENCE  # its calls give inference tensors, as eagerly
         module = self.mode_module
         training = None if module is None else module.training
-        if memo[0] == graph.uid and memo[2] is grad and memo[3] is training:
+        # The stamp changes with every compute: a module's first call after one goes
+        # through key_id, which notes its parameters' versions (see Graph.key_params).
+        if memo[0] == graph.stamp and memo[2] is grad and memo[3] is training:
             kid = memo[1]
         else:
             kid = graph.key_id(entry.key, grad, self.autocast, training)
-            entry.memo = (graph.uid, kid, grad, training)
+            entry.memo = (graph.stamp, kid, grad, training)
         spec = entry.spec
         fresh = node = len(graph.node_key)
         if entry.dedupe and graph.dedupe:

@@ -1,0 +1,131 @@
+"""A module's parameters changed in place between recording and compute.
+
+A batched call reads its module's parameters when it runs; an eager call read them
+when it was made. So an ``optimizer.step()`` (or any in-place update) after a call was
+recorded and before it was computed is refused (``ParameterChangedError``), and calls
+recorded after the change neither batch nor merge with those recorded before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import batchgraph as bg
+
+
+def _model() -> tuple[bg.BatchedFunc, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    lin = bg.batched_func(nn.Linear(3, 3).double())
+    return lin, torch.optim.SGD(lin.fn.parameters(), lr=0.5)
+
+
+def _step(opt: torch.optim.Optimizer, lin: bg.BatchedFunc) -> None:
+    lin.fn(torch.ones(3, dtype=torch.float64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_an_optimizer_step_between_recording_and_compute_is_refused() -> None:
+    lin, opt = _model()
+    with bg.BatchingPolicy() as policy:
+        h = lin(torch.ones(3, dtype=torch.float64))
+    _step(opt, lin)
+    with pytest.raises(bg.ParameterChangedError, match=r"Linear.*optimizer\.step\(\)"):
+        policy.compute(h)
+    assert not h.computed  # refused before anything ran
+
+
+def test_an_in_place_update_is_refused_too() -> None:
+    lin, _ = _model()
+    with bg.BatchingPolicy() as policy:
+        h = lin(torch.ones(3, dtype=torch.float64))
+    with torch.no_grad():
+        lin.fn.weight.mul_(0.5)
+    with pytest.raises(bg.ParameterChangedError):
+        policy.compute(h)
+
+
+def test_a_training_loop_on_one_policy_computes_before_each_step() -> None:
+    lin, opt = _model()
+    x = torch.arange(3, dtype=torch.float64)
+    policy = bg.BatchingPolicy()
+    for _ in range(3):
+        with policy:
+            h = lin(x)  # identical call each time: merges only while weights stay
+        value = policy.compute(h)
+        torch.testing.assert_close(value, lin.fn(x))
+        _step(opt, lin)
+
+
+def test_calls_recorded_after_a_step_compute_while_older_ones_wait() -> None:
+    lin, opt = _model()
+    x = torch.arange(3, dtype=torch.float64)
+    with bg.BatchingPolicy() as policy:
+        before = lin(x)
+    _step(opt, lin)
+    with policy:
+        after = lin(x)  # the same call, new weights: not merged with `before`
+    assert after.node != before.node
+    torch.testing.assert_close(policy.compute(after), lin.fn(x))
+    with pytest.raises(bg.ParameterChangedError):
+        policy.compute(before)
+
+
+def test_a_change_between_two_calls_without_a_compute_counts_for_both() -> None:
+    # Only computes and optimizer steps make calls note the parameters anew: after a
+    # change made by hand in between, the later call is refused too (documented).
+    lin, _ = _model()
+    with bg.BatchingPolicy() as policy:
+        lin(torch.ones(3, dtype=torch.float64))
+        with torch.no_grad():
+            lin.fn.bias.add_(1.0)
+        later = lin(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(bg.ParameterChangedError):
+        policy.compute(later)
+
+
+@settings(deadline=None)
+@given(actions=st.lists(st.tuples(st.sampled_from(["record", "compute", "step"]),
+                                  st.integers(0, 1), st.integers(0, 7)), max_size=25))
+def test_computes_give_eager_values_or_refuse_calls_from_before_a_step(
+    actions: list[tuple[str, int, int]],
+) -> None:
+    """Two modules, each with its optimizer; calls recorded, computed and stepped in a
+    random order. A compute gives each call the value its eager run gave at record
+    time, or is refused when a call in it was recorded before its module stepped."""
+    torch.manual_seed(0)
+    mods = [nn.Linear(2, 2).double(), nn.Linear(2, 2).double()]
+    sites = [bg.batched_func(m) for m in mods]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.3) for m in mods]
+    steps = [0, 0]
+    policy = bg.BatchingPolicy()
+    pending: list[tuple[bg.ResultHandle, torch.Tensor, int, int]] = []  # handle, eager, module, step
+    for action, m, arg in actions:
+        if action == "record":
+            x = torch.full((2,), float(arg % 3), dtype=torch.float64)  # identical calls merge
+            with torch.no_grad():
+                eager = mods[m](x)
+            with policy:
+                pending.append((sites[m](x), eager, m, steps[m]))
+        elif action == "step":
+            mods[m](torch.ones(2, dtype=torch.float64)).sum().backward()
+            opts[m].step()
+            opts[m].zero_grad()
+            steps[m] += 1
+        elif pending:
+            chosen = pending[arg % len(pending):][:2]
+            stale = any(at != steps[mod] for _, _, mod, at in chosen)
+            with torch.no_grad():
+                if stale:
+                    with pytest.raises(bg.ParameterChangedError):
+                        policy.compute([h for h, *_ in chosen])
+                    pending = [p for p in pending if p[3] == steps[p[2]]]  # never computable
+                    continue
+                got = policy.compute([h for h, *_ in chosen])
+            for value, (_, eager, _, _) in zip(got, chosen):
+                torch.testing.assert_close(value, eager)
+            pending = [p for p in pending if not any(p is c for c in chosen)]
