@@ -420,9 +420,13 @@ def private_rows(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _own_copy(value: torch.Tensor) -> torch.Tensor:
     """A copy that is what ``value`` is: an inference tensor (copied in inference
-    mode), or a tensor with ``value``'s history (copied where it is recorded)."""
+    mode), or a normal tensor with ``value``'s history (copied where it is recorded),
+    also when the caller reads in inference mode."""
     if value.is_inference():
         with torch.inference_mode():
+            return value.clone()
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # which also turns grad on
             return value.clone()
     with reading(value):
         return value.clone()

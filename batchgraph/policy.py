@@ -272,7 +272,7 @@ def _row_views(
         column = graph.stores[store][leaf]
         if count >= _UNBIND_FROM and isinstance(column, torch.Tensor):
             rows = private_rows(column)
-            views[(store, leaf)] = (rows, None if column.is_inference() else rows[0]._version)
+            views[(store, leaf)] = (rows, None if rows[0].is_inference() else rows[0]._version)
     return views
 
 

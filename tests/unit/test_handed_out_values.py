@@ -196,3 +196,19 @@ def test_the_releaser_forgets_released_nodes() -> None:
         releaser.step()
     assert graph.stores[graph.node_loc[merged] >> 32] == []
     assert merged not in graph.shared
+
+
+@pytest.mark.parametrize("count", [1, 10])  # one read, and rows handed out together
+def test_values_read_in_inference_mode_are_what_eager_values_are(count: int) -> None:
+    lin = _linear()
+    with torch.no_grad(), bg.BatchingPolicy() as policy:
+        hs = [lin(bg.batched_value(torch.full((3,), float(i), dtype=torch.float64)))
+              for i in range(count)]
+    with torch.inference_mode():
+        got = policy.compute(hs)
+    for v in got:  # recorded outside inference mode: normal tensors, as eagerly
+        assert not v.is_inference() and not v.requires_grad
+        v.add_(1.0)  # and changing one outside inference mode works, as eagerly
+    with torch.inference_mode(), bg.BatchingPolicy() as policy:
+        hs = [lin(bg.batched_value(torch.ones(3, dtype=torch.float64))) for _ in range(count)]
+        assert all(v.is_inference() for v in policy.compute(hs))
