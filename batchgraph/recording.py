@@ -223,8 +223,9 @@ class CallSite:
             grad = INFERENCE  # its calls give inference tensors, as eagerly
         module = self.mode_module
         training = None if module is None else module.training
-        # The stamp changes with every compute: a module's first call after one goes
-        # through key_id, which notes its parameters' versions (see Graph.key_params).
+        # The stamp changes with every compute and optimizer step: a module's first
+        # call after one goes through key_id, which notes its parameters' versions
+        # (see Graph.key_versions).
         if memo[0] == graph.stamp and memo[2] is grad and memo[3] is training:
             kid = memo[1]
         else:
