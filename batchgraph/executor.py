@@ -293,6 +293,8 @@ class Executor:
                 continue
             module = keys[step.key].fn
             if getattr(module, "training", recorded) == recorded:
+                if step.key in graph.key_submodes:
+                    self._check_submodules(step)
                 continue
             then, now = ("train", "eval") if recorded else ("eval", "train")
             raise ModuleModeChangedError(
@@ -302,6 +304,19 @@ class Executor:
                 "mode (dropout and batch statistics differ). Compute them before calling "
                 "train()/eval() (read a value, or policy.compute(...)), or switch back to "
                 f"{then} mode and compute then."
+            )
+
+    def _check_submodules(self, step: Step) -> None:
+        graph = self.graph
+        switched = graph.switched_submodules(step.key)
+        if switched:
+            raise ModuleModeChangedError(
+                f"submodule(s) {', '.join(switched[:5])} of {graph.keys[step.key].label} in "
+                f"{graph.name!r} were switched between train() and eval() after its calls "
+                f"in this batch ({len(step.nodes)}) were recorded and before they were "
+                "computed. Eagerly those calls ran in the old modes (dropout and batch "
+                "statistics differ). Compute them before switching (read a value, or "
+                "policy.compute(...)), or switch back and compute then."
             )
 
     def _check_parameters(self, schedule: Schedule) -> None:

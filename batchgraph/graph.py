@@ -102,7 +102,10 @@ class Graph:
         # check at compute. Noted when a call goes through ``key_id``: the first call
         # of a key after each compute and after each optimizer step.
         self.key_versions: dict[int, tuple[int, ...]] = {}
-        self._module_params: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Likewise the train/eval modes of a module's submodules (its own mode is
+        # ``key_training``, noted per call): part of the key's identity, per key id.
+        self.key_submodes: dict[int, tuple[bool, ...]] = {}
+        self._module_parts: dict[int, _ModuleParts] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
         self.node_depth: list[int] = []
@@ -171,12 +174,14 @@ class Graph:
         and, for a module's calls, with the module in training mode or not (None: not
         a module). Calls of one key recorded in different modes get different ids, so
         they never run as one call."""
-        versions = None
+        versions = submodes = None
         if training is not None:
-            params = self._parameters_of(key.fn)
-            if params:
-                versions = tuple([p._version for p in params])
-        ident = (key, grad, autocast, training, versions)
+            parts = self._parts_of(key.fn)
+            if parts.params:
+                versions = tuple([p._version for p in parts.params])
+            if parts.submodules:
+                submodes = tuple([m.training for m in parts.submodules])
+        ident = (key, grad, autocast, training, versions, submodes)
         kid = self.key_ids.get(ident)
         if kid is None:
             kid = len(self.keys)
@@ -191,14 +196,28 @@ class Graph:
             if versions is not None:
                 self.key_versions[kid] = versions
                 _watch_optimizer_steps(self)
+            if submodes is not None:
+                self.key_submodes[kid] = submodes
         return kid
 
-    def _parameters_of(self, module: Any) -> tuple[torch.Tensor, ...]:
-        found = self._module_params.get(id(module))  # the key holds the module: id stays
+    def _parts_of(self, module: Any) -> _ModuleParts:
+        found = self._module_parts.get(id(module))  # the key holds the module: id stays
         if found is None:
-            found = tuple(module.parameters()) if isinstance(module, torch.nn.Module) else ()
-            self._module_params[id(module)] = found
+            found = self._module_parts[id(module)] = _ModuleParts(module)
         return found
+
+    def switched_submodules(self, kid: int) -> list[str]:
+        """The submodules of module key ``kid`` switched between train and eval mode
+        since its calls were recorded (named as in ``named_modules``).
+
+        Exact where the switch came between computes; a switch between two calls
+        recorded with no compute in between counts for both."""
+        noted = self.key_submodes.get(kid)
+        if noted is None:
+            return []
+        parts = self._module_parts[id(self.keys[kid].fn)]
+        return [name for name, m, then in zip(parts.names, parts.submodules, noted)
+                if m.training != then]
 
     def parameters_changed(self, kid: int) -> bool:
         """Whether the parameters of module key ``kid`` changed in place since its
@@ -210,7 +229,8 @@ class Graph:
         noted = self.key_versions.get(kid)
         if noted is None:
             return False
-        return tuple([p._version for p in self._module_params[id(self.keys[kid].fn)]]) != noted
+        params = self._module_parts[id(self.keys[kid].fn)].params
+        return tuple([p._version for p in params]) != noted
 
     def new_stamp(self) -> None:
         """A compute ran (or an optimizer stepped): each key's next call goes through
@@ -364,6 +384,21 @@ class Graph:
             return _own_copy(row)
         value: torch.Tensor = tree_map_only(torch.Tensor, _own_copy, row)
         return value
+
+
+class _ModuleParts:
+    """A module's parameters and submodules (with their names), listed once."""
+
+    __slots__ = ("names", "params", "submodules")
+
+    def __init__(self, module: Any) -> None:
+        if isinstance(module, torch.nn.Module):
+            self.params = tuple(module.parameters())
+            named = [(name, m) for name, m in module.named_modules() if m is not module]
+        else:
+            self.params, named = (), []
+        self.names = [name for name, _ in named]
+        self.submodules = tuple(m for _, m in named)
 
 
 # Graphs that noted modules' parameters' versions: after an optimizer step, their

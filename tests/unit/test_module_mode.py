@@ -5,7 +5,9 @@ Before: modules were held by reference, so a module switched with ``train()`` or
 (dropout on or off, batch or running statistics): other values than the eager run,
 silently. Now each call notes its module's mode; calls recorded in different modes
 never batch together, and a batch whose module changed mode since is refused at
-compute, before anything runs, naming the module and both modes.
+compute, before anything runs, naming the module and both modes. The same holds for
+a submodule of the called module switched alone (noted at the module's first call
+after each compute).
 """
 
 from __future__ import annotations
@@ -174,3 +176,61 @@ def test_an_async_batcher_serves_across_a_mode_switch_between_requests() -> None
         module.train()
         for x, got in zip(xs[:3], first):
             torch.testing.assert_close(got, module(x))
+
+
+class Block(nn.Module):
+    """A module recorded as one call, with a submodule that differs by mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Moody()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + 0.5
+
+
+def test_a_submodule_switched_alone_before_compute_is_refused() -> None:
+    block = Block().train()
+    site = bg.batched_func(block)
+    xs = _inputs(3)
+    with torch.no_grad():
+        expected = [block(x) for x in xs]
+        with bg.BatchingPolicy() as policy:
+            hs = [site(x) for x in xs]
+        block.inner.eval()  # the submodule alone: the block itself stays in train mode
+        with pytest.raises(bg.ModuleModeChangedError, match=r"submodule\(s\) inner\b"):
+            policy.compute(hs)
+        assert not any(h.computed for h in hs)
+        block.inner.train()
+        for got, want in zip(policy.compute(hs), expected):
+            torch.testing.assert_close(got, want)
+
+
+def test_a_submodule_switched_between_computes_gives_eager_values() -> None:
+    block = Block().train()
+    site = bg.batched_func(block)
+    x = _inputs(1)[0]
+    with torch.no_grad():
+        policy = bg.BatchingPolicy()
+        with policy:
+            before = site(x)
+        torch.testing.assert_close(policy.compute(before), block(x))
+        block.inner.eval()
+        with policy:
+            after = site(x)  # the same call in the new mode: neither merged nor refused
+        assert after.node != before.node
+        torch.testing.assert_close(policy.compute(after), block(x))
+
+
+def test_a_submodule_switched_between_two_calls_without_a_compute_counts_for_both() -> None:
+    # Calls note their module's own mode each; its submodules' modes only at a key's
+    # first call after a compute, so the later call is refused too (documented).
+    block = Block().train()
+    site = bg.batched_func(block)
+    xs = _inputs(2)
+    with torch.no_grad(), bg.BatchingPolicy() as policy:
+        site(xs[0])
+        block.inner.eval()
+        later = site(xs[1])
+    with pytest.raises(bg.ModuleModeChangedError):
+        policy.compute(later)
