@@ -323,15 +323,6 @@ class Graph:
         self.shared.add(node)
         return node
 
-    def hand_out(self, n: int, value: Any) -> Any:
-        """``value``, node ``n``'s row of a copy of its store (``private_rows``), as
-        handed to the caller: copied again if other handles stand for the same node,
-        so that an in-place change reaches only the caller's own value, as in eager
-        code."""
-        if n in self.shared:
-            return tree_map_only(torch.Tensor, _own_copy, value)
-        return value
-
     def revive(self, node: int, signature: Any, fresh: int) -> int:
         """What a merge with ``node``, made by an older generation, should use.
 
@@ -381,8 +372,8 @@ class Graph:
         # The caller's own copy: an in-place change must not reach the store, which
         # calls recorded before the change still read (eagerly they ran before it).
         if isinstance(row, torch.Tensor):
-            return _own_copy(row)
-        value: torch.Tensor = tree_map_only(torch.Tensor, _own_copy, row)
+            return own_copy(row)
+        value: torch.Tensor = tree_map_only(torch.Tensor, own_copy, row)
         return value
 
 
@@ -447,13 +438,14 @@ def _handing_out() -> contextlib.AbstractContextManager[Any]:
 
 def private_rows(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a copy of ``column``, a stored value, for handing out many at once
-    (one copy for all; see ``Graph.leaf_value`` for why a copy)."""
-    copy = _own_copy(column)
+    (one copy for all; see ``Graph.leaf_value`` for why a copy). A row that several
+    handles stand for (a merged node) is copied again for each (``own_copy``)."""
+    copy = own_copy(column)
     with reading(copy):
         return copy.unbind(0)
 
 
-def _own_copy(value: torch.Tensor) -> torch.Tensor:
+def own_copy(value: torch.Tensor) -> torch.Tensor:
     """A copy that is what ``value`` is: an inference tensor (copied in inference
     mode), or a normal tensor with ``value``'s history (copied where it is recorded),
     also when the caller reads in inference mode."""

@@ -21,7 +21,7 @@ import torch
 from batchgraph import gcpause
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
-from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, private_rows
+from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, own_copy, private_rows
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
@@ -287,7 +287,7 @@ def _rebuild(
                 rows, version = found
                 row = rows[where & ROW_MASK]
                 if obj.node in obj._graph.shared:  # another handle reads this row too
-                    return obj.handed(obj._graph.hand_out(obj.node, row))
+                    return obj.handed(own_copy(row))
                 obj._out = (row, version)  # ResultHandle.handed, inlined
                 return row
         return obj.value
