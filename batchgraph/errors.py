@@ -62,6 +62,7 @@ class ModuleModeChangedError(BatchgraphError, RuntimeError):
 
 
 class ParameterChangedError(BatchgraphError, RuntimeError):
-    """A module's parameters changed in place (``optimizer.step()``) after calls of it
-    were recorded and before they were computed: the batched run would read the new
-    values where the eager run read the old ones."""
+    """A module's parameters, or tensors a recorded function reads besides its
+    arguments (closed over, global, bound), changed in place (``optimizer.step()``)
+    after calls of it were recorded and before they were computed: the batched run
+    would read the new values where the eager run read the old ones."""

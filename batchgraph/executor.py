@@ -325,8 +325,12 @@ class Executor:
         for step in schedule.steps:
             if step.key in graph.key_versions and graph.parameters_changed(step.key):
                 key = graph.keys[step.key]
+                what = (
+                    "the parameters of" if isinstance(key.fn, torch.nn.Module)
+                    else "tensors read by"  # closed over, global or bound: batchgraph.captured
+                )
                 raise ParameterChangedError(
-                    f"the parameters of {key.label} in {graph.name!r} changed in place "
+                    f"{what} {key.label} in {graph.name!r} changed in place "
                     "(optimizer.step(), or an in-place update) after its calls in this "
                     f"batch ({len(step.nodes)}) were recorded and before they were "
                     "computed. A batched call reads the parameters when it runs, so "

@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from batchgraph.autocasting import AutocastState
+from batchgraph.captured import captured_tensors
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
@@ -95,10 +96,10 @@ class Graph:
         # The train/eval mode a module's calls were recorded in, per key id: a call
         # must run in that mode, so a module switched in between is refused at compute.
         self.key_training: dict[int, bool] = {}
-        # A module's parameters are read when its calls compute, so they must not
-        # change in place (optimizer.step()) in between. Their versions are part of a
-        # module key's identity, so calls recorded before and after a change never
-        # batch or merge together; ``key_versions`` keeps them per key id, for the
+        # A module's parameters (a function's captured tensors, batchgraph.captured)
+        # are read when its calls compute, so they must not change in place
+        # (optimizer.step()) in between. Their versions are part of a key's identity,
+        # so calls recorded before and after a change never batch or merge together; ``key_versions`` keeps them per key id, for the
         # check at compute. Noted when a call goes through ``key_id``: the first call
         # of a key after each compute and after each optimizer step.
         self.key_versions: dict[int, tuple[int, ...]] = {}
@@ -175,12 +176,11 @@ class Graph:
         a module). Calls of one key recorded in different modes get different ids, so
         they never run as one call."""
         versions = submodes = None
-        if training is not None:
-            parts = self._parts_of(key.fn)
-            if parts.params:
-                versions = tuple([p._version for p in parts.params])
-            if parts.submodules:
-                submodes = tuple([m.training for m in parts.submodules])
+        parts = self._parts_of(key.fn)
+        if parts.params:
+            versions = tuple([p._version for p in parts.params])
+        if parts.submodules:
+            submodes = tuple([m.training for m in parts.submodules])
         ident = (key, grad, autocast, training, versions, submodes)
         kid = self.key_ids.get(ident)
         if kid is None:
@@ -378,16 +378,18 @@ class Graph:
 
 
 class _ModuleParts:
-    """A module's parameters and submodules (with their names), listed once."""
+    """A module's parameters and submodules (with their names), listed once; for a
+    function, the tensors it reads besides its arguments (``captured_tensors``)."""
 
     __slots__ = ("names", "params", "submodules")
 
     def __init__(self, module: Any) -> None:
+        self.params: tuple[torch.Tensor, ...]
         if isinstance(module, torch.nn.Module):
             self.params = tuple(module.parameters())
             named = [(name, m) for name, m in module.named_modules() if m is not module]
         else:
-            self.params, named = (), []
+            self.params, named = captured_tensors(module), []
         self.names = [name for name, _ in named]
         self.submodules = tuple(m for _, m in named)
 

@@ -1,4 +1,5 @@
-"""A module's parameters changed in place between recording and compute.
+"""A module's parameters (or a function's captured tensors) changed in place between
+recording and compute.
 
 A batched call reads its module's parameters when it runs; an eager call read them
 when it was made. So an ``optimizer.step()`` (or any in-place update) after a call was
@@ -96,10 +97,15 @@ def test_computes_give_eager_values_or_refuse_calls_from_before_a_step(
 ) -> None:
     """Two modules, each with its optimizer; calls recorded, computed and stepped in a
     random order. A compute gives each call the value its eager run gave at record
-    time, or is refused when a call in it was recorded before its module stepped."""
+    time, or is refused when a call in it was recorded before its module stepped.
+    The second module is called through a function closing over its weights."""
     torch.manual_seed(0)
     mods = [nn.Linear(2, 2).double(), nn.Linear(2, 2).double()]
-    sites = [bg.batched_func(m) for m in mods]
+    weight, bias = mods[1].weight, mods[1].bias
+    sites = [
+        bg.batched_func(mods[0]),
+        bg.batched_func(lambda x: nn.functional.linear(x, weight, bias)),
+    ]
     opts = [torch.optim.SGD(m.parameters(), lr=0.3) for m in mods]
     steps = [0, 0]
     policy = bg.BatchingPolicy()
