@@ -16,8 +16,9 @@ from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from batchgraph.errors import NotComputedError
+from batchgraph.errors import ConstantChangedError, NotComputedError
 from batchgraph.specs import OutSpec, TensorSpec
 
 if TYPE_CHECKING:
@@ -56,18 +57,45 @@ def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return getter
 
 
-def unchanged(out: tuple[torch.Tensor, int | None]) -> bool:
+def unchanged(out: tuple[Any, Any]) -> bool:
     """Whether a handed-out value (``handle._out``) is as it was handed out, so that a
     call recorded on its handle may read the stored row instead (see ``snapshot``)."""
-    return out[1] is not None and out[0]._version == out[1]
+    version = out[1]
+    if type(version) is int:
+        return bool(out[0]._version == version)
+    # None: an inference tensor, which keeps no version (counts as changed); else a
+    # result of unknown structure, with the versions of its tensors.
+    return version is not None and _versions(out[0]) == version
 
 
 def snapshot(handle: ResultHandle) -> torch.Tensor:
     """What a call recorded on ``handle`` takes when its handed-out value was changed in
     place: a copy of the value as it is now. The eager call would have read it now; a
-    copy, because a later change must not reach the call either."""
+    copy, because a later change must not reach the call either.
+
+    Raises:
+        ConstantChangedError: for a result of unknown structure that is not one tensor
+            (a tuple from ``torch.unique``, say): it cannot be passed as a copy.
+    """
     assert handle._out is not None
-    return handle._out[0].clone()
+    value = handle._out[0]
+    if not isinstance(value, torch.Tensor):
+        raise ConstantChangedError(
+            f"the value of {handle!r}, a {type(value).__name__} of tensors known only "
+            "once computed, was changed in place after it was read, and a call was "
+            "recorded on the handle: the call would read the computed result, not your "
+            "change. Pass the changed value itself to the call instead of the handle."
+        )
+    return value.clone()
+
+
+def _versions(value: Any) -> tuple[int, ...]:
+    """The versions of the tensors in a structure (inference tensors keep none: they
+    count as unchanged, so a call recorded on a structure of them reads the result as
+    computed)."""
+    leaves = tree_leaves(value)
+    return tuple([t._version if not t.is_inference() else -1 for t in leaves
+                  if isinstance(t, torch.Tensor)])
 
 
 class ResultHandle:
@@ -94,7 +122,7 @@ class ResultHandle:
         self.node = node
         self.leaf = leaf
         self.spec = spec
-        self._out: tuple[torch.Tensor, int | None] | None = None
+        self._out: tuple[Any, Any] | None = None
 
     # -- structure -----------------------------------------------------------------
     # A call with several outputs returns a tuple of handles (see ``handles_for``), so
@@ -198,16 +226,20 @@ class ResultHandle:
                 "structure holding it) before reading its value"
             )
         if self.spec is None:  # the whole result, whatever its structure turned out to be
-            return self._graph.leaf_value(self.node, -1)
+            return self.handed(self._graph.leaf_value(self.node, -1))
         return self.handed(self._graph.leaf_value(self.node, self.leaf))
 
     def handed(self, value: Any) -> Any:
         """Note ``value``, a tensor no store shares, as this handle's value: later reads
         give it again, and calls recorded on the handle after it changed in place read
         it as it is then (``unchanged``)."""
-        if type(self.spec) is TensorSpec and isinstance(value, torch.Tensor):
-            # Inference tensors keep no version: they count as changed (None).
-            self._out = (value, None if value.is_inference() else value._version)
+        spec = self.spec
+        if isinstance(value, torch.Tensor):
+            if type(spec) is TensorSpec or spec is None:
+                # Inference tensors keep no version: they count as changed (None).
+                self._out = (value, None if value.is_inference() else value._version)
+        elif spec is None:  # a structure known only once computed
+            self._out = (value, _versions(value))
         return value
 
     # -- coroutines (see batchgraph.awaiting) ---------------------------------------------

@@ -212,3 +212,39 @@ def test_values_read_in_inference_mode_are_what_eager_values_are(count: int) -> 
     with torch.inference_mode(), bg.BatchingPolicy() as policy:
         hs = [lin(bg.batched_value(torch.ones(3, dtype=torch.float64))) for _ in range(count)]
         assert all(v.is_inference() for v in policy.compute(hs))
+
+
+# Results whose structure is known only once computed (data-dependent shapes).
+_positive = bg.batched_func(lambda x: x[x > 0])
+_unique = bg.batched_func(lambda x: torch.unique(x, return_counts=True))
+_double = bg.batched_func(lambda x: x * 2)
+_total = bg.batched_func(lambda pair: pair[0].sum() + pair[1].sum())
+
+
+def test_a_result_of_unknown_structure_is_kept_and_changes_reach_later_calls() -> None:
+    xs = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-1.0, 5.0])]
+    with bg.BatchingPolicy() as policy:
+        hs = [_positive(x) for x in xs]
+        before = _double(hs[0])  # recorded before the change: sees the computed value
+    assert hs[0].spec is None
+    policy.compute([hs, before])
+    value = hs[0].value
+    assert hs[0].value is value
+    value.mul_(10)
+    with policy:
+        after = _double(hs[0])
+    torch.testing.assert_close(policy.compute(after), torch.tensor([20.0, 60.0]))
+    torch.testing.assert_close(before.value, torch.tensor([2.0, 6.0]))
+
+
+def test_a_changed_structure_of_unknown_shape_cannot_be_passed_by_its_handle() -> None:
+    with bg.BatchingPolicy() as policy:
+        h = _unique(torch.tensor([1.0, 1.0, 3.0]))
+    values, counts = policy.compute(h)
+    assert h.value[0] is values
+    with policy:
+        unchanged = _total(h)  # read but not changed: the computed result
+    assert policy.compute(unchanged).item() == 7.0
+    counts.mul_(10)
+    with pytest.raises(bg.ConstantChangedError, match="Pass the changed value itself"), policy:
+        _total(h)
