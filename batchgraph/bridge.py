@@ -34,6 +34,13 @@ Rules that keep it correct:
   dropped.
 * An example that raises fails only its own caller; a failing batched call is
   retried per example so only the examples whose calls fail get the error.
+* Examples run in the batcher's grad mode, not the event loop thread's: asyncio
+  tasks share that thread, so whatever mode another task left set there (a handler
+  awaiting inside ``torch.no_grad()``) would otherwise reach the recording. With
+  ``grad=False`` examples record as under ``torch.no_grad()`` (their calls build no
+  autograd graph, whatever mode the loop thread is in); with ``grad=True``, as with
+  grad on and outside inference mode. An example's own ``with torch.no_grad():`` or
+  ``torch.inference_mode()`` blocks hold within it, as eagerly.
 * Memory stays bounded: each step releases the values nothing can read any more
   (``batchgraph.releasing``); an empty lane is dropped, and a lane whose graph (its
   per-node bookkeeping) grows past ``max_graph_nodes`` takes no new examples and is
@@ -47,9 +54,11 @@ import contextlib
 import inspect
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
@@ -86,7 +95,10 @@ class AsyncBatcher:
         max_batch: most examples in one batched step.
         max_latency: seconds a new example may wait for others before its first step.
         groups: lanes that take turns: one computes while another records.
-        grad: build autograd graphs (default False: serving needs none).
+        grad: build autograd graphs (default False: serving needs none). With False,
+            every example runs as if wrapped in ``torch.no_grad()``: values come back
+            without history; with True, with grad on (an example's own ``no_grad`` or
+            ``inference_mode`` blocks still hold).
         max_steps: fail an example after this many awaits (``DeadlockError``).
         max_graph_nodes: retire a lane once its graph holds this many nodes.
         make_policy: builds each lane's ``BatchingPolicy``.
@@ -202,9 +214,10 @@ class AsyncBatcher:
         try:
             while True:
                 self._wakeup.clear()
-                self._reap()
-                self._admit()
-                delay = self._launch()
+                with _driving(self._mode[0]):  # examples record here (start, close)
+                    self._reap()
+                    self._admit()
+                    delay = self._launch()
                 if self._closing and not self._arrivals and not self._lanes:
                     return
                 with contextlib.suppress(asyncio.TimeoutError):  # a deadline passed
@@ -311,6 +324,10 @@ class AsyncBatcher:
         step = loop.run_in_executor(self._pool, state.lane.compute, examples, self._mode)
 
         def done(step: asyncio.Future[None]) -> None:
+            with _driving(self._mode[0]):  # examples resume and record here
+                finish(step)
+
+        def finish(step: asyncio.Future[None]) -> None:
             state.computing = False
             error = step.exception() if not step.cancelled() else None
             if error is not None:  # only a bug gets here: per-example errors are kept
@@ -328,3 +345,16 @@ class AsyncBatcher:
             self._poke()
 
         step.add_done_callback(done)
+
+
+@contextlib.contextmanager
+def _driving(grad: bool) -> Iterator[None]:
+    """The batcher's mode around code that runs its examples (see the module docstring).
+
+    Held only between awaits of the worker: a mode set across one would reach every
+    other task on the loop thread.
+    """
+    # inference_mode(False) first: it turns grad on, and it leaves a loop thread's
+    # inference mode (which would make every call give inference tensors) outside.
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield

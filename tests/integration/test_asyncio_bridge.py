@@ -145,3 +145,90 @@ def test_closed_batcher_refuses_new_work() -> None:
 
 async def run_none() -> None:
     return None
+
+
+
+_LOOP_MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
+               "inference_mode": torch.inference_mode}
+
+
+def _linear_examples(grad: bool, loop_mode: str) -> tuple[torch.nn.Linear, list[Any]]:
+    """Three examples through a Linear, each returning a value it awaited and a handle
+    computed after its last await, with the event loop run in ``loop_mode``, or
+    (``"other_task_in_no_grad"``) beside another task that awaits inside
+    ``torch.no_grad()`` all along, which leaves grad off on the loop thread."""
+    lin = torch.nn.Linear(6, 6).double()
+    step = bg.batched_func(lin)
+
+    async def example(x: torch.Tensor) -> tuple[Any, Any]:
+        y = await bg.value(step(x))
+        return y, step(y)
+
+    async def main() -> list[Any]:
+        async with bg.AsyncBatcher(max_latency=0.01, grad=grad) as batcher:
+            release = asyncio.Event()
+
+            async def other_request() -> None:
+                with torch.no_grad():
+                    await release.wait()
+
+            other = asyncio.ensure_future(other_request())
+            await asyncio.sleep(0)  # it enters no_grad and waits
+            if loop_mode != "other_task_in_no_grad":
+                release.set()
+                await other
+            got = await asyncio.gather(*(batcher.run(example(h)) for h in STATES[:3]))
+            release.set()
+            await other
+        return list(got)
+
+    with _LOOP_MODES.get(loop_mode, torch.enable_grad)():
+        return lin, asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop_mode", ["grad", "other_task_in_no_grad", "inference_mode"])
+def test_grad_false_values_carry_no_autograd_graph(loop_mode: str) -> None:
+    # grad=False is documented as "serving needs none": the examples' calls used to
+    # record with grad on (the loop thread's mode) and come back with a grad_fn.
+    lin, got = _linear_examples(False, loop_mode)
+    for (y, z), x in zip(got, STATES[:3]):
+        for value in (y, z):
+            assert not value.requires_grad and value.grad_fn is None
+            assert not value.is_inference()
+        with torch.no_grad():
+            torch.testing.assert_close(z, lin(lin(x)))
+
+
+@pytest.mark.parametrize("loop_mode", ["grad", "no_grad", "other_task_in_no_grad",
+                                       "inference_mode"])
+def test_grad_true_builds_graphs_whatever_mode_the_loop_thread_is_in(loop_mode: str) -> None:
+    # Grad mode is per thread, and asyncio tasks share the loop thread: a handler that
+    # awaits inside no_grad used to switch the batcher's recording off with it.
+    lin, got = _linear_examples(True, loop_mode)
+    assert all(z.grad_fn is not None for _, z in got)
+    (have,) = torch.autograd.grad(torch.stack([z.sum() for _, z in got]).sum(), lin.weight)
+    (want,) = torch.autograd.grad(
+        torch.stack([lin(lin(x)).sum() for x in STATES[:3]]).sum(), lin.weight
+    )
+    torch.testing.assert_close(have, want)
+
+
+def test_an_examples_own_grad_mode_holds_inside_the_batcher() -> None:
+    lin = torch.nn.Linear(6, 6).double()
+    step = bg.batched_func(lin)
+
+    async def example(i: int) -> Any:
+        if i == 0:
+            with torch.enable_grad():  # as eagerly: grad on inside the block
+                return await bg.value(step(STATES[i]))
+        if i == 1:
+            with torch.no_grad():
+                return await bg.value(step(STATES[i]))
+        return await bg.value(step(STATES[i]))
+
+    async def main(grad: bool) -> list[Any]:
+        async with bg.AsyncBatcher(max_latency=0.01, grad=grad) as batcher:
+            return list(await asyncio.gather(*(batcher.run(example(i)) for i in range(3))))
+
+    assert [v.requires_grad for v in asyncio.run(main(False))] == [True, False, False]
+    assert [v.requires_grad for v in asyncio.run(main(True))] == [True, False, True]
