@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from batchgraph.aliasing import shares_memory
 from batchgraph.errors import ConstantChangedError, NotComputedError
 from batchgraph.specs import OutSpec, TensorSpec
 
@@ -179,6 +180,8 @@ class ResultHandle:
     def dim(self) -> int:
         return self.ndim
 
+    ndimension = dim
+
     def size(self, dim: int | None = None) -> Any:
         shape = self.shape
         return shape if dim is None else shape[dim]
@@ -198,6 +201,26 @@ class ResultHandle:
 
     def is_complex(self) -> bool:
         return self.dtype.is_complex
+
+    def is_signed(self) -> bool:
+        return self.dtype.is_signed
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def is_meta(self) -> bool:
+        return self.device.type == "meta"
+
+    def get_device(self) -> int:
+        # As a tensor answers: the device index, -1 on the CPU.
+        index = self.device.index
+        return -1 if self.device.type == "cpu" else (0 if index is None else index)
 
     # -- values ------------------------------------------------------------------------
     @property
@@ -324,6 +347,8 @@ class ResultHandle:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func in _PYTHON_VALUED:
+            raise _not_known(f"{getattr(func, '__name__', func)}(...) of a handle")
         return _record(func, tuple(args), kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
@@ -406,6 +431,58 @@ class ResultHandle:
     def __pos__(self) -> Any:
         return _record(torch.positive, (self,), {})
 
+    def __lshift__(self, other: Any) -> Any:
+        return _binary(torch.bitwise_left_shift, (self, other))
+
+    def __rlshift__(self, other: Any) -> Any:
+        return _binary(torch.bitwise_left_shift, (other, self))
+
+    def __rshift__(self, other: Any) -> Any:
+        return _binary(torch.bitwise_right_shift, (self, other))
+
+    def __rrshift__(self, other: Any) -> Any:
+        return _binary(torch.bitwise_right_shift, (other, self))
+
+    # Augmented assignment (`h += g`) changes a tensor in place: every name bound to it
+    # sees the change (`states.append(h); h += d` changes the state appended). The
+    # handle itself then stands for the new value, which gives exactly that; see
+    # ``_in_place``. (`@=` is not in place on tensors: it rebinds, as here.)
+    def __iadd__(self, other: Any) -> Any:
+        return _in_place(self, torch.add, other, "+=")
+
+    def __isub__(self, other: Any) -> Any:
+        return _in_place(self, torch.sub, other, "-=")
+
+    def __imul__(self, other: Any) -> Any:
+        return _in_place(self, torch.mul, other, "*=")
+
+    def __itruediv__(self, other: Any) -> Any:
+        return _in_place(self, torch.div, other, "/=")
+
+    def __ifloordiv__(self, other: Any) -> Any:
+        return _in_place(self, torch.floor_divide, other, "//=")
+
+    def __imod__(self, other: Any) -> Any:
+        return _in_place(self, torch.remainder, other, "%=")
+
+    def __ipow__(self, other: Any) -> Any:
+        return _in_place(self, torch.pow, other, "**=")
+
+    def __iand__(self, other: Any) -> Any:
+        return _in_place(self, torch.bitwise_and, other, "&=")
+
+    def __ior__(self, other: Any) -> Any:
+        return _in_place(self, torch.bitwise_or, other, "|=")
+
+    def __ixor__(self, other: Any) -> Any:
+        return _in_place(self, torch.bitwise_xor, other, "^=")
+
+    def __ilshift__(self, other: Any) -> Any:
+        return _in_place(self, torch.bitwise_left_shift, other, "<<=")
+
+    def __irshift__(self, other: Any) -> Any:
+        return _in_place(self, torch.bitwise_right_shift, other, ">>=")
+
     def __matmul__(self, other: Any) -> Any:
         return _binary(torch.matmul, (self, other))
 
@@ -442,6 +519,52 @@ class ResultHandle:
         return _record(torch.abs, (self,), {})
 
 
+def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: str) -> Any:
+    """``handle {symbol} other``: record ``fn(handle, other)`` and make ``handle`` stand
+    for it, as an eager tensor changed in place stands for its new value.
+
+    Calls recorded on the handle before take the old value, as they did eagerly. As
+    eagerly, the result keeps the handle's shape and dtype (a broadcast that would
+    grow it, or a dtype it cannot be cast back to, fails). Refused where the change
+    would reach other tensors eagerly: the tensor given to ``bg.batched_value``, and
+    values sharing memory with the handle's (views; see ``batchgraph.aliasing``)."""
+    graph = handle._graph
+    constant = graph.constants.get(handle.node)
+    if isinstance(constant, torch.Tensor):
+        shared: str | None = (
+            "it is the tensor given to bg.batched_value, which eagerly returns that "
+            "tensor itself"
+        )
+    else:
+        shared = shares_memory(graph, handle.node, handle.leaf)
+    if shared is not None:
+        raise TypeError(
+            f"`{symbol}` on {handle!r} would change in place a value other tensors share "
+            f"memory with ({shared}): eagerly the change reaches them too, which cannot "
+            f"be recorded. Make a new value instead: h = h {symbol[:-1]} other."
+        )
+    result = _binary(fn, (handle, other))
+    if result is NotImplemented:
+        return NotImplemented
+    spec, new = handle.spec, result.spec
+    if type(spec) is TensorSpec and type(new) is TensorSpec:
+        if new.shape != spec.shape:
+            raise RuntimeError(
+                f"output with shape {list(spec.shape)} doesn't match the broadcast shape "
+                f"{list(new.shape)} (`{symbol}` on {handle!r} keeps its shape, as on a tensor)"
+            )
+        if new.dtype != spec.dtype:
+            if not torch.can_cast(new.dtype, spec.dtype):
+                raise RuntimeError(
+                    f"result type {new.dtype} can't be cast to the desired output type "
+                    f"{spec.dtype} (`{symbol}` on {handle!r} keeps its dtype, as on a tensor)"
+                )
+            result = result.to(spec.dtype)
+    handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
+    handle._gen, handle._out = result._gen, None
+    return handle
+
+
 def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:
     """An operator's call, recorded; NotImplemented for an operand it does not take,
     as a tensor's operators answer (so ``h == None`` is False and ``h + "a"`` raises
@@ -467,11 +590,25 @@ def _on_values_only(handle: ResultHandle, what: str) -> TypeError:
     )
 
 
+# Functions of tensors that answer a Python value (a bool): not known while recording,
+# as `bool(h)` is not; recorded, they would fail at compute for not returning tensors.
+_PYTHON_VALUED = frozenset({
+    torch.equal, torch.allclose, torch.is_nonzero,
+    torch.Tensor.equal, torch.Tensor.allclose, torch.Tensor.is_nonzero,
+})
+
+
 def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """A handle method that records the tensor method ``method``."""
 
     def recorded(self: ResultHandle, *args: Any, **kwargs: Any) -> Any:
         return _record(method, (self, *args), kwargs)
+
+    def not_known(self: ResultHandle, *args: Any, **kwargs: Any) -> Any:
+        raise _not_known(f"{self!r}.{name}(...)")
+
+    if method in _PYTHON_VALUED:
+        recorded = not_known
 
     recorded.__name__ = recorded.__qualname__ = name
     return recorded

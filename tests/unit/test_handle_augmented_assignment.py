@@ -1,0 +1,183 @@
+"""Augmented assignment on handles (`h += g`) acts as on tensors: in place, so every
+name bound to the value sees the change, with the value's shape and dtype kept.
+Also the metadata and operators handles answer as tensors do."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import batchgraph as bg
+
+_FLOAT_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "+=": operator.iadd, "-=": operator.isub, "*=": operator.imul,
+    "/=": operator.itruediv, "**=": operator.ipow, "//=": operator.ifloordiv,
+    "%=": operator.imod,
+}
+_INT_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "&=": operator.iand, "|=": operator.ior, "^=": operator.ixor,
+    "<<=": operator.ilshift, ">>=": operator.irshift, "+=": operator.iadd,
+}
+
+
+def _aliasing(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def example(x: Any, y: Any) -> Any:
+        z = x * 1
+        states = [z]  # bound to another name before the change
+        z = op(z, y)
+        return states[0], z
+    return example
+
+
+@pytest.mark.parametrize("symbol", sorted(_FLOAT_OPS))
+def test_float_ops_change_every_name_bound_to_the_value(symbol: str) -> None:
+    example = _aliasing(_FLOAT_OPS[symbol])
+    torch.manual_seed(0)
+    xs = [torch.rand(3, dtype=torch.float64) + 1 for _ in range(4)]
+    grad = symbol != "//="  # floor_divide has no derivative, eagerly either
+    ys = [(torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_(grad) for _ in range(4)]
+    eager = [example(x, y) for x, y in zip(xs, ys)]
+    with bg.BatchingPolicy():
+        handles = [example(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys)]
+    got = bg.compute(handles)
+    for (a, b), (ea, eb) in zip(got, eager):
+        torch.testing.assert_close(a, ea)
+        torch.testing.assert_close(b, eb)
+    if grad:
+        grads = torch.autograd.grad(sum(a.sum() * 3 + b.sum() for a, b in got), ys)
+        eager_grads = torch.autograd.grad(sum(a.sum() * 3 + b.sum() for a, b in eager), ys)
+        for g, eg in zip(grads, eager_grads):
+            torch.testing.assert_close(g, eg)
+
+
+@pytest.mark.parametrize("symbol", sorted(_INT_OPS))
+def test_integer_ops_change_every_name_bound_to_the_value(symbol: str) -> None:
+    example = _aliasing(_INT_OPS[symbol])
+    xs = [torch.tensor([5, 12, 7]) + i for i in range(3)]
+    eager = [example(x, 2) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [example(bg.batched_value(x), 2) for x in xs]
+    for (a, b), (ea, eb) in zip(bg.compute(handles), eager):
+        assert torch.equal(a, ea) and torch.equal(b, eb)
+
+
+def test_calls_recorded_before_the_change_see_the_old_value() -> None:
+    def example(x: Any) -> Any:
+        z = x * 1
+        before = z.exp()
+        z += 1
+        return before, z.exp()
+    x = torch.arange(3.0)
+    with bg.BatchingPolicy():
+        h = example(bg.batched_value(x))
+    for got, want in zip(bg.compute(h), example(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_sum_accumulated_with_plus_equals() -> None:
+    def example(xs: list[Any]) -> Any:
+        total = 0
+        for x in xs:
+            total += x.tanh()  # 0 + handle, then handle += handle
+        return total
+    data = [[torch.randn(2) for _ in range(n)] for n in (1, 3, 4)]
+    with bg.BatchingPolicy():
+        handles = [example([bg.batched_value(x) for x in xs]) for xs in data]
+    for got, xs in zip(bg.compute(handles), data):
+        torch.testing.assert_close(got, example(xs))
+
+
+def test_shape_and_dtype_stay_as_on_tensors() -> None:
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3)) * 1
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+            h += torch.ones(2, 3)
+        n = bg.batched_value(torch.arange(3)) * 1
+        with pytest.raises(RuntimeError, match="can't be cast"):
+            n += 0.5
+        f = bg.batched_value(torch.ones(3)) * 1
+        f += torch.full((3,), 0.1, dtype=torch.float64)  # computed in float64, kept float32
+        assert f.dtype == torch.float32
+    eager = torch.ones(3)
+    eager += torch.full((3,), 0.1, dtype=torch.float64)
+    assert torch.equal(bg.compute(f), eager)
+
+
+def test_changing_a_batched_value_in_place_is_refused() -> None:
+    # Eagerly bg.batched_value(x) is x itself: `+=` would change the caller's tensor.
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3))
+        with pytest.raises(TypeError, match="batched_value"):
+            h += 1
+        s = bg.batched_value(2.0)  # a new tensor eagerly: its own to change
+        s += 1
+    assert bg.compute(s).item() == 3.0
+
+
+def test_metadata_answered_as_by_tensors() -> None:
+    x = torch.randn(5)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x) * 1
+        assert h.ndimension() == x.ndimension()
+        assert (h.get_device(), h.is_cuda, h.is_cpu, h.is_meta) == (
+            x.get_device(), x.is_cuda, x.is_cpu, x.is_meta)
+        assert h.is_signed() == x.is_signed()
+        dist = torch.distributions.Categorical(logits=h, validate_args=False)
+        log_prob = dist.logits
+    torch.testing.assert_close(
+        bg.compute(log_prob), torch.distributions.Categorical(logits=x).logits)
+
+
+def test_shifts_record() -> None:
+    x = torch.tensor([1, 2, 8])
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x)
+        out = [h << 2, h >> 1, 1 << h, 64 >> h]
+    for got, want in zip(bg.compute(out), [x << 2, x >> 1, 1 << x, 64 >> x]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("call", ["torch.equal", "method equal", "allclose"])
+def test_python_valued_functions_are_not_known_while_recording(call: str) -> None:
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(2))
+        with pytest.raises(TypeError, match="not known while recording"):
+            if call == "torch.equal":
+                torch.equal(h, h)
+            elif call == "method equal":
+                h.equal(h)
+            else:
+                torch.allclose(h, h)
+
+
+@pytest.mark.parametrize("make", ["row", "view", "transpose", "contiguous", "viewed"])
+def test_changing_a_value_that_shares_memory_is_refused(make: str) -> None:
+    # Eagerly the change would reach the other value too; batched values share none.
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(2, 2)) * 1
+        target = {
+            "row": lambda: h[0],
+            "view": lambda: h.view(4),
+            "transpose": lambda: h.t(),
+            "contiguous": lambda: (h.contiguous(), h)[1],  # returns h itself eagerly
+            "viewed": lambda: (h[1], h)[1],  # a view of h was taken
+        }[make]()
+        with pytest.raises(TypeError, match="share memory"):
+            target += 1
+
+
+def test_a_copy_may_be_changed_and_leaves_the_original_alone() -> None:
+    # (reshape counts as a view: whether it copies depends on strides, which
+    # per-example values do not have; torch tells not to rely on either.)
+    x = torch.arange(6.0).view(2, 3)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x) * 1
+        copy = h.clone()
+        copy += 1
+        got = bg.compute([h, copy])
+    torch.testing.assert_close(got[0], x)
+    torch.testing.assert_close(got[1], x + 1)
