@@ -142,7 +142,14 @@ class BatchingPolicy:
         with gcpause.fewer_collections():
             return self._compute(obj)
 
-    def _compute(self, obj: Any) -> Any:
+    def _compute_example(self, obj: Any, example: int) -> Any:
+        """``compute`` for the values of one example, numbered ``example`` by its
+        caller (a coroutine driver retrying its examples one at a time): errors name
+        that number, where ``compute`` names each handle's position in ``obj``."""
+        with gcpause.fewer_collections():
+            return self._compute(obj, example)
+
+    def _compute(self, obj: Any, example: int | None = None) -> Any:
         start = time.perf_counter()
         record_seconds = start - self._mark
         handles: list[ResultHandle] = []
@@ -159,7 +166,10 @@ class BatchingPolicy:
         live = prune(graph, [h.node for h in handles])
         schedule = build_schedule(graph, live, self.scheduler)
         scheduled = time.perf_counter()
-        executor = Executor(graph, example_of=_ExampleIndex(graph, handles))
+        example_of = (
+            _ExampleIndex(graph, handles) if example is None else lambda _node: example
+        )
+        executor = Executor(graph, example_of=example_of)
         executor.run(schedule)
         executed = time.perf_counter()
         self.last_schedule = schedule

@@ -329,7 +329,10 @@ class Lane:
             return
         for ex, obj in zip(examples, waits):
             try:
-                ex.ready = policy.compute(obj)
+                # Errors name the example by its driver's index: numbered by position in
+                # this compute of one example, they would blame "example 0" (or 1, ...:
+                # the example's own awaited handles), whichever example failed.
+                ex.ready = policy._compute_example(obj, ex.index)
             except Exception as err:
                 if hasattr(err, "add_note"):
                     err.add_note(f"(raised while computing example {ex.index}'s awaited values)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Generator
@@ -295,6 +296,29 @@ def test_a_failing_batched_call_fails_only_its_example() -> None:
     torch.testing.assert_close(got[0], embed(torch.tensor(1)) + embed(torch.tensor(2)))
     torch.testing.assert_close(got[2], embed(torch.tensor(1)) + embed(torch.tensor(3)))
 
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_failing_batched_call_names_its_run_all_example(groups: int) -> None:
+    # The failing call is found by computing each example alone; its error used to
+    # number examples within that compute, so it always blamed "example 0".
+    embed = bg.batched_func(nn.Embedding(5, 3))
+
+    async def example(i: int) -> Any:
+        fine = embed(bg.batched_value(0))
+        token = embed(bg.batched_value(i * 2))  # only example 3's token (6) is out of range
+        return await bg.value((fine, token))
+
+    got = bg.run_all([example(i) for i in range(4)], groups=groups, return_exceptions=True)
+    assert [isinstance(g, bg.BatchedCallError) for g in got] == [False, False, False, True]
+    assert "example 3" in str(got[3])
+    assert not re.search(r"\bexamples? [0-2]\b", str(got[3])), str(got[3])
+    with pytest.raises(bg.CoroutineExampleError) as info:
+        bg.run_all([example(i) for i in range(4)], groups=groups)
+    assert info.value.index == 3 and isinstance(info.value.__cause__, bg.BatchedCallError)
+    message = str(info.value)
+    assert message.startswith("example 3 of 4 raised BatchedCallError")
+    assert not re.search(r"\bexamples? [0-2]\b", message), message
 
 class _Foreign:
     def __await__(self) -> Generator[str, None, None]:
