@@ -105,6 +105,16 @@ class Modules(nn.Module):
         self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
 
 
+def _augmented(a: Any, b: Any, c: int) -> Any:
+    """Augmented assignment changes the value in place: the name bound before sees it."""
+    z = a * 1.5
+    kept = [z]
+    z += b.sum()
+    z *= 0.5 + c
+    z -= a
+    return kept[0] + z
+
+
 def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
     """Name -> (applies, op). ``m``'s modules are called through ``batched_func``
     sites made here, which run eagerly when no policy records."""
@@ -143,6 +153,7 @@ def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
         "lerp_addcmul": (_always, lambda a, b, c: torch.lerp(a, torch.zeros_like(a), 0.3) + torch.addcmul(a, a, a, value=0.5)),
         "new_ones": (_always, lambda a, b, c: a.new_ones(a.shape) - a),
         "dropout_eval": (_always, lambda a, b, c: F.dropout(a, 0.5, training=False)),
+        "augmented": (_always, _augmented),
         # Full reductions.
         "sum": (_always, lambda a, b, c: a.sum()),
         "mean": (_nonempty, lambda a, b, c: a.mean()),
