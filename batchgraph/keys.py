@@ -443,6 +443,7 @@ REDUCTION_FUNCTIONS: frozenset[Any] = frozenset(
 DIM_FUNCTIONS: dict[Any, int] = {
     torch.cat: 1,
     torch.concat: 1,
+    torch.concatenate: 1,
     torch.stack: 1,
     torch.softmax: 1,
     torch.log_softmax: 1,

@@ -181,6 +181,16 @@ def _fill(template: Any, inputs: Sequence[Any]) -> Any:
     return template
 
 
+# PyTorch's argument parser takes NumPy's names for some parameters of its native
+# functions (``torch.cat(xs, axis=0)``, ``x.sum(axis=1)``, as eagerly): a rule that
+# reads or rewrites ``dim`` must find it under its alias too.
+_ALIASES: dict[str, tuple[str, ...]] = {"dim": ("dim", "axis")}
+
+
+def _names(name: str) -> tuple[str, ...]:
+    return _ALIASES.get(name, (name,))
+
+
 @dataclass(frozen=True)
 class CallSignature:
     """A call with its tensor inputs taken out.
@@ -213,9 +223,11 @@ class CallSignature:
         return fn(*args)
 
     def static_arg(self, position: int, name: str, default: Any) -> Any:
-        """The static value passed at ``position`` or as ``name``, else ``default``."""
+        """The static value passed at ``position`` or as ``name`` (or its NumPy alias:
+        ``axis`` for ``dim``), else ``default``."""
+        names = _names(name)
         for key, value in self.kwargs:
-            if key == name:
+            if key in names:
                 return value
         if position < len(self.args):
             return self.args[position]
@@ -223,9 +235,12 @@ class CallSignature:
 
     def with_arg(self, position: int, name: str, value: Any) -> CallSignature:
         """A copy with the static argument at ``position``/``name`` replaced (passed
-        by keyword when the call left it to its default)."""
-        by_keyword = any(k == name for k, _ in self.kwargs)
-        kwargs = tuple((k, value if k == name else v) for k, v in self.kwargs)
+        by keyword when the call left it to its default). A value passed under the
+        alias (``axis=``) is replaced there: adding ``dim=`` beside it would pass the
+        argument twice."""
+        names = _names(name)
+        by_keyword = any(k in names for k, _ in self.kwargs)
+        kwargs = tuple((k, value if k in names else v) for k, v in self.kwargs)
         args = self.args
         if not by_keyword:
             if position < len(args):

@@ -239,3 +239,35 @@ def test_operators_answer_operands_they_do_not_take_as_tensors_do() -> None:
         assert (None == h) is False and None not in [h]  # noqa: E711, SIM300 (reflected ==)
         with pytest.raises(TypeError, match="unsupported operand"):
             _ = h + "a"
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # NumPy's ``axis=`` names ``dim`` eagerly; the rule added ``dim=`` beside it
+        # and the batched call failed ("unexpected keyword argument 'axis'").
+        lambda x: torch.cat([x, x * 2], axis=0),
+        lambda x: torch.cat([x, x * 2], axis=-1),
+        lambda x: torch.concat([x, x * 2], axis=1),
+        lambda x: torch.concatenate([x, x * 2], axis=-2),
+        lambda x: torch.stack([x, x * 3], axis=0),
+        lambda x: torch.stack([x, x * 3], axis=-1),
+        lambda x: torch.softmax(x, axis=0),
+        lambda x: torch.log_softmax(x, axis=-1),
+        lambda x: x.softmax(axis=1),
+        lambda x: x.sum(axis=0, keepdims=True),
+        lambda x: torch.logsumexp(x, axis=-1),
+    ],
+)
+def test_axis_keyword_acts_as_dim(fn: Callable[..., Any]) -> None:
+    xs = [torch.randn(2, 3, requires_grad=True) for _ in range(3)]
+    weights = [torch.randn_like(fn(x)) for x in xs]
+    got, policy = _batched(fn, xs)
+    assert policy.stats.launches * 3 == policy.stats.nodes  # one call per op, all 3 examples
+    grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)), xs)
+    for x, w, value, grad in zip(xs, weights, got, grads):
+        want = fn(x)
+        assert value.shape == want.shape
+        torch.testing.assert_close(value, want, rtol=0, atol=0)
+        (want_grad,) = torch.autograd.grad((want * w).sum(), [x])
+        torch.testing.assert_close(grad, want_grad)
