@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -28,7 +29,7 @@ import torch
 from batchgraph.errors import PolicyClosedError, PolicyMismatchError
 from batchgraph.graph import exact_number
 from batchgraph.handle import ResultHandle, snapshot, unchanged
-from batchgraph.specs import InputSlot, TensorSpec, make_seq
+from batchgraph.specs import InputSlot, TensorSpec, make_map, make_seq
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
@@ -41,6 +42,24 @@ __all__ = [
     "static_value",
     "template_argument",
 ]
+
+
+# Dicts taken apart when they hold tensors or handles (at any depth), rebuilt with
+# the same keys in the same order; other dicts are held by reference, as any object
+# (and so is a subclass with other constructor arguments, ``defaultdict``).
+_MAPS: tuple[type, ...] = (dict, OrderedDict)
+# What a list or tuple argument is looked into for.
+_NESTED: tuple[type, ...] = (torch.Tensor, list, tuple, *_MAPS)
+
+
+def _holds_tensors(a: Any) -> bool:
+    if type(a) is ResultHandle or isinstance(a, torch.Tensor):
+        return True
+    if type(a) is list or type(a) is tuple:
+        return any(_holds_tensors(x) for x in a)
+    if type(a) in _MAPS:
+        return any(_holds_tensors(x) for x in a.values())
+    return False
 
 
 def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:
@@ -68,8 +87,13 @@ def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -
         inputs.append((node, 0))
         return graph.node_spec[node]
     if type(a) is list or type(a) is tuple:
-        if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
+        if any(type(x) is ResultHandle or isinstance(x, _NESTED) for x in a):
             return (type(a), tuple(encode_argument(x, graph, inputs, depth) for x in a))
+    elif type(a) in _MAPS and _holds_tensors(a):
+        # Taken apart like a list: the call gets a dict of the per-example (or
+        # batched) tensors. Held by reference, it would reach the call with handles.
+        return (type(a), tuple((static_value(k), encode_argument(v, graph, inputs, depth))
+                               for k, v in a.items()))
     return static_value(a)
 
 
@@ -159,8 +183,10 @@ def template_argument(a: Any, specs: list[TensorSpec | None]) -> Any:
         specs.append(TensorSpec.of(a))
         return InputSlot(len(specs) - 1)
     if type(a) is list or type(a) is tuple:
-        if any(type(x) is ResultHandle or isinstance(x, (torch.Tensor, list, tuple)) for x in a):
+        if any(type(x) is ResultHandle or isinstance(x, _NESTED) for x in a):
             return make_seq(type(a), tuple(template_argument(x, specs) for x in a))
+    elif type(a) in _MAPS and _holds_tensors(a):
+        return make_map(type(a), tuple(a), tuple(template_argument(v, specs) for v in a.values()))
     if _is_ndarray(a):
         return a.copy()  # the cached call's own, whatever becomes of the caller's array
     return a

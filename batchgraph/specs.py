@@ -173,11 +173,23 @@ class _Seq:
     items: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class _Map:
+    """A dict argument that contains tensor inputs (``f({"a": h, "b": g})``): its keys,
+    in order, and their values' templates. Each call gets a dict of its own."""
+
+    kind: type
+    keys: tuple[Any, ...]
+    values: tuple[Any, ...]
+
+
 def _fill(template: Any, inputs: Sequence[Any]) -> Any:
     if type(template) is InputSlot:
         return inputs[template.slot]
     if type(template) is _Seq:
         return template.kind(_fill(t, inputs) for t in template.items)
+    if type(template) is _Map:
+        return template.kind(zip(template.keys, [_fill(t, inputs) for t in template.values]))
     return template
 
 
@@ -252,6 +264,10 @@ class CallSignature:
 
 def make_seq(kind: type, items: tuple[Any, ...]) -> _Seq:
     return _Seq(kind, items)
+
+
+def make_map(kind: type, keys: tuple[Any, ...], values: tuple[Any, ...]) -> _Map:
+    return _Map(kind, keys, values)
 
 
 def tuple_parts(template: Any) -> tuple[Any, ...]:
