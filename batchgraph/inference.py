@@ -15,10 +15,12 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
+from torch.overrides import TorchFunctionMode
 
 from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
@@ -27,6 +29,12 @@ from batchgraph.specs import CallSignature, InputSlot, OutSpec, sequence_kind, s
 
 __all__ = ["infer_spec"]
 
+
+class _HostRead(RuntimeError):
+    """The function read a fake tensor's values on the host (``x.numpy()``,
+    ``np.asarray(x)``): value-dependent Python, as ``x.item()`` is."""
+
+
 # Errors meaning "the structure of the result cannot be known before running".
 _UNKNOWABLE = (
     DataDependentOutputException,
@@ -34,7 +42,25 @@ _UNKNOWABLE = (
     UnsupportedOperatorException,
     UnsupportedFakeTensorException,
     NotImplementedError,
+    _HostRead,
 )
+
+# Tensor methods that hand a tensor's values to the host without an aten op (so
+# FakeTensorMode has no DataDependentOutputException to raise, as it does for
+# ``item()`` and ``tolist()``): on a fake tensor they fail with a RuntimeError that
+# reads like any other, a shape error included.
+_NUMPY, _ARRAY = torch.Tensor.numpy, torch.Tensor.__array__
+
+
+class _HostReads(TorchFunctionMode):
+    """Raises ``_HostRead`` where the fake run reads a fake tensor's values; a real
+    tensor the function holds (a captured constant) is read as usual."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
+            raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
+        return func(*args, **(kwargs or {}))
 
 
 def infer_spec(
@@ -98,7 +124,7 @@ def _fake_apply(
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead)."""
     with (without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws,
-          draws.calls()):
+          draws.calls(), _HostReads()):
         fakes = [
             0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
             for i, s in enumerate(call.input_specs)
