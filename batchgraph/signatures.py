@@ -99,7 +99,7 @@ def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -
 
 def in_place_error(
     fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> TypeError | None:
+) -> TypeError | RuntimeError | None:
     """The error for a call that would modify its input in place, or None.
 
     In place: a tensor method or function named with a trailing underscore (``add_``,
@@ -109,6 +109,17 @@ def in_place_error(
     """
     method = getattr(fn, "__name__", "")
     if isinstance(method, str) and method.endswith("_") and not method.startswith("_"):
+        if args and isinstance(args[0], torch.Tensor):
+            # A tensor changed in place with a recorded value: `t.add_(h)`, and `t += h`
+            # (Tensor.__iadd__ calls add_). Not a TypeError: __iadd__ turns that into
+            # NotImplemented, and Python then quietly rebinds `t` to `t + h`, leaving
+            # ``t`` and every other name bound to it unchanged, as they are not eagerly.
+            return RuntimeError(
+                f"{method} (or an augmented assignment such as `t += h`) would change "
+                "a tensor in place with a recorded value, whose value is not known until "
+                "computed: the tensor, and every name bound to it, cannot be changed. "
+                f"Make a new value instead: t = t + h, or t = torch.{method[:-1]}(t, ...)."
+            )
         return TypeError(
             f"{method} modifies its tensor in place, which cannot be recorded: a handle "
             "stands for a value that other calls (and identical calls, which are merged) "
@@ -154,14 +165,16 @@ def static_value(a: Any) -> Any:
     ``h * 2`` and ``h * 2.0`` give different dtypes, so they must not share a cached
     signature, a key or a merged node (and a float zero its sign: ``exact_number``).
     Lists and tuples become tagged tuples of the same (a list is otherwise
-    unhashable, and its call could not be cached); a NumPy array its dtype, shape and
-    bytes.
+    unhashable, and its call could not be cached), a slice a tagged tuple of its
+    bounds (unhashable before Python 3.12); a NumPy array its dtype, shape and bytes.
     """
     kind = type(a)
     if kind is float or kind is int or kind is bool or kind is complex:
         return (kind, exact_number(a))
     if kind is list or kind is tuple:
         return (kind, tuple(map(static_value, a)))
+    if kind is slice:  # unhashable before Python 3.12: each call would key on its own
+        return (slice, static_value(a.start), static_value(a.stop), static_value(a.step))
     if _is_ndarray(a):  # by value, as a list: held by reference, a change would reach it
         return ("ndarray", a.dtype.str, a.shape, a.tobytes())
     return a

@@ -106,10 +106,11 @@ class Modules(nn.Module):
 
 
 def _augmented(a: Any, b: Any, c: int) -> Any:
-    """Augmented assignment changes the value in place: the name bound before sees it."""
+    """Augmented assignment changes the value in place: the name bound before sees it.
+    (Its operands are both values or both handles: ``b`` may be the other kind.)"""
     z = a * 1.5
     kept = [z]
-    z += b.sum()
+    z += a.sum()
     z *= 0.5 + c
     z -= a
     return kept[0] + z

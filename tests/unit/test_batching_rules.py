@@ -271,3 +271,28 @@ def test_axis_keyword_acts_as_dim(fn: Callable[..., Any]) -> None:
         torch.testing.assert_close(value, want, rtol=0, atol=0)
         (want_grad,) = torch.autograd.grad((want * w).sum(), [x])
         torch.testing.assert_close(grad, want_grad)
+
+
+_SLICINGS: dict[str, Callable[[Any], Any]] = {
+    "h[1:]": lambda h: h[1:],
+    "h[..., :2]": lambda h: h[..., :2],
+    "h[1:4:2, 0]": lambda h: h[1:4:2, 0],
+    "h[-2:, :1]": lambda h: h[-2:, :1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SLICINGS))
+def test_slicing_batches_into_one_launch(name: str) -> None:
+    # Slices are unhashable before Python 3.12: keyed as they were, every call (a new
+    # slice object each time) was a key of its own and ran alone.
+    index = _SLICINGS[name]
+    xs = [torch.randn(5, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    with bg.BatchingPolicy() as policy:
+        handles = [index(bg.batched_value(x)) for x in xs]
+    got = bg.compute(handles)
+    assert policy.stats.launches == 1  # one batched indexing (constants are not launches)
+    for value, x in zip(got, xs):
+        torch.testing.assert_close(value, index(x))
+    grads = torch.autograd.grad(sum(v.sum() for v in got), xs)
+    for g, x in zip(grads, xs):
+        torch.testing.assert_close(g, torch.autograd.grad(index(x).sum(), x)[0])

@@ -181,3 +181,16 @@ def test_a_copy_may_be_changed_and_leaves_the_original_alone() -> None:
         got = bg.compute([h, copy])
     torch.testing.assert_close(got[0], x)
     torch.testing.assert_close(got[1], x + 1)
+
+
+def test_a_tensor_changed_in_place_with_a_recorded_value_is_refused() -> None:
+    # Eagerly `t += h` changes t itself (and every name bound to it); torch turned the
+    # refusal into NotImplemented, and Python silently rebound t to t + h.
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3)) * 1
+        t = torch.ones(3)
+        with pytest.raises(RuntimeError, match=r"t \+= h"):
+            t += h
+        with pytest.raises(RuntimeError, match="would change a tensor in place"):
+            t.mul_(h)
+    assert torch.equal(t, torch.ones(3))
