@@ -112,10 +112,22 @@ def infer_spec(
         return spec_of(out), draws.seen, sequence_kind(out)
     except TypeError as err:
         raise NotATensorError(
-            f"{name} returned {type(out).__name__}; a recorded call must return a "
-            "tensor or a tuple of tensors. Wrap the tensor work in a module or function "
-            "that returns tensors, and do the rest on computed values."
+            f"{name} returned {type(out).__name__}{_culprit(out)}; a recorded call must "
+            "return a tensor or a tuple of tensors (None allowed). Wrap the tensor work "
+            "in a module or function that returns tensors, and do the rest on computed "
+            "values."
         ) from err
+
+
+def _culprit(out: Any, where: str = "") -> str:
+    """Where a result that is a tuple or list holds something other than tensors or
+    None: `` holding int at [2]`` (empty when ``out`` itself is the culprit)."""
+    if not isinstance(out, (tuple, list)):
+        return f" holding {type(out).__name__} at {where}" if where else ""
+    for i, item in enumerate(out):
+        if item is not None and not isinstance(item, torch.Tensor):
+            return _culprit(item, f"{where}[{i}]")
+    return ""
 
 
 def _fake_apply(

@@ -84,6 +84,14 @@ def test_non_tensor_result_is_refused() -> None:
         count(torch.ones(3))
 
 
+def test_a_non_tensor_in_a_tuple_result_is_named() -> None:
+    extra = bg.batched_func(lambda t: (t, None, 3))
+    with bg.BatchingPolicy(), pytest.raises(
+        bg.NotATensorError, match=r"returned tuple holding int at \[2\];"
+    ):
+        extra(torch.ones(3))
+
+
 def test_unknown_scheduler() -> None:
     with pytest.raises(ValueError, match=r"unknown scheduler 'fifo'; choose one of"):
         bg.BatchingPolicy(scheduler="fifo")
