@@ -50,6 +50,8 @@ __all__ = [
 _MAPS: tuple[type, ...] = (dict, OrderedDict)
 # What a list or tuple argument is looked into for.
 _NESTED: tuple[type, ...] = (torch.Tensor, list, tuple, *_MAPS)
+# Mutable statics a cached call keeps copies of (see ``_owned``).
+_COPIED = frozenset({list, tuple, dict, OrderedDict})
 
 
 def _holds_tensors(a: Any) -> bool:
@@ -173,6 +175,8 @@ def static_value(a: Any) -> Any:
         return (kind, exact_number(a))
     if kind is list or kind is tuple:
         return (kind, tuple(map(static_value, a)))
+    if kind in _MAPS:  # by value, as a list (template_argument keeps a copy)
+        return (kind, tuple((static_value(k), static_value(v)) for k, v in a.items()))
     if kind is slice:  # unhashable before Python 3.12: each call would key on its own
         return (slice, static_value(a.start), static_value(a.stop), static_value(a.step))
     if _is_ndarray(a):  # by value, as a list: held by reference, a change would reach it
@@ -200,8 +204,23 @@ def template_argument(a: Any, specs: list[TensorSpec | None]) -> Any:
             return make_seq(type(a), tuple(template_argument(x, specs) for x in a))
     elif type(a) in _MAPS and _holds_tensors(a):
         return make_map(type(a), tuple(a), tuple(template_argument(v, specs) for v in a.values()))
+    return _owned(a)
+
+
+def _owned(a: Any) -> Any:
+    """A static argument as the cached call keeps it: lists, dicts and arrays (also
+    inside tuples) copied. The signature took them by value, and later calls with
+    equal ones reuse this template: held by reference, a change the caller makes
+    afterwards would reach every one of them."""
+    kind = type(a)
+    if kind is list:
+        return [_owned(x) for x in a]
+    if kind is tuple:
+        return tuple(_owned(x) for x in a) if any(type(x) in _COPIED for x in a) else a
+    if kind in _MAPS:
+        return kind((k, _owned(v)) for k, v in a.items())
     if _is_ndarray(a):
-        return a.copy()  # the cached call's own, whatever becomes of the caller's array
+        return a.copy()
     return a
 
 
