@@ -414,7 +414,10 @@ class DistributedPipeline:
         attached = last.attached_outputs(mb) if self._fused_loss else None
         try:
             tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
-            weight = self.loss.weight(outs[0].shape[0], total_n)
+            # The microbatch's samples, as the threads backend counts them (its inputs'
+            # dim 0; the targets split alike): the output's dim 0 need not be the batch,
+            # e.g. (B*T, V) logits of B sequences.
+            weight = self.loss.weight(tgs[mb][0].shape[0], total_n)
             if attached is not None:
                 with torch.enable_grad():
                     value = self.loss.compute_loss(

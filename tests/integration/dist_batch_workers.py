@@ -1,0 +1,66 @@
+"""Workers for the torch.distributed backend's batch semantics tests (spawned processes).
+
+Each job builds small float64 models on every rank, trains one step with the
+torch.distributed backend and reports what it compares with single-device training.
+Launched with :func:`tests.integration.dist_workers.launch` (2 ranks, gloo).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+B, T, V, H = 8, 5, 7, 6
+
+
+class TokenHead(nn.Module):
+    """Logits of every token, flattened: (B, T, H) -> (B*T, V); dim 0 is not the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(H, V, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h).reshape(-1, V)
+
+
+def token_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, target.reshape(-1))
+
+
+def _token_model() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(H, H, dtype=torch.float64), nn.Tanh()), TokenHead()]
+
+
+def _grad_error(got: nn.Module, ref: nn.Module) -> float:
+    err = 0.0
+    for p, q in zip(got.parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None
+        err = max(err, (p.grad - q.grad).abs().max().item())
+    return err
+
+
+def job_output_not_batch(rank: int, world: int) -> dict[str, Any]:
+    """(B*T, V) logits against (B, T) targets with a mean loss: the microbatch weights
+    must count samples (B), not output rows (B*T)."""
+    from batchgraph.pipeline import Pipeline
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    ref = nn.Sequential(*_token_model())
+    ref_loss = token_loss(ref(x), y)
+    ref_loss.backward()
+    mods = _token_model()
+    # 3 microbatches of 8 samples: sizes 3, 3, 2, so unequal weights are exercised too.
+    with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=token_loss,
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
+    return {
+        "error": _grad_error(mods[rank], ref[rank]),
+        "loss": None if loss is None else float(loss),
+        "ref_loss": float(ref_loss),
+    }

@@ -1,0 +1,34 @@
+"""The torch.distributed backend's batch semantics equal the threads backend's (2 gloo ranks).
+
+How microbatches are weighted, which batches are refused, and parameters shared by
+stages on different ranks: each compared with single-device training in float64.
+Launches are bounded (see :func:`tests.integration.dist_workers.launch`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from tests.integration import dist_batch_workers as BW
+from tests.integration import dist_workers as W
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    ),
+]
+
+TOL = 1e-10
+
+
+def test_microbatch_weights_count_samples_not_output_rows() -> None:
+    """Logits (B*T, V) of B sequences, mean cross-entropy: loss and gradients as one device."""
+    run = W.launch(BW.job_output_not_batch, world=2, limit=60)
+    for r in range(2):
+        res = run.ok(r)
+        assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+    last = run.ok(1)
+    assert last["loss"] == pytest.approx(last["ref_loss"], abs=TOL)
