@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
+from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
@@ -50,7 +51,7 @@ from batchgraph.pipeline.dist_topology import (
 )
 from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError, StageError
 from batchgraph.pipeline.loss import Loss
-from batchgraph.pipeline.microbatch import Batch, batch_size, merge_microbatches, split_microbatches
+from batchgraph.pipeline.microbatch import Batch, merge_microbatches, split_microbatches
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
@@ -254,6 +255,9 @@ class DistributedPipeline:
             ``None`` on the other ranks.
 
         Raises:
+            PipelineConfigError: on every rank, before anything is sent (the pipeline
+                stays usable), if the inputs and targets differ in sample count or the
+                rank of stage 0 (the last stage) got no inputs (targets).
             RankStageError: an action failed on this rank (names rank, stage, action,
                 microbatch; the original error is the cause). Every other rank then fails too.
             PeerFailedError: another rank failed first; carries its rank, stage, action,
@@ -288,6 +292,7 @@ class DistributedPipeline:
 
     def _step_guarded(self, inputs: Batch | None, targets: Batch | None, *, train: bool) -> Any:
         self._check_open()
+        total_n = self._check_batches(inputs, targets) if train else 0
         self._step += 1
         self.comm.begin_step(self._step, self.schedule.stages)
         for stage in self.stages.values():
@@ -297,7 +302,7 @@ class DistributedPipeline:
         try:
             if self._gather is not None:
                 self._gather.begin(train)  # rank 0 posts its receives during the fill
-            result, events = self._run(inputs, targets, train=train)
+            result, events = self._run(inputs, targets, total_n, train=train)
             if params:
                 allreduce_gradients(params, self.groups.replica, saved)
             if train and result is not None and self.groups.replica is not None:
@@ -323,8 +328,29 @@ class DistributedPipeline:
         self.groups.destroy()
         return error
 
+    def _check_batches(self, inputs: Batch | None, targets: Batch | None) -> int:
+        """The step's global batch size; raises what every rank raises for bad batches.
+
+        Before the step begins (no message sent, no gradient stashed), so a refused
+        batch leaves the pipeline usable, as in the threads backend.
+        """
+        counts, own_error = local_counts(
+            inputs, targets, first=self._has_first, last=self._has_last
+        )
+        try:
+            every = gather_counts(self.groups.control, counts, self.comm.device)
+        except BaseException as exc:  # a peer is gone or stuck: the pipeline cannot go on
+            raise self._fail(exc) from exc
+        first, last = self.schedule.device_of(0), self.schedule.device_of(self.schedule.stages - 1)
+        total, error = check_batches(every, self.topology, first, last)
+        if own_error is not None:
+            raise own_error  # this rank's own words for its batch; the others name it
+        if error is not None:
+            raise error
+        return total
+
     def _run(
-        self, inputs: Batch | None, targets: Batch | None, *, train: bool
+        self, inputs: Batch | None, targets: Batch | None, total_n: int, *, train: bool
     ) -> tuple[Any, list[tuple[float, float]]]:
         m = self.schedule.microbatches
         steps = self._steps(train)
@@ -336,14 +362,9 @@ class DistributedPipeline:
             for mb, xs in enumerate(split_microbatches(inputs, m)):
                 self.comm.send(MessageKey(_ACT, COORDINATOR, 0, mb), xs)
         tgs: list[tuple[Tensor, ...]] = []
-        total_n = 0
         if self._has_last and train:
-            if targets is None:
-                raise PipelineConfigError(
-                    f"rank {self.topology.rank} runs the last stage: pass the targets"
-                )
+            assert targets is not None  # see _check_batches
             tgs = split_microbatches(targets, m)
-            total_n = self._global_batch(batch_size(targets))
         losses: list[Tensor] = []
         weights: list[float] = []
         outputs: dict[int, tuple[Tensor, ...]] = {}
@@ -439,15 +460,6 @@ class DistributedPipeline:
             ) from exc  # fmt: skip
         self.comm.send(MessageKey(_GRAD, COORDINATOR, stage, mb), grads)
         return value.detach(), weight
-
-    def _global_batch(self, n: int) -> int:
-        # A mean loss divides by the batch of all replicas, so each replica's gradients
-        # are its share and their sum is the full-batch gradient.
-        if self.groups.replica is None:
-            return n
-        count = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(count, group=self.groups.replica)
-        return int(count.item())
 
     def _steps(self, train: bool) -> StepPlan:
         """This rank's actions in a training (or forward-only) step, with their message

@@ -64,3 +64,36 @@ def job_output_not_batch(rank: int, world: int) -> dict[str, Any]:
         "loss": None if loss is None else float(loss),
         "ref_loss": float(ref_loss),
     }
+
+
+def job_batch_mismatch(rank: int, world: int) -> dict[str, Any]:
+    """8 inputs but 4 targets: every rank refuses the step with the threads backend's
+    error; the pipeline then trains a good batch exactly (nothing of the refused one left)."""
+    from batchgraph.pipeline import Pipeline, PipelineConfigError
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Linear(4, 4, dtype=torch.float64))
+    mods = [nn.Linear(4, 4, dtype=torch.float64), nn.Linear(4, 4, dtype=torch.float64)]
+    for m, r in zip(mods, ref):
+        m.load_state_dict(r.state_dict())
+    nn.MSELoss()(ref(x), y).backward()
+    out: dict[str, Any] = {}
+    with Pipeline(mods, microbatches=4, schedule="1f1b", loss_fn=nn.MSELoss(),
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        try:
+            pipe.train_step(x if rank == 0 else None, y[:4] if rank == world - 1 else None)
+            out["refused"] = "no error"
+        except PipelineConfigError as exc:
+            out["refused"] = str(exc)
+        try:
+            pipe.train_step(x if rank == 0 else None, None)
+            out["missing"] = "no error"
+        except PipelineConfigError as exc:
+            out["missing"] = str(exc)
+        out["untouched"] = all(p.grad is None for p in mods[rank].parameters())
+        pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
+    out["error"] = _grad_error(mods[rank], ref[rank])
+    return out

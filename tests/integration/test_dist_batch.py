@@ -32,3 +32,15 @@ def test_microbatch_weights_count_samples_not_output_rows() -> None:
         assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
     last = run.ok(1)
     assert last["loss"] == pytest.approx(last["ref_loss"], abs=TOL)
+
+
+def test_inputs_and_targets_of_different_sizes_are_refused_on_every_rank() -> None:
+    run = W.launch(BW.job_batch_mismatch, world=2, limit=60)
+    for r in range(2):
+        res = run.ok(r)
+        assert "inputs have 8 samples but targets have 4" in res["refused"], res["refused"]
+        assert "inputs on rank 0, targets on rank 1" in res["refused"]
+        assert "rank 1 runs the last stage: pass the targets" in res["missing"], res["missing"]
+        # Refused before anything ran; the next good step equals one device.
+        assert res["untouched"], f"rank {r}: a refused step left gradients"
+        assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
