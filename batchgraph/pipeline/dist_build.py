@@ -12,7 +12,7 @@ from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.partition import partition_sequential
 from batchgraph.pipeline.stage import Stage
 
-__all__ = ["StageSpec", "build_local_stages", "materialise"]
+__all__ = ["StageSpec", "build_local_stages", "materialise", "stage_specs"]
 
 #: A stage given as a module, or as a zero-argument factory only its own rank calls.
 StageSpec = nn.Module | Callable[[], nn.Module]
@@ -41,6 +41,18 @@ def materialise(module: nn.Module, device: torch.device) -> nn.Module:
     return module.to(device)
 
 
+def stage_specs(module: nn.Sequential | Sequence[StageSpec], total: int) -> list[StageSpec]:
+    """One module or factory per stage: ``module`` split by parameter count, or as given.
+
+    Example:
+        >>> len(stage_specs(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), 2))
+        2
+    """
+    if isinstance(module, nn.Sequential):
+        return list(partition_sequential(module, total, cost="params"))
+    return list(module)
+
+
 def build_local_stages(
     module: nn.Sequential | Sequence[StageSpec],
     schedule: PipelineSchedule,
@@ -65,11 +77,7 @@ def build_local_stages(
         PipelineConfigError: if the number of stage modules does not match the schedule.
     """
     total = schedule.stages
-    specs: Sequence[StageSpec]
-    if isinstance(module, nn.Sequential):
-        specs = partition_sequential(module, total, cost="params")
-    else:
-        specs = list(module)
+    specs = stage_specs(module, total)
     if len(specs) != total:
         raise PipelineConfigError(
             f"{len(specs)} stage modules for {total} stages ({schedule.devices} devices x "

@@ -33,16 +33,18 @@ from torch import Tensor, nn
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
-from batchgraph.pipeline.dist_build import StageSpec, build_local_stages
+from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, stage_specs
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
     allreduce_gradients,
+    restore_gradients,
     stash_gradients,
     step_timeline,
 )
+from batchgraph.pipeline.dist_tied import Tie, TiedGradients, describe_ties, find_ties
 from batchgraph.pipeline.dist_topology import (
     ProcessGroups,
     Topology,
@@ -138,9 +140,11 @@ class DistributedPipeline:
         self.topology = Topology(stages, replicas, dist.get_rank())
         self.groups = ProcessGroups(self.topology, timeout)
         n_specs = len(module) if isinstance(module, Sequence | nn.Sequential) else -1
+        ties, specs = self._find_ties(module, stages * chunks)
         config = {
             "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
             "replicas": replicas, "world": dist.get_world_size(), "modules": n_specs,
+            "tied": describe_ties(ties),
         }  # fmt: skip
         check_same_config(self.groups.control, config)
         if dist.get_world_size() != stages * replicas:
@@ -165,8 +169,11 @@ class DistributedPipeline:
         self.device = torch.device(device)
         split = {a.stage for a in self._all_actions() if a.kind is ActionKind.BACKWARD_WEIGHT}
         self.stages = build_local_stages(
-            module, self.schedule, self.topology.device, self.device, split
+            specs or module, self.schedule, self.topology.device, self.device, split
         )
+        # Parameters shared by stages on different ranks: their gradients are summed
+        # over those ranks after each step (see dist_tied).
+        self.tied = TiedGradients(ties, self.schedule.device_of, self.groups, self.stages, timeout)
         self.comm = DistCommunicator(
             lambda s: self.topology.rank_of(self.schedule.device_of(s)),
             self.groups.pipeline,
@@ -192,12 +199,26 @@ class DistributedPipeline:
 
     # -- construction ---------------------------------------------------------------------
 
+    @staticmethod
+    def _find_ties(
+        module: nn.Sequential | Sequence[StageSpec], total: int
+    ) -> tuple[list[Tie], list[StageSpec] | None]:
+        """The model's shared parameters, found before the ranks compare configurations
+        (they must agree on them: the groups that sum their gradients are collective)."""
+        try:
+            specs = stage_specs(module, total)
+        except Exception:  # raised again by build_local_stages, after the check
+            return [], None
+        return find_ties(specs), specs
+
     def _all_actions(self) -> list[Action]:
         return [a for acts in self.schedule.order.values() for a in acts]
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (of its own stages only), for its optimizer."""
-        return [p for s in sorted(self.stages) for p in self.stages[s].module.parameters()]
+        """This rank's parameters (of its own stages only, each once), for its optimizer."""
+        # Once: stages of this rank may share a parameter (tied weights, chunks > 1).
+        params = (p for s in sorted(self.stages) for p in self.stages[s].module.parameters())
+        return list(dict.fromkeys(params))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -297,14 +318,19 @@ class DistributedPipeline:
         self.comm.begin_step(self._step, self.schedule.stages)
         for stage in self.stages.values():
             stage.reset()
-        params = self.parameters() if train and self.groups.replica is not None else []
+        # The gradients summed over ranks after the step: stashed, so only this step's are.
+        replicated = self.parameters() if train and self.groups.replica is not None else []
+        params = replicated or (self.tied.params if train else [])
         saved = stash_gradients(params) if params else []
         try:
             if self._gather is not None:
                 self._gather.begin(train)  # rank 0 posts its receives during the fill
             result, events = self._run(inputs, targets, total_n, train=train)
             if params:
-                allreduce_gradients(params, self.groups.replica, saved)
+                if replicated:  # over the replicas first, then over the tied copies
+                    allreduce_gradients(replicated, self.groups.replica, [None] * len(replicated))
+                self.tied.allreduce()
+                restore_gradients(params, saved)
             if train and result is not None and self.groups.replica is not None:
                 dist.all_reduce(result, group=self.groups.replica)
             self._record(events, train)

@@ -17,6 +17,7 @@ __all__ = [
     "TimelineGather",
     "allreduce_gradients",
     "gather_events",
+    "restore_gradients",
     "stash_gradients",
     "step_timeline",
 ]
@@ -58,8 +59,17 @@ def allreduce_gradients(
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+    restore_gradients(params, saved)
+
+
+def restore_gradients(params: Sequence[nn.Parameter], saved: Sequence[Tensor | None]) -> None:
+    """Add the gradients :func:`stash_gradients` took out back to this step's."""
     for p, old in zip(params, saved):
-        if old is not None and p.grad is not None:
+        if old is None:
+            continue
+        if p.grad is None:
+            p.grad = old
+        else:
             p.grad.add_(old)
 
 

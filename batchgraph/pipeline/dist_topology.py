@@ -128,6 +128,9 @@ class ProcessGroups:
         self.control: Any = dist.new_group(world, timeout=self.timeout)
         self.pipeline: Any = None
         self.replica: Any = None
+        #: More groups of this rank (e.g. of the ranks sharing a tied parameter), destroyed
+        #: with the rest.
+        self.others: list[Any] = []
         store = None
         try:  # the default store hosts the abort board; without it failures still cascade
             store = dist.distributed_c10d._get_default_store()
@@ -158,7 +161,7 @@ class ProcessGroups:
         if self._destroyed:
             return
         self._destroyed = True
-        for group in (self.pipeline, self.replica, self.control):
+        for group in (self.pipeline, self.replica, *self.others, self.control):
             if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
                 continue
             try:

@@ -97,3 +97,58 @@ def job_batch_mismatch(rank: int, world: int) -> dict[str, Any]:
         pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
     out["error"] = _grad_error(mods[rank], ref[rank])
     return out
+
+
+class Embed(nn.Module):
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.emb(ids))
+
+
+class TiedHead(nn.Module):
+    """Logits from the embedding's own weight (tied input and output embeddings)."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+        self.scale = nn.Linear(H, H, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.scale(h) @ self.emb.weight.t()
+
+
+def _tied_model() -> list[nn.Module]:
+    torch.manual_seed(0)
+    emb = nn.Embedding(V, H, dtype=torch.float64)
+    return [Embed(emb), TiedHead(emb)]
+
+
+def job_tied_across_ranks(rank: int, world: int) -> dict[str, Any]:
+    """An embedding used by stage 0 (rank 0) and stage 1 (rank 1): after two zb-h1 steps
+    (weight gradients in their own W actions) each rank's copy has the single-device
+    gradient of both uses, accumulated; a tied model built on meta starts equal."""
+    from batchgraph.pipeline import Pipeline
+
+    ids = torch.arange(12) % V
+    y = (ids + 1) % V
+    ref = nn.Sequential(*_tied_model())
+    for _ in range(2):
+        nn.CrossEntropyLoss()(ref(ids), y).backward()
+    mods = _tied_model()
+    with Pipeline(mods, microbatches=3, schedule="zb-h1", loss_fn=nn.CrossEntropyLoss(),
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        for _ in range(2):
+            pipe.train_step(ids if rank == 0 else None, y if rank == world - 1 else None)
+    out: dict[str, Any] = {"error": _grad_error(mods[rank], ref[rank])}
+    torch.manual_seed(rank)  # each rank initialises its stage differently
+    with torch.device("meta"):
+        emb = nn.Embedding(V, H, dtype=torch.float64)
+        net = nn.Sequential(Embed(emb), TiedHead(emb))
+    with Pipeline(net, stages=2, microbatches=2, loss_fn=nn.CrossEntropyLoss(),
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        (stage,) = pipe._runtime.stages.values()  # type: ignore[union-attr]
+        out["meta_tied"] = stage.module.get_parameter("0.emb.weight").sum().item()
+    return out

@@ -44,3 +44,12 @@ def test_inputs_and_targets_of_different_sizes_are_refused_on_every_rank() -> No
         # Refused before anything ran; the next good step equals one device.
         assert res["untouched"], f"rank {r}: a refused step left gradients"
         assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+
+
+def test_parameter_tied_across_ranks_gets_the_whole_gradient() -> None:
+    run = W.launch(BW.job_tied_across_ranks, world=2, limit=60)
+    for r in range(2):
+        res = run.ok(r)
+        assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+    # Built on meta and initialised on each rank apart: the copies start equal.
+    assert run.ok(0)["meta_tied"] == run.ok(1)["meta_tied"]
