@@ -8,8 +8,10 @@ A stage keeps, per microbatch, what its backward needs::
     I(mb):  recv dL/dy ─► tape.backward_input ─► send dL/dx upstream; keep tape for W
     W(mb):  tape.backward_weight (parameter gradients into .grad)
 
-A split stage whose inputs need no gradient (stage 0) records no tape: its I only keeps
-dL/dy and its W runs the whole backward, as nothing upstream waits for an I there.
+A split stage that sends nothing upstream (stage 0, or inputs that need no gradient)
+records no tape: its I only keeps dL/dy and its W runs the whole backward, as nothing
+upstream waits for an I there. Stage 0's inputs are the caller's: when they require grad,
+its backward carries on into the caller's graph (``x.grad`` as on one device).
 
 Each stage input is a detached leaf, so a stage's autograd graph ends at its own
 boundary: the gradient at the input is read from the leaf and sent upstream as a
@@ -169,10 +171,16 @@ class Stage:
             with torch.no_grad():
                 return self._as_outputs(self.module(*xs))
         tape: BackwardTape | None = None
-        if self.split_backward and any(x is not None and x.requires_grad for x in xs):
+        if (
+            self.split_backward
+            and not self.is_first
+            and any(x is not None and x.requires_grad for x in xs)
+        ):
             # Only a stage that sends dL/d(inputs) upstream gains from splitting; without
             # one (stage 0) I has nobody waiting and W runs the whole backward at once,
             # so the forward records no tape (recording costs tens of microseconds per layer).
+            # Stage 0 must not split even when the caller's inputs require grad: a tape's
+            # I returns dL/dx instead of carrying it on into the caller's graph.
             if self._split is None:
                 self._split = TwoStageBackward(self.module)
             with self._split.record() as tape:
@@ -203,7 +211,8 @@ class Stage:
         self._saved[microbatch].outputs = roots
 
     def backward(self, microbatch: int, grad_outputs: Payload) -> Payload:
-        """Full backward (``B``): parameter gradients into ``.grad``; returns dL/d(inputs)."""
+        """Full backward (``B``): parameter gradients into ``.grad``; returns dL/d(inputs)
+        (``None`` each on stage 0, whose backward goes on into the caller's graph)."""
         saved = self._take(microbatch)
         if saved.tape is not None:
             # Recorded for a split backward but asked for a full one: run both halves now.
@@ -211,6 +220,10 @@ class Stage:
             saved.tape.backward_weight()
             return grads
         _backward(saved.outputs, self._grads(grad_outputs))
+        if self.is_first:
+            # The caller's inputs: the backward went on into their graph (into x.grad when x
+            # is a leaf); their slices are not leaves and nothing is sent upstream.
+            return tuple(None for _ in saved.inputs)
         return tuple(x.grad if x is not None and x.requires_grad else None for x in saved.inputs)
 
     def backward_input(self, microbatch: int, grad_outputs: Payload) -> Payload:

@@ -1,0 +1,40 @@
+"""Models and uses that once broke one schedule or another, each against one device:
+inputs that require grad, layers frozen or unfrozen between steps, stages starting with
+an in-place op."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline
+from tests.pipeline_models import mlp
+
+_SCHEDULES = [s for s in SCHEDULE_NAMES if s != "interleaved-1f1b"]
+
+
+@pytest.mark.parametrize("schedule", _SCHEDULES)
+def test_inputs_that_require_grad_get_their_gradient(schedule: str) -> None:
+    # Input-gradient training (saliency, adversarial examples): x.grad as one device
+    # gives it, also with the split backward (stage 0 once dropped its dL/dx there).
+    model = mlp(layers=4)
+    x0 = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    x = x0.clone().requires_grad_(True)
+    nn.MSELoss()(model(x), y).backward()
+    want = x.grad
+    model.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Pipeline(
+            model, stages=2, microbatches=3, schedule=schedule, loss_fn=nn.MSELoss(), timeout=30
+        ) as pipe:
+            pipe.train_step(x, y)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, want, rtol=1e-10, atol=1e-10)
+    # Stage 0 once read .grad of its (non-leaf) microbatch slices of x.
+    assert not [w for w in caught if "non-leaf" in str(w.message)]
