@@ -275,7 +275,9 @@ class TwoStageBackward:
     attribute, the class is untouched). The wrapper acts only in a thread that is
     recording a tape, so the module behaves as usual everywhere else, and a unit's own
     hooks still run around it. ``close()`` (or leaving the ``with`` block) restores the
-    units. Build it after freezing parameters: which modules are units is decided here.
+    units. Which modules are units is decided here, from ``requires_grad``: after freezing
+    or unfreezing parameters, :meth:`stale` is true and a new one must be built (a
+    :class:`~batchgraph.pipeline.stage.Stage` does that at a step's first forward).
 
     A wrapper rather than a forward pre-hook and hook: a module with hooks takes
     ``nn.Module``'s slow call path, and the pair passes its state through a stack of
@@ -300,7 +302,9 @@ class TwoStageBackward:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.units = find_units(module)
-        self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self._all_params: tuple[nn.Parameter, ...] = tuple(module.parameters())
+        self._trainable = tuple([p.requires_grad for p in self._all_params])
+        self._params: list[nn.Parameter] = [p for p in self._all_params if p.requires_grad]
         self._local = _Recording()
         self._wrapped: list[tuple[nn.Module, _UnitForward]] = []
         for unit in self.units:
@@ -313,6 +317,16 @@ class TwoStageBackward:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def stale(self) -> bool:
+        """Whether a parameter was frozen or unfrozen since this was built.
+
+        The units and the parameters ``I`` asks for depend on ``requires_grad``; with a
+        changed set, a frozen parameter would be asked for (an error) and an unfrozen
+        layer outside every unit would get no gradient. Costs one flag read per
+        parameter, so it can be checked every step.
+        """
+        return tuple([p.requires_grad for p in self._all_params]) != self._trainable
 
     def close(self) -> None:
         """Restore the units' ``forward``; the module is left as it was."""

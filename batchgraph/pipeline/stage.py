@@ -181,9 +181,14 @@ class Stage:
             # so the forward records no tape (recording costs tens of microseconds per layer).
             # Stage 0 must not split even when the caller's inputs require grad: a tape's
             # I returns dL/dx instead of carrying it on into the caller's graph.
-            if self._split is None:
-                self._split = TwoStageBackward(self.module)
-            with self._split.record() as tape:
+            split = self._split
+            if split is None or (not self._saved and not self._weight_pending and split.stale()):
+                # Built at the first training forward and again when the trainable set
+                # changed (checked only when no tape is in flight: between steps).
+                if split is not None:
+                    split.close()
+                split = self._split = TwoStageBackward(self.module)
+            with split.record() as tape:
                 outputs = self._as_outputs(self.module(*xs))
         else:
             outputs = self._as_outputs(self.module(*xs))

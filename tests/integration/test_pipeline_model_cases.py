@@ -38,3 +38,33 @@ def test_inputs_that_require_grad_get_their_gradient(schedule: str) -> None:
     torch.testing.assert_close(x.grad, want, rtol=1e-10, atol=1e-10)
     # Stage 0 once read .grad of its (non-leaf) microbatch slices of x.
     assert not [w for w in caught if "non-leaf" in str(w.message)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_layer_frozen_or_unfrozen_between_steps(schedule: str, unfreeze: bool) -> None:
+    # Gradual unfreezing, fine-tuning: the trainable set of a middle stage changes between
+    # steps (the split backward once kept the units it found at the first step).
+    model = mlp(layers=6)
+    target = model[4]  # a Linear in the middle stage of three
+    target.requires_grad_(not unfreeze)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    with Pipeline(
+        [model[:4], model[4:8], model[8:]],
+        microbatches=3,
+        schedule=schedule,
+        loss_fn=nn.MSELoss(),
+        timeout=30,
+    ) as pipe:
+        pipe.train_step(x, y)
+        target.requires_grad_(unfreeze)
+        model.zero_grad(set_to_none=True)
+        pipe.train_step(x, y)
+        got = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    nn.MSELoss()(model(x), y).backward()
+    for i, (g, p) in enumerate(zip(got, model.parameters())):
+        assert (g is None) == (p.grad is None), f"parameter {i}: grad presence differs"
+        if g is not None:
+            torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-10)

@@ -228,3 +228,13 @@ def test_order_is_enforced() -> None:
         tape.backward_weight()
         with pytest.raises(RuntimeError, match="already called"):
             tape.backward_weight()
+
+
+def test_stale_after_freezing_or_unfreezing() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with TwoStageBackward(net) as split:
+        assert not split.stale()
+        net[0].weight.requires_grad_(False)
+        assert split.stale()
+        net[0].weight.requires_grad_(True)
+        assert not split.stale()
