@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["backward", "grad"]
+__all__ = ["alias", "backward", "grad"]
 
 _run: Callable[..., tuple[Tensor | None, ...]] | None
 try:  # torch >= 2.2: the one function both public entry points call
@@ -91,3 +91,41 @@ def grad(
             allow_unused=allow_unused,
         )
     )
+
+
+class _Alias(torch.autograd.Function):
+    """Identity whose output shares its input's storage but is neither a leaf nor a view."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        del ctx
+        # detach(), not the input itself or a view: autograd would make either a view of
+        # the input, and an in-place op on a view of a leaf that requires grad is refused.
+        # A detached alias also shares the input's version counter, so an in-place op on
+        # it still trips the checks of any graph that saved the tensor, as on one device.
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        del ctx
+        return grad
+
+
+def alias(leaf: Tensor) -> Tensor:
+    """``leaf`` as a tensor an in-place op may change (``ReLU(inplace=True)``).
+
+    A stage's input is a leaf that requires grad, which autograd forbids changing in
+    place; its first op may well do so (cut before an in-place activation), as it may on
+    one device where the same tensor is some layer's output. The module gets this
+    alias, and ``leaf.grad`` (or ``grad(..., [leaf])``) is still dL/d(input): the gradient
+    at the value received, before any in-place change. Costs one small autograd node.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([-1.0, 2.0], requires_grad=True)
+        >>> torch.relu_(alias(x)).sum().backward()
+        >>> x.grad
+        tensor([0., 1.])
+    """
+    result: Tensor = _Alias.apply(leaf)  # type: ignore[no-untyped-call]
+    return result

@@ -15,7 +15,8 @@ its backward carries on into the caller's graph (``x.grad`` as on one device).
 
 Each stage input is a detached leaf, so a stage's autograd graph ends at its own
 boundary: the gradient at the input is read from the leaf and sent upstream as a
-message, like it would cross a process boundary. Messages go through a
+message, like it would cross a process boundary. The module gets a non-leaf alias of
+the leaf, so its first op may be in place (``ReLU(inplace=True)``) as on one device. Messages go through a
 :class:`~batchgraph.pipeline.comm.Communicator`; sends are asynchronous and their
 handles are kept by the communicator until the end of the step.
 """
@@ -170,6 +171,9 @@ class Stage:
         if not train:
             with torch.no_grad():
                 return self._as_outputs(self.module(*xs))
+        # The module gets aliases of the leaves (see _autograd.alias: its first op may be
+        # in place); dL/dx is read off the leaves, which saved.inputs keeps.
+        args = xs if self.is_first else tuple([self._alias(x) for x in xs])
         tape: BackwardTape | None = None
         if (
             self.split_backward
@@ -189,9 +193,9 @@ class Stage:
                     split.close()
                 split = self._split = TwoStageBackward(self.module)
             with split.record() as tape:
-                outputs = self._as_outputs(self.module(*xs))
+                outputs = self._as_outputs(self.module(*args))
         else:
-            outputs = self._as_outputs(self.module(*xs))
+            outputs = self._as_outputs(self.module(*args))
         self._saved[microbatch] = _Saved(xs, outputs, tape)
         return tuple([o.detach() for o in outputs])
 
@@ -380,6 +384,10 @@ class Stage:
             # A leaf of its own: the stage's graph stops here and dL/dx is read off it.
             return value.detach().requires_grad_(True)
         return value
+
+    @staticmethod
+    def _alias(x: Tensor | None) -> Tensor | None:
+        return _autograd.alias(x) if x is not None and x.requires_grad else x
 
     def _as_outputs(self, result: object) -> tuple[Tensor, ...]:
         items: Sequence[object] = result if isinstance(result, (tuple, list)) else (result,)

@@ -68,3 +68,41 @@ def test_layer_frozen_or_unfrozen_between_steps(schedule: str, unfreeze: bool) -
         assert (g is None) == (p.grad is None), f"parameter {i}: grad presence differs"
         if g is not None:
             torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-10)
+
+
+class _AddInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2.0).add_(1.0)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_stages_starting_with_an_in_place_op(schedule: str) -> None:
+    # A cut right before ReLU(inplace=True) (what cost="uniform" picks for such a
+    # Sequential): the stage's input was a leaf that requires grad, which autograd does
+    # not let an in-place op change.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 6),
+        nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6)),
+        nn.Sequential(_AddInPlace(), nn.Linear(6, 6)),
+        nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 3)),
+    ).double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    nn.MSELoss()(model(x), y).backward()
+    want = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    with Pipeline(
+        list(model),
+        microbatches=3,
+        schedule=schedule,
+        loss_fn=nn.MSELoss(),
+        chunks=2 if schedule == "interleaved-1f1b" else 1,
+        timeout=30,
+    ) as pipe:
+        pipe.train_step(x, y)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.forward(x), model(x), rtol=1e-10, atol=1e-10)
+    for p, g in zip(model.parameters(), want):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
