@@ -305,12 +305,10 @@ class TwoStageBackward:
         self._all_params: tuple[nn.Parameter, ...] = tuple(module.parameters())
         self._trainable = tuple([p.requires_grad for p in self._all_params])
         self._params: list[nn.Parameter] = [p for p in self._all_params if p.requires_grad]
-        self._local = _Recording()
         self._wrapped: list[tuple[nn.Module, _UnitForward]] = []
-        for unit in self.units:
-            wrapper = _UnitForward(self._local, unit, unit.forward, tuple(unit.parameters()))
-            unit.forward = wrapper  # type: ignore[method-assign]
-            self._wrapped.append((unit, wrapper))
+        with _WRAPPING:
+            for unit in self.units:
+                self._wrapped.append((unit, _wrap(unit)))
 
     def __enter__(self) -> TwoStageBackward:
         return self
@@ -329,14 +327,20 @@ class TwoStageBackward:
         return tuple([p.requires_grad for p in self._all_params]) != self._trainable
 
     def close(self) -> None:
-        """Restore the units' ``forward``; the module is left as it was."""
-        for unit, wrapper in self._wrapped:
-            if unit.__dict__.get("forward") is wrapper:
-                # The unit's forward before wrapping: the class's, or an instance's own.
-                if wrapper.previous is None:
-                    del unit.__dict__["forward"]
-                else:
-                    unit.__dict__["forward"] = wrapper.previous
+        """Restore the units' ``forward``; the module is left as it was.
+
+        A unit that another open ``TwoStageBackward`` also prepared (one module in two
+        stages) keeps its wrapper until the last of them closes, in any order.
+        """
+        with _WRAPPING:
+            for unit, wrapper in self._wrapped:
+                wrapper.users -= 1
+                if wrapper.users == 0 and unit.__dict__.get("forward") is wrapper:
+                    # The unit's forward before wrapping: the class's, or an instance's own.
+                    if wrapper.previous is None:
+                        del unit.__dict__["forward"]
+                    else:
+                        unit.__dict__["forward"] = wrapper.previous
         self._wrapped.clear()
 
     @contextmanager
@@ -346,7 +350,7 @@ class TwoStageBackward:
         Yields:
             The tape; call its ``backward_input`` and then ``backward_weight``.
         """
-        local = self._local
+        local = _RECORDING
         tape = BackwardTape(self._params)
         previous, depth = local.tape, local.depth
         local.tape, local.depth = tape, 0
@@ -363,6 +367,30 @@ class _Recording(threading.local):
     depth = 0
 
 
+# One for all: the wrappers on the user's modules hold no per-thread state (that cannot
+# be copied or pickled), and a module in two stages needs only one wrapper, whichever
+# stage's thread records.
+_RECORDING = _Recording()
+# Stage threads build their TwoStageBackward concurrently, possibly on a shared module.
+_WRAPPING = threading.Lock()
+
+
+def _wrap(unit: nn.Module) -> _UnitForward:
+    """Prepare ``unit`` (or count one more user of the wrapper it already has)."""
+    current = unit.__dict__.get("forward")
+    if isinstance(current, _UnitForward) and current.unit is unit:
+        current.users += 1
+        return current
+    wrapper = _UnitForward(unit, unit.forward, tuple(unit.parameters()))
+    unit.forward = wrapper  # type: ignore[method-assign]
+    return wrapper
+
+
+def _unwrapped(forward: Any) -> Any:
+    """What a copied or unpickled wrapper becomes: the forward it wrapped."""
+    return forward
+
+
 class _UnitForward:
     """A unit's ``forward`` while it is prepared for two-stage backprop.
 
@@ -370,22 +398,24 @@ class _UnitForward:
     records, a call runs the unit on detached leaves (its local graph) and links its
     inputs to its outputs in the chain with a :class:`_Junction`. Units called inside
     another unit's call are part of that unit's local graph and run as usual.
+
+    A copy (``copy.deepcopy(model)``, ``torch.save(model)``, e.g. an EMA model or a
+    checkpoint taken mid-training) gets the forward this wraps, bound to the copy: copies
+    are plain modules, not prepared for any tape.
     """
 
-    __slots__ = ("forward", "local", "params", "previous", "unit")
+    __slots__ = ("forward", "params", "previous", "unit", "users")
 
-    def __init__(
-        self,
-        local: _Recording,
-        unit: nn.Module,
-        forward: Any,
-        params: tuple[nn.Parameter, ...],
-    ) -> None:
-        self.local, self.unit, self.forward, self.params = local, unit, forward, params
+    def __init__(self, unit: nn.Module, forward: Any, params: tuple[nn.Parameter, ...]) -> None:
+        self.unit, self.forward, self.params = unit, forward, params
         self.previous = unit.__dict__.get("forward")  # an instance's own forward, if any
+        self.users = 1  # TwoStageBackward objects that prepared the unit (see close)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _unwrapped, (self.forward,)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        local = self.local
+        local = _RECORDING
         tape = local.tape
         if tape is None or local.depth or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)

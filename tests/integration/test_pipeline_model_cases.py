@@ -4,6 +4,8 @@ an in-place op."""
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import pytest
@@ -106,3 +108,26 @@ def test_stages_starting_with_an_in_place_op(schedule: str) -> None:
     for p, g in zip(model.parameters(), want):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+
+
+def test_zb_h1_model_copies_while_open_and_is_restored_when_closed() -> None:
+    # One Linear object used by two stages (weight reuse), and a deepcopy mid-training.
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4).double()
+    mods = [
+        nn.Linear(4, 4).double(),
+        nn.Sequential(nn.Tanh(), shared),
+        nn.Sequential(nn.Tanh(), shared, nn.Linear(4, 1).double()),
+    ]
+    model = nn.Sequential(*mods)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    y = torch.randn(8, 1, dtype=torch.float64)
+    with Pipeline(mods, microbatches=2, schedule="zb-h1", loss_fn=nn.MSELoss()) as pipe:
+        pipe.train_step(x, y)
+        twin = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), model(x))
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    copy.deepcopy(model)

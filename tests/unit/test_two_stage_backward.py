@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -238,3 +240,35 @@ def test_stale_after_freezing_or_unfreezing() -> None:
         assert split.stale()
         net[0].weight.requires_grad_(True)
         assert not split.stale()
+
+
+def test_prepared_module_deepcopies_and_pickles_as_a_plain_one() -> None:
+    # EMA copies and checkpoints taken while a zb-h1 pipeline is open: the wrapper once
+    # held a threading.local, which neither copy nor pickle can handle.
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    with TwoStageBackward(net) as split:
+        for copy_of in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+            twin = copy_of(net)
+            torch.testing.assert_close(twin(x), net(x))
+            with split.record() as tape:
+                y = twin(x)  # a copy is not prepared: nothing is recorded on the tape
+            assert tape.calls == 0 and "Junction" not in type(y.grad_fn).__name__
+            twin(x).sum().backward()
+            assert twin[0].weight.grad is not None and net[0].weight.grad is None
+
+
+def test_module_prepared_twice_is_restored_by_either_close_order() -> None:
+    # One module used by two stages: each stage's TwoStageBackward prepares it.
+    for first_closed in (0, 1):
+        shared = nn.Linear(3, 3)
+        splits = [TwoStageBackward(nn.Sequential(shared)), TwoStageBackward(shared)]
+        with splits[1].record() as tape:
+            shared(torch.randn(2, 3))
+        assert tape.calls == 1  # recorded once, not by two stacked wrappers
+        splits[first_closed].close()
+        with splits[1 - first_closed].record() as tape:
+            shared(torch.randn(2, 3))
+        assert tape.calls == 1  # still prepared for the other one
+        splits[1 - first_closed].close()
+        assert "forward" not in shared.__dict__
