@@ -25,10 +25,11 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from batchgraph.autocasting import AutocastState
 from batchgraph.captured import captured_tensors
+from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
@@ -150,6 +151,10 @@ class Graph:
         # are handed out from a copy of the stored ones, and where identical calls were
         # merged into one node (``shared``), each handle gets a copy of its own.
         self.shared: set[int] = set()
+        # Whether a node's value would require grad eagerly, as far as worked out
+        # (batchgraph.eager_grad): its rows are handed out detached where not.
+        self.node_grad: dict[int, bool] = {}
+        self.key_reads_grad: dict[int, bool] = {}
 
     def __len__(self) -> int:
         return len(self.node_key)
@@ -357,6 +362,25 @@ class Graph:
     def computed(self, n: int) -> bool:
         return self.node_loc[n] >= 0
 
+    def stored_requires_grad(self, n: int) -> bool:
+        """Whether any output of computed node ``n`` as stored requires grad (True when
+        that cannot be told: not computed, or released). Batched, it does when any
+        example's does; see ``batchgraph.eager_grad``."""
+        loc = self.node_loc[n]
+        if loc < 0:
+            return True
+        store = self.stores[loc >> STORE_SHIFT]
+        if not store:
+            return True
+        for column in store:
+            if isinstance(column, torch.Tensor):
+                if column.requires_grad:
+                    return True
+            elif any(isinstance(t, torch.Tensor) and t.requires_grad
+                     for t in tree_leaves(column[loc & ROW_MASK])):
+                return True  # per-example values ("list" keys)
+        return False
+
     def leaf_value(self, n: int, leaf: int) -> torch.Tensor:
         """The per-example value of one output leaf of a computed node."""
         loc = self.node_loc[n]
@@ -372,7 +396,11 @@ class Graph:
         # The caller's own copy: an in-place change must not reach the store, which
         # calls recorded before the change still read (eagerly they ran before it).
         if isinstance(row, torch.Tensor):
+            if row.requires_grad and not eager_requires_grad(self, n):
+                row = row.detach()  # another example's input made the batch require grad
             return own_copy(row)
+        if not eager_requires_grad(self, n):
+            row = tree_map_only(torch.Tensor, torch.Tensor.detach, row)
         value: torch.Tensor = tree_map_only(torch.Tensor, own_copy, row)
         return value
 

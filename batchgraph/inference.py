@@ -27,7 +27,7 @@ from batchgraph.errors import NotATensorError, ShapeMismatchError
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import CallSignature, InputSlot, OutSpec, sequence_kind, spec_of, tuple_parts
 
-__all__ = ["infer_spec"]
+__all__ = ["fake_apply", "infer_spec"]
 
 
 class _HostRead(RuntimeError):
@@ -128,6 +128,19 @@ def _culprit(out: Any, where: str = "") -> str:
         if item is not None and not isinstance(item, torch.Tensor):
             return _culprit(item, f"{where}[{i}]")
     return ""
+
+
+def fake_apply(fn: Callable[..., Any], call: CallSignature) -> Any:
+    """``call`` run on fake tensors of its input specs, as ``infer_spec`` runs it (a
+    0-d integer index read on the host taken as 0); its errors propagate."""
+    draws = RandomDraws()
+    try:
+        return _fake_apply(fn, call, draws, frozenset())
+    except DataDependentOutputException:
+        scalars = _scalar_index_slots(fn, call)
+        if not scalars:
+            raise
+        return _fake_apply(fn, call, draws, scalars)
 
 
 def _fake_apply(

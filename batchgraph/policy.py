@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from batchgraph import gcpause
+from batchgraph.eager_grad import eager_requires_grad, reads_grad
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, own_copy, private_rows
@@ -262,41 +263,56 @@ def _collect(obj: Any, out: list[ResultHandle]) -> None:
             _collect(x, out)
 
 
+# The rows of a copy of a stored column, the copy's version, and whether each row is
+# to be checked against eager for requiring grad.
+_View = tuple[tuple[torch.Tensor, ...], int | None, bool]
+
 # From this many requested rows of one batched output on, their per-example values
 # are taken by one unbind (and, in backward, one stack) instead of a select each.
 _UNBIND_FROM = 8
 
 
-def _row_views(
-    graph: Graph, handles: list[ResultHandle]
-) -> dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int | None]]:
+def _row_views(graph: Graph, handles: list[ResultHandle]) -> dict[tuple[int, int], _View]:
     """Per (store, leaf) from which many handles are requested: the rows of a copy of
-    it, and that copy's version (which its rows share; None for inference tensors)."""
+    it, that copy's version (which its rows share; None for inference tensors), and
+    whether its rows, which require grad, may not eagerly (``batchgraph.eager_grad``)."""
     loc = graph.node_loc
     counts = Counter(
         (loc[h.node] >> STORE_SHIFT, h.leaf)
         for h in handles if type(h.spec) is TensorSpec and h._out is None
     )
-    views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int | None]] = {}
+    views: dict[tuple[int, int], _View] = {}
     for (store, leaf), count in counts.items():
         column = graph.stores[store][leaf]
         if count >= _UNBIND_FROM and isinstance(column, torch.Tensor):
             rows = private_rows(column)
-            views[(store, leaf)] = (rows, None if rows[0].is_inference() else rows[0]._version)
+            first = rows[0]
+            check = first.requires_grad
+            if check:
+                # A step's nodes share one key: where it was recorded with grad and its
+                # callable reads a parameter that requires grad, every row does
+                # eagerly (no walk per row).
+                node = next(h.node for h in handles if loc[h.node] >> STORE_SHIFT == store)
+                kid = graph.node_key[node]
+                check = not (graph.key_grad.get(kid) is True and reads_grad(graph, kid))
+            views[(store, leaf)] = (rows, None if first.is_inference() else first._version, check)
     return views
 
 
-def _rebuild(
-    obj: Any, views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], int | None]]
-) -> Any:
+def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
     if type(obj) is ResultHandle:
         if views and obj._out is None and type(obj.spec) is TensorSpec:
-            where = obj._graph.node_loc[obj.node]
+            graph = obj._graph
+            where = graph.node_loc[obj.node]
             found = views.get((where >> STORE_SHIFT, obj.leaf))
             if found is not None:
-                rows, version = found
+                rows, version, check = found
                 row = rows[where & ROW_MASK]
-                if obj.node in obj._graph.shared:  # another handle reads this row too
+                if check and not eager_requires_grad(graph, obj.node):
+                    # Another example's input made the batch require grad; the detached
+                    # row shares the copy's version counter, so ``version`` holds.
+                    row = row.detach()
+                if obj.node in graph.shared:  # another handle reads this row too
                     return obj.handed(own_copy(row))
                 obj._out = (row, version)  # ResultHandle.handed, inlined
                 return row
