@@ -11,7 +11,10 @@ per-example semantics. Reading its value needs ``compute`` first; branching on i
 
 from __future__ import annotations
 
+import dis
 import operator
+import sys
+import types
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +151,14 @@ class ResultHandle:
                     "len() of a 0-d tensor handle. To make a tensor of handles, use "
                     "torch.stack([...]) (torch.tensor([...]) needs their values)"
                 )
+            if _in_subscript(sys._getframe(1)):
+                # ``t[h]`` on a tensor: torch's C indexing asks for our length before
+                # it dispatches to __torch_function__, to guess (as NumPy once did)
+                # whether a short sequence is a tuple of indices; it then reads every
+                # item (recording a call each) and warns "Using a non-tuple sequence
+                # for multidimensional indexing is deprecated". Failing here makes it
+                # take the handle as one index, as it takes a tensor, silently.
+                raise TypeError(f"{self!r} is one index, not a sequence of indices")
             return spec.shape[0]
         raise TypeError(f"len() of {self!r}: its structure is unknown until it runs")
 
@@ -563,6 +574,26 @@ def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: 
     handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
     handle._gen, handle._out = result._gen, None
     return handle
+
+
+# The opcodes of `x[i]`, `x[i] = v` and `del x[i]` (Python 3.14 makes the first a
+# BINARY_OP, told apart by its argument).
+_SUBSCRIPTS = frozenset(
+    dis.opmap[name] for name in ("BINARY_SUBSCR", "STORE_SUBSCR", "DELETE_SUBSCR")
+    if name in dis.opmap
+)
+_BINARY_OP = dis.opmap["BINARY_OP"]
+_NB_SUBSCR = next((i for i, (name, _) in enumerate(getattr(dis, "_nb_ops", ()))
+                   if name == "NB_SUBSCR"), None)
+
+
+def _in_subscript(frame: types.FrameType) -> bool:
+    """Whether ``frame``, the Python caller of a C function that called us, is running
+    a subscript: ``len(h)`` runs a call there, ``t[h]`` a subscript."""
+    code = frame.f_code.co_code
+    at = frame.f_lasti
+    op = code[at]
+    return op in _SUBSCRIPTS or (op == _BINARY_OP and code[at + 1] == _NB_SUBSCR)
 
 
 def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:
