@@ -57,6 +57,17 @@ _inference_enabled = torch.is_inference_mode_enabled
 _autocast_enabled = autocast_enabled
 
 
+# Added to a PolicyMismatchError raised in a driven example. Examples sharing a cache
+# of handles (an encoder output per source sentence, say) work with one group, where
+# every example records into one policy, and fail with several: say why, and what to do.
+_OWN_LANE = (
+    "Each group of run_all(groups=k), and each lane of an AsyncBatcher, records into a "
+    "policy of its own, so a handle can only be used by the examples of the group that "
+    "recorded it. To share work between examples of different groups, share computed "
+    "tensors (await the handle and keep its value), or run them as one group."
+)
+
+
 def _keep_modes(ex: Example, outer: bool, outer_inference: bool) -> None:
     """After ``ex`` suspended: keep its autograd modes, give the driver back its own."""
     if _inference_enabled() is not outer_inference:
@@ -245,6 +256,8 @@ class Lane:
                 return
             except Exception as err:
                 _set_grad_enabled(outer)
+                if isinstance(err, PolicyMismatchError):
+                    err.add_note(_OWN_LANE)
                 ex.done, ex.error = True, err
                 return
             if (_grad_enabled() is not outer or ex.grad is not None
@@ -269,6 +282,7 @@ class Lane:
                     f"{graph.name!r}; a driver computes only what its examples record. "
                     "Create handles inside the example coroutine (or compute others first)."
                 )
+                throw.add_note(_OWN_LANE)
                 continue
             ex.steps += 1
             if self.max_steps is not None and ex.steps > self.max_steps:

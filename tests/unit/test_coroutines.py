@@ -396,3 +396,51 @@ def test_decoder_state_handle_in_the_result() -> None:
         want_tokens, want_state = run_eagerly(model.greedy_with_state(h, 2, 6))
         assert tokens == want_tokens
         torch.testing.assert_close(state, want_state)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_examples_sharing_handles_work_in_one_group_and_say_why_not_across_groups(
+    groups: int,
+) -> None:
+    # A cache of handles shared by examples (one encoding per source): one group records
+    # every example into one policy, so it works and equals eager; examples in another
+    # group's policy get an error whose note says what to do instead.
+    lin = bg.batched_func(nn.Linear(2, 2))
+    cache: dict[int, Any] = {}
+
+    async def example(i: int) -> Any:
+        if i % 2 not in cache:
+            cache[i % 2] = lin(torch.full((2,), float(i % 2)))
+        return await bg.value(lin(cache[i % 2]))
+
+    eager = [lin.fn(lin.fn(torch.full((2,), float(i % 2)))) for i in range(4)]
+    if groups == 1:
+        got = bg.run_all([example(i) for i in range(4)])
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e)
+        return
+    got = bg.run_all([example(i) for i in range(4)], groups=2, return_exceptions=True)
+    for g, e in zip(got[:2], eager[:2]):
+        torch.testing.assert_close(g, e)
+    for err in got[2:]:
+        assert isinstance(err, bg.PolicyMismatchError)
+        assert any("group of run_all(groups=k)" in n and "share computed tensors" in n
+                   for n in err.__notes__)
+
+
+def test_awaiting_another_groups_handle_says_why_in_a_note() -> None:
+    lin = bg.batched_func(nn.Linear(2, 2))
+    shared: list[Any] = []
+
+    async def example(i: int) -> Any:
+        if i == 0:
+            shared.append(lin(torch.ones(2)))
+            return await bg.value(shared[0])
+        # Lanes start in order: example 0 has recorded, nothing is computed yet.
+        return await bg.value(shared[0])
+
+    got = bg.run_all([example(i) for i in range(2)], groups=2, return_exceptions=True)
+    assert isinstance(got[0], torch.Tensor)
+    assert isinstance(got[1], bg.PolicyMismatchError)
+    assert "example 1 awaits" in str(got[1])
+    assert any("records into a policy of its own" in n for n in got[1].__notes__)
