@@ -110,6 +110,16 @@ def in_place_error(
     another order, so none of these can be recorded.
     """
     method = getattr(fn, "__name__", "")
+    if method == "__setitem__" and args and isinstance(args[0], torch.Tensor):
+        # `t[h] = v` or `t[i] = h` on a tensor: recorded, it returned None, which nothing
+        # computed, so `t` stayed as it was (silently, where eagerly it changes).
+        return RuntimeError(
+            "t[index] = value with a recorded index or value would change the tensor t in "
+            "place, but the recorded value is not known until computed: t, and every name "
+            "bound to it, cannot be changed. Make a new value instead, e.g. "
+            "t = t.index_put((index,), value) (out of place), or compute the handle first "
+            "(in a coroutine example: await bg.value(h))."
+        )
     if isinstance(method, str) and method.endswith("_") and not method.startswith("_"):
         if args and isinstance(args[0], torch.Tensor):
             # A tensor changed in place with a recorded value: `t.add_(h)`, and `t += h`

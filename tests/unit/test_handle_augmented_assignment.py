@@ -194,3 +194,23 @@ def test_a_tensor_changed_in_place_with_a_recorded_value_is_refused() -> None:
         with pytest.raises(RuntimeError, match="would change a tensor in place"):
             t.mul_(h)
     assert torch.equal(t, torch.ones(3))
+
+
+def test_item_assignment_into_a_tensor_with_a_recorded_index_or_value_is_refused() -> None:
+    # `t[h] = v` recorded a __setitem__ call that returned None and was never computed:
+    # t stayed as it was, silently, where eagerly it changes. `t[i] = h` failed with a
+    # misleading "returned NoneType". Both now say what happens and what to write.
+    lookup = bg.batched_func(torch.argmax)
+    with bg.BatchingPolicy():
+        index = lookup(torch.tensor([0.0, 3.0, 1.0]))
+        value = bg.batched_value(torch.tensor(5.0)) * 1
+        t = torch.zeros(3)
+        with pytest.raises(RuntimeError, match=r"t\[index\] = value .* would change the tensor t"):
+            t[index] = 1.0
+        with pytest.raises(RuntimeError, match=r"t = t.index_put\(\(index,\), value\)"):
+            t[0] = value
+        # The out-of-place form the message suggests records, and equals eager.
+        made = t.index_put((index,), value)
+        got = bg.compute(made)
+    assert torch.equal(t, torch.zeros(3))
+    torch.testing.assert_close(got, torch.tensor([0.0, 5.0, 0.0]))
