@@ -11,10 +11,14 @@ executes, so a schedule built for another model is refused before any computatio
 4. the live callable, run on fake tensors of the recorded per-example input specs,
    returns the recorded output spec (so weights of another shape are caught).
 
-A checked key is cached per ``Binder``, so steady-state batches only look keys up.
-Execution builds a ``Graph`` holding just what the ``Executor`` reads (keys, constants,
-locations) and runs the batch's schedule: the real parameters are used, and autograd
-connects the outputs to them.
+A checked key is cached per ``Binder``, so steady-state batches only look keys up
+(and check that each module key's submodule is still the one at its path: a submodule
+replaced since, a new head for fine-tuning, is checked again and its key made anew, so
+the batch never runs the old module). Execution builds a ``Graph`` holding just what
+the ``Executor`` reads (keys, constants, the model's own tensors the per-example code
+used, the grad modes of calls recorded under ``no_grad``, locations) and runs the
+batch's schedule: the real parameters are used, and autograd connects the outputs to
+them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from batchgraph import gcpause
 from batchgraph.autocasting import autocast_enabled
 from batchgraph.errors import BatchgraphError, ShapeMismatchError
 from batchgraph.executor import Executor
-from batchgraph.graph import Graph
+from batchgraph.graph import Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey
 from batchgraph.naming import qualified_name, resolve_function
@@ -99,7 +103,6 @@ class Binder:
         self.rules: dict[Any, KeyFactory] = dict(rules or {})
         self.stats = BindStats()
         self._checked: dict[PortableKey, BatchKey] = {}
-        self._modules: dict[str, nn.Module] | None = None
 
     def keys(self, batch: PortableBatch) -> list[BatchKey]:
         """Resolve and check every key of ``batch`` (see the module docstring).
@@ -108,6 +111,7 @@ class Binder:
             ScheduleMismatchError: naming the key, the module and the mismatch.
         """
         out: list[BatchKey] = []
+        live: dict[str, nn.Module | None] = {}  # submodule by path, looked up once per batch
         for pk in batch.keys:
             if pk is None:
                 out.append(_UNUSED)
@@ -117,10 +121,25 @@ class Binder:
             except TypeError:  # an unhashable static argument: check it every time
                 out.append(self._check(pk))
                 continue
+            if key is not None and pk.is_module:
+                # The cached key holds the module it was checked against; a submodule
+                # replaced since must not run in its place (stale parameters, no grads
+                # for the new ones).
+                target = pk.target
+                module = live[target] if target in live else live.setdefault(
+                    target, self._lookup(target))
+                if module is not key.fn:
+                    key = None
             if key is None:
                 key = self._checked[pk] = self._check(pk)
             out.append(key)
         return out
+
+    def _lookup(self, target: str) -> nn.Module | None:
+        try:
+            return self.model.get_submodule(target)
+        except AttributeError:
+            return None
 
     def run(self, batch: PortableBatch, *, stack: bool = False) -> Any:
         """Check ``batch`` against the live model, execute it, return its outputs.
@@ -153,6 +172,10 @@ class Binder:
         graph = Graph("portable")
         graph.keys = self.keys(batch)
         graph.constants = batch.constants
+        if batch.model_tensors:
+            graph.constants = self._model_tensors(batch, graph)
+        if batch.key_grad:
+            graph.key_grad = _key_grad(batch.key_grad)
         graph.node_loc = [-1] * batch.num_nodes
         checked = time.perf_counter()
         executor = Executor(graph, example_of=_ExampleOf(batch))
@@ -173,13 +196,50 @@ class Binder:
         stats.execute_seconds += done - checked
         return result
 
+    def _model_tensors(self, batch: PortableBatch, graph: Graph) -> dict[int, Any]:
+        """The batch's constants with the model's own tensors read from the live model.
+
+        A parameter (or buffer) the per-example code passed to a call itself was
+        exported by name; the live one is stacked, with grad where it requires grad
+        (as when computing in process), so its gradient reaches it.
+        """
+        constants = dict(batch.constants)
+        specs = {n: graph.keys[step.key] for step in batch.schedule.steps for n in step.nodes
+                 if n in batch.model_tensors}
+        with_grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        for n, name in batch.model_tensors.items():
+            tensor = self._tensor(name)
+            key = specs.get(n)
+            spec = key.spec if isinstance(key, ConstantKey) else None
+            if spec is not None and (tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype):
+                raise ScheduleMismatchError(
+                    f"the batch reads the model's tensor {name!r} as {spec.describe()}, but "
+                    f"it is {tuple(tensor.shape)} {tensor.dtype} in the live model. Was the "
+                    "batch recorded for another model?"
+                )
+            constants[n] = tensor
+            if with_grad and tensor.requires_grad:
+                graph.grad_constants.add(n)
+        return constants
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        path, _, attr = name.rpartition(".")
+        owner = self._lookup(path)
+        tensor = getattr(owner, attr, None) if owner is not None else None
+        if not isinstance(tensor, torch.Tensor):
+            raise ScheduleMismatchError(
+                f"the batch reads the model's tensor {name!r} (a parameter or buffer the "
+                f"per-example code used), but {type(self.model).__name__} has no tensor of "
+                "that name. Was the batch recorded for another model?"
+            )
+        return tensor
+
     # -- checking one key ---------------------------------------------------------------
     def _module(self, pk: PortableKey) -> nn.Module:
-        if self._modules is None or pk.target not in self._modules:
-            self._modules = dict(self.model.named_modules())  # submodules may have changed
-        module = self._modules.get(pk.target)
+        module = self._lookup(pk.target)
         if module is None:
-            shown = ", ".join(repr(n) for n in list(self._modules)[1:12])
+            names = [name for name, _ in self.model.named_modules()]
+            shown = ", ".join(repr(n) for n in names[1:12])
             raise ScheduleMismatchError(
                 f"the batch calls submodule {pk.target!r} ({pk.describe()}), but "
                 f"{type(self.model).__name__} has no submodule of that name (it has "
@@ -265,6 +325,14 @@ class _ExampleOf:
     def __call__(self, node: int) -> int | None:
         i = bisect_right(self.ends, node)
         return self.indices[i] if i < len(self.indices) else None
+
+
+def _key_grad(recorded: dict[int, RecordedGrad]) -> dict[int, RecordedGrad]:
+    """The recorded grad modes to run in: all of them, but in inference mode those
+    without grad (they run in it, as the rest of the batch does)."""
+    if not torch.is_inference_mode_enabled():
+        return recorded
+    return {kid: grad for kid, grad in recorded.items() if grad is True}
 
 
 def _values(obj: Any, graph: Graph) -> Any:

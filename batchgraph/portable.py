@@ -16,8 +16,16 @@ Nothing in a ``PortableBatch`` holds a module, a parameter or a tensor that requ
 grad: callables are *named* (a submodule path such as ``"cell"``, or an importable
 ``"torch:tanh"``), keys by their class name and ``CallSignature`` (per-example
 ``TensorSpec``s and static arguments), constants are Python scalars or tensors without
-grad. The main process resolves the names against its live model (``binding.py``),
-which is where the parameters, and so autograd, come from.
+grad, and a parameter or buffer of the model that the per-example code passed to a call
+itself (``self.cell(x, self.h0)``) is named too (``model_tensors``). The main process
+resolves the names against its live model (``binding.py``), which is where the
+parameters, and so autograd, come from.
+
+The grad mode travels too: a call recorded where the per-example code turned grad off
+(``with torch.no_grad():`` around a frozen encoder) runs without grad when bound, as it
+did eagerly (``key_grad``). The mode the recording ran in as a whole (grad on, in a
+worker) is not kept: the main process's mode at bind time stands for it, so a batch
+bound under ``no_grad`` for validation builds no autograd graph.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from torch import nn
 
 from batchgraph import gcpause
 from batchgraph.gathering import GatherPlan, plan_gather
-from batchgraph.graph import LEAF_SHIFT, STORE_SHIFT, Graph
+from batchgraph.graph import INFERENCE, LEAF_SHIFT, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.naming import function_name, module_names, qualified_name
@@ -40,8 +48,12 @@ from batchgraph.policy import BatchingPolicy
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, build_schedule
 from batchgraph.specs import CallSignature, OutSpec, TensorSpec, rebuild_sequence
+from batchgraph.structure import is_placeholder
 
-__all__ = ["Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export"]
+__all__ = [
+    "Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export",
+    "grad_mode",
+]
 
 CONSTANT_KIND = qualified_name(ConstantKey)
 
@@ -123,6 +135,10 @@ class PortableBatch:
         skipped: examples skipped because their recording raised.
         cache_hit: whether the schedule came from the schedule cache.
         record_seconds, schedule_seconds: time spent in the worker.
+        model_tensors: constants that are the model's own parameters or buffers, by node
+            id: their names (``"h0"``, ``"cell.bias"``), read from the live model.
+        key_grad: the grad mode of the calls of a key id recorded in another mode than
+            the recording's own (``False`` inside ``torch.no_grad()``).
     """
 
     keys: list[PortableKey | None]
@@ -138,6 +154,8 @@ class PortableBatch:
     cache_hit: bool = False
     record_seconds: float = 0.0
     schedule_seconds: float = 0.0
+    model_tensors: dict[int, str] = field(default_factory=dict)
+    key_grad: dict[int, RecordedGrad] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -183,6 +201,13 @@ class Exporter:
         self.model = model
         self.cache = cache
         self._names = module_names(model)
+        # id(tensor) -> (name, tensor) for the model's parameters and buffers: a constant
+        # that is one of them is exported by name (the tensor is held so its id stays).
+        self._tensor_names: dict[int, tuple[str, torch.Tensor]] = {}
+        named = [*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)]
+        for name, tensor in named:
+            self._tensor_names.setdefault(id(tensor), (name, tensor))
         # id(key) -> (key, description): the key is held so its id is not reused.
         self._described: dict[int, tuple[BatchKey, PortableKey]] = {}
 
@@ -193,6 +218,7 @@ class Exporter:
         *,
         example_ends: list[int] | None = None,
         indices: list[int] | None = None,
+        recorded_in: RecordedGrad | None = None,
     ) -> PortableBatch:
         """Prune, schedule (or reuse a cached schedule) and describe ``outputs``.
 
@@ -201,17 +227,22 @@ class Exporter:
             outputs: a list (one entry per example) of nestings of handles.
             example_ends: node counts after each example (see ``PortableBatch``).
             indices: dataset indices of the examples.
+            recorded_in: the grad mode the recording as a whole ran in (``grad_mode()``
+                before it began); calls recorded in another mode keep theirs. None:
+                the mode now.
 
         Returns:
             The portable batch (targets and skipped examples left empty).
 
         Raises:
-            ValueError: if the policy computed before, or a constant requires grad.
+            ValueError: if the policy computed before, a constant requires grad, or a
+                constant is a view of a model placeholder (``structure.py``).
             LookupError: if a callable has no name the main process could resolve.
         """
+        ambient = grad_mode() if recorded_in is None else recorded_in
         # Like compute: scheduling allocates much while the recorded graph is alive.
         with gcpause.fewer_collections():
-            return self._export(policy, outputs, example_ends, indices)
+            return self._export(policy, outputs, example_ends, indices, ambient)
 
     def _export(
         self,
@@ -219,6 +250,7 @@ class Exporter:
         outputs: Any,
         example_ends: list[int] | None,
         indices: list[int] | None,
+        ambient: RecordedGrad,
     ) -> PortableBatch:
         graph = policy.graph
         if graph.stores:
@@ -241,12 +273,24 @@ class Exporter:
                 self.cache.store(signature, schedule)
         keys: list[PortableKey | None] = [None] * len(graph.keys)
         constants: dict[int, Any] = {}
+        model_tensors: dict[int, str] = {}
+        key_grad: dict[int, RecordedGrad] = {}
+        recorded_grad = graph.key_grad
         for step in schedule.steps:
             if keys[step.key] is None:
                 keys[step.key] = self._describe(graph, step.key)
+                grad = recorded_grad.get(step.key)
+                if grad is not None and grad != ambient:
+                    key_grad[step.key] = grad
             if isinstance(graph.keys[step.key], ConstantKey):
                 for n in step.nodes:
-                    constants[n] = _portable_constant(graph.constants[n], n)
+                    value = graph.constants[n]
+                    if isinstance(value, torch.Tensor):
+                        named = self._tensor_names.get(id(value))
+                        if named is not None and named[1] is value:
+                            model_tensors[n] = named[0]
+                            continue
+                    constants[n] = _portable_constant(value, n)
         output_plan = _output_plan(outputs, schedule, graph)
         schedule.planned_loc = None  # this process does not run it: do not keep it cached
         count = len(roots)
@@ -261,6 +305,8 @@ class Exporter:
             indices=indices if indices is not None else list(range(count)),
             cache_hit=hit,
             schedule_seconds=time.perf_counter() - start,
+            model_tensors=model_tensors,
+            key_grad=key_grad,
         )
 
     def _describe(self, graph: Graph, kid: int) -> PortableKey:
@@ -350,7 +396,25 @@ def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
     return obj
 
 
+def grad_mode() -> RecordedGrad:
+    """The grad mode now, as recorded calls note it: True, False or ``INFERENCE``."""
+    if torch.is_grad_enabled():
+        return True
+    return INFERENCE if torch.is_inference_mode_enabled() else False
+
+
 def _portable_constant(value: Any, node: int) -> Any:
+    if isinstance(value, torch.Tensor) and is_placeholder(value):
+        raise ValueError(
+            f"constant node {node} (shape {tuple(value.shape)}) was computed in the worker "
+            "from a weightless placeholder of the model's tensors (a view or slice of a "
+            "parameter or buffer, such as self.h0[0] or self.position_ids[:n], or a "
+            "tensor attribute that is neither), so it holds none of the live model's "
+            "values. Pass the parameter or buffer itself to the call (it is read by name "
+            "from the live model), or index a handle of it (bg.batched_value(self.h0)[0] "
+            "records the indexing), register a plain tensor attribute as a buffer, or "
+            "build the worker's model with a factory: GraphCollate(make_model, ...)."
+        )
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise ValueError(
             f"constant node {node} is a tensor that requires grad (shape "

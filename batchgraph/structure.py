@@ -18,9 +18,17 @@ Why not the alternatives:
   model) is supported too, for models that do not pickle, at the cost of building
   (and initializing) a throwaway model once per worker.
 
-Placeholders read as zeros and are not writable: per-example code must not branch on
-parameter values (it cannot do that under batching anyway). Placeholders live on the
-CPU, so recording in workers needs a CPU model (its specs say ``cpu``).
+Placeholders are not writable, and floating ones read as NaN (others as zeros):
+per-example code must not branch on parameter values (it cannot do that under batching
+anyway). A parameter or buffer the per-example code passes to a call *itself*
+(``self.cell(x, self.h0)``, ``h * self.scale``) is exported by name and read from the
+live model when the batch is bound (``portable.py``); a value computed from one in the
+worker (``self.h0[0]``, ``self.h0 * 2``) cannot be: a view of a placeholder is refused
+at export, and a new tensor computed from one reads NaN, so the mistake shows instead of
+computing with zeros. NaN also keeps placeholders from being merged by value with each
+other or with a real constant that happens to be zero (constants of up to 16 elements
+merge by value). Placeholders live on the CPU, so recording in workers needs a CPU model
+(its specs say ``cpu``).
 """
 
 from __future__ import annotations
@@ -35,13 +43,38 @@ from torch import nn
 from batchgraph.functional import batched_func
 from batchgraph.recording import CallSite
 
-__all__ = ["load_structure", "model_structure"]
+__all__ = ["is_placeholder", "load_structure", "model_structure"]
+
+
+# Set on every placeholder: exporting a constant that is one, or a view of one, without
+# a name in the model is refused (its values are not the live model's).
+PLACEHOLDER_ATTR = "_batchgraph_placeholder"
 
 
 def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) -> torch.Tensor:
-    # One element, strides 0: reads like a zero tensor of `shape`, costs 8 bytes.
-    tensor = torch.zeros((), dtype=dtype).expand(shape)
-    return nn.Parameter(tensor, requires_grad=False) if parameter else tensor
+    # One element, strides 0: reads like a constant tensor of `shape`, costs 8 bytes.
+    # detach(): the expanded tensor itself is not a view then, so a view taken of it
+    # in per-example code has the placeholder as its `_base` (see is_placeholder).
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    tensor = torch.full((), fill, dtype=dtype).expand(shape).detach()
+    if parameter:
+        tensor = nn.Parameter(tensor, requires_grad=False)
+    setattr(tensor, PLACEHOLDER_ATTR, True)
+    return tensor
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``load_structure`` placeholder, or a view of one.
+
+    Example:
+        >>> lin = load_structure(model_structure(torch.nn.Linear(2, 3)))
+        >>> is_placeholder(lin.weight), is_placeholder(lin.weight[0]), is_placeholder(torch.ones(2))
+        (True, True, False)
+    """
+    if getattr(tensor, PLACEHOLDER_ATTR, False):
+        return True
+    base = tensor._base
+    return base is not None and getattr(base, PLACEHOLDER_ATTR, False)
 
 
 class _StructurePickler(pickle.Pickler):

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from batchgraph.errors import BatchgraphError
 from batchgraph.policy import BatchingPolicy
-from batchgraph.portable import Exporter, PortableBatch, SkippedExample
+from batchgraph.portable import Exporter, PortableBatch, SkippedExample, grad_mode
 from batchgraph.rules import KeyFactory
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.structure import load_structure, model_structure
@@ -166,6 +166,9 @@ class GraphCollate:
         """
         model, exporter = self._worker()
         start = time.perf_counter()
+        # The mode the recording runs in (grad on, in a worker): calls the per-example
+        # code records in another (inside torch.no_grad()) keep theirs when bound.
+        recorded_in = grad_mode()
         forward = self.forward
         call: Forward = (
             (lambda m, item: getattr(m, forward)(item)) if isinstance(forward, str) else forward
@@ -190,7 +193,9 @@ class GraphCollate:
                 ends.append(len(policy.graph))
                 kept.append(index)
         recorded = time.perf_counter()
-        batch = exporter.export(policy, outputs, example_ends=ends, indices=kept)
+        batch = exporter.export(
+            policy, outputs, example_ends=ends, indices=kept, recorded_in=recorded_in
+        )
         batch.targets = default_collate(targets) if self.target is not None and targets else None
         batch.skipped = skipped
         batch.record_seconds = recorded - start

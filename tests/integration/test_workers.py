@@ -181,3 +181,34 @@ def test_dead_worker_surfaces_and_nothing_hangs() -> None:
         for _ in loader:
             pass
     assert time.monotonic() - start < 20
+
+
+def test_model_tensors_used_directly_and_no_grad_regions_through_a_worker() -> None:
+    # Parameters and buffers the per-example code uses itself, and a no_grad region,
+    # through a real worker process (the batch is pickled): outputs and gradients equal
+    # eager ones.
+    from tests.unit.test_portable_live_model import ITEMS, Decoder
+
+    torch.manual_seed(7)
+    model = Decoder()
+
+    def frozen_cell(m: Decoder, xs: list[list[float]]) -> Any:
+        with torch.no_grad():
+            start = m.cell(bg.batched_value(torch.tensor(xs[0], dtype=torch.float64)), m.h0)
+        return m.decode(xs) + start * m.scale
+
+    data = ITEMS * 2
+    loader = bg.graph_loader(data, bg.GraphCollate(model, frozen_cell), [[0, 1, 2], [3, 4, 5]],
+                             num_workers=1, persistent_workers=True, timeout=30)
+    for batch in loader:
+        model.zero_grad()
+        bound = bg.bind(batch, model, stack=True)
+        bound.sum().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        eager = torch.stack([frozen_cell(model, data[i]) for i in batch.indices])
+        eager.sum().backward()
+        torch.testing.assert_close(bound, eager, rtol=0, atol=1e-12)
+        for g, p in zip(got, model.parameters()):
+            assert p.grad is not None
+            torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-12)
