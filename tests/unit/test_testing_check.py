@@ -50,8 +50,74 @@ class DetachingKey(bg.StackKey):
         return super().run(fn, inputs, size).detach()
 
 
+def test_names_the_output_cut_off_from_autograd() -> None:
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with pytest.raises(
+        AssertionError,
+        match=r"example 0: output: eager \(2,\) torch.float64 on cpu, requires_grad=True, "
+        r"batched \(2,\) torch.float64 on cpu, requires_grad=False",
+    ):
+        assert_batched_matches_eager(model.good, xs, rules={nn.Linear: DetachingKey})
+
+
+class DoubledGradientKey(bg.StackKey):
+    """A broken rule: right values, requires grad, but twice the gradient."""
+
+    def run(self, fn, inputs, size):  # type: ignore[no-untyped-def]
+        out = super().run(fn, inputs, size)
+        return out * 2 - out.detach()
+
+
 def test_names_the_parameter_whose_gradient_differs() -> None:
     model = Model().double()
     xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
-    with pytest.raises(AssertionError, match=r"gradient of lin.weight: eager set, batched none"):
-        assert_batched_matches_eager(model.good, xs, rules={nn.Linear: DetachingKey})
+    with pytest.raises(AssertionError, match=r"gradient of parameter lin.weight differs"):
+        assert_batched_matches_eager(model.good, xs, rules={nn.Linear: DoubledGradientKey})
+
+
+def test_a_lambda_has_the_gradients_of_what_it_closes_over_compared() -> None:
+    # Before, a lambda (no __self__) had no gradient compared at all: a rule that
+    # doubles gradients passed.
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    report = assert_batched_matches_eager(lambda x: model.good(x), xs, rtol=0, atol=1e-12)
+    assert report.gradients_compared == 2
+    with pytest.raises(
+        AssertionError, match=r"gradient of parameter captured tensor \d of shape \(2, 3\) differs"
+    ):
+        assert_batched_matches_eager(
+            lambda x: model.good(x), xs, rules={nn.Linear: DoubledGradientKey}
+        )
+
+
+def test_output_cut_off_from_autograd_fails_without_gradient_checks() -> None:
+    # Before, check_gradients=False compared values only: detached outputs passed.
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with pytest.raises(AssertionError, match=r"requires_grad=True, batched .*requires_grad=False"):
+        assert_batched_matches_eager(
+            model.good, xs, rules={nn.Linear: DetachingKey}, check_gradients=False
+        )
+
+
+def test_gradients_of_the_examples_own_tensors_are_compared() -> None:
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    report = assert_batched_matches_eager(model.good, xs, rtol=0, atol=1e-12)
+    assert report.gradients_compared == 2 + 4
+
+
+def test_nan_where_eager_has_nan_matches() -> None:
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(3)]
+    report = assert_batched_matches_eager(
+        lambda x: model.good(x) * float("nan"), xs, check_gradients=False
+    )
+    assert report.outputs_compared == 3
+
+
+def test_a_function_that_records_nothing_warns() -> None:
+    xs = [torch.randn(3) for _ in range(3)]
+    with pytest.warns(UserWarning, match=r"recorded no call under the BatchingPolicy"):
+        assert_batched_matches_eager(torch.tanh, xs)
