@@ -164,6 +164,19 @@ class Binder:
 
     def _run(self, batch: PortableBatch, stack: bool) -> Any:
         start = time.perf_counter()
+        if stack and batch.output_plan is None and not len(batch):
+            # Not "outputs of other shapes": there are none, so no shape to stack to.
+            skipped = batch.skipped
+            why = (
+                f"all {len(skipped)} of its examples were skipped (the first: example "
+                f"{skipped[0].position}, dataset index {skipped[0].index}: {skipped[0].error})"
+                if skipped else "it was made from no examples"
+            )
+            raise ValueError(
+                f"stack=True on a batch with no examples: {why}. Check len(batch) before "
+                "binding with stack=True (and skip such a batch), or bind with stack=False "
+                "(an empty list)"
+            )
         if stack and batch.output_plan is None:
             raise ValueError(
                 "stack=True needs every example's output to be one tensor of the same "

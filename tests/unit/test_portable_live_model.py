@@ -169,3 +169,24 @@ def test_a_submodule_replaced_after_a_batch_was_bound_is_used_by_the_next() -> N
     model.head = nn.Linear(4, 3)  # another shape: checked again, and refused
     with pytest.raises(bg.ScheduleMismatchError, match=r"returns \(3,\) float32 on cpu per example"):
         binder.run(collate(items))
+
+
+def test_stacking_a_batch_whose_examples_were_all_skipped_says_so() -> None:
+    # Before: "needs every example's output to be one tensor of the same per-example
+    # shape", about a batch with no outputs at all.
+    model = Frozen()
+
+    def failing(m: Frozen, x: list[float]) -> Any:
+        raise ValueError(f"bad example {x}")
+
+    batch = bg.GraphCollate(model, failing, skip_errors=True)([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    assert bg.bind(batch, model) == []
+    with pytest.raises(
+        ValueError,
+        match=r"stack=True on a batch with no examples: all 2 of its examples were skipped "
+        r"\(the first: example 0, dataset index 0: ValueError: bad example \[1.0, 2.0, 3.0\]\)"
+        r"\. Check len\(batch\)",
+    ):
+        bg.bind(batch, model, stack=True)
+    with pytest.raises(ValueError, match=r"with no examples: it was made from no examples"):
+        bg.bind(bg.GraphCollate(model, "logits")([]), model, stack=True)
