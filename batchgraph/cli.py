@@ -10,8 +10,14 @@ and its handler (``func``), so adding a subcommand touches only this registry::
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgraph.pipeline import ActionCosts, PipelineSchedule
 
 __all__ = ["build_parser", "main"]
 
@@ -21,23 +27,38 @@ _Handler = Callable[[argparse.Namespace], int]
 def _run_schedule(args: argparse.Namespace) -> int:
     # Imported here so `batchgraph --help` and other subcommands do not pay for the
     # pipeline imports.
-    from batchgraph.pipeline import (
-        ActionCosts,
-        draw_timeline,
-        format_schedule,
-        make_schedule,
-        simulate,
-        write_chrome_trace,
-    )
+    from batchgraph.pipeline import ActionCosts, make_schedule
 
     try:
         costs = ActionCosts.parse(args.costs) if args.costs else ActionCosts()
+        # parse takes nan and inf ("non-negative": nan < 0 is False), which simulate
+        # turns into nan makespans and bubbles without a word. (parse read the text
+        # as floats already, so this cannot fail to convert.)
+        if args.costs and not all(math.isfinite(float(v)) for v in args.costs.split(",")):
+            raise ValueError(
+                f"costs {args.costs!r}: every cost must be a finite number, e.g. '1,2,1,1'"
+            )
+        for option, path in (("--png", args.png), ("--trace", args.trace)):
+            if path and os.path.isdir(path):
+                raise ValueError(f"{option} {path!r} is a folder; name the file to write in it")
         schedule = make_schedule(
             args.name, stages=args.stages, microbatches=args.microbatches, chunks=args.chunks
         )
     except ValueError as exc:
         print(f"batchgraph schedule: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _report(args, schedule, costs)
+    except OSError as exc:  # a path that cannot be written: say so, without a traceback
+        print(f"batchgraph schedule: error: cannot write {exc.filename!r}: {exc.strerror}",
+              file=sys.stderr)
+        return 1
+
+
+def _report(args: argparse.Namespace, schedule: PipelineSchedule, costs: ActionCosts) -> int:
+    """Print the schedule and its simulation; write the trace and picture asked for."""
+    from batchgraph.pipeline import draw_timeline, format_schedule, simulate, write_chrome_trace
+
     result = simulate(schedule, costs)
     print(format_schedule(schedule))
     print()

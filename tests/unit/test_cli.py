@@ -57,3 +57,33 @@ def test_python_dash_m() -> None:
         check=True,
     )
     assert "   3  0B0" in done.stdout
+
+
+@pytest.mark.parametrize("costs", ["nan,1,1,1", "1,inf,1,1", "1,2,1,1,nan"])
+def test_costs_that_are_not_finite_are_refused(
+    costs: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: accepted, and the simulation printed nan makespans and bubbles, status 0.
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "2", "--costs", costs]) == 2
+    captured = capsys.readouterr()
+    assert f"costs {costs!r}: every cost must be a finite number" in captured.err
+    assert captured.out == ""
+
+
+def test_output_paths_that_cannot_be_written_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a traceback (a file where a folder should be), or, for a folder given as
+    # the PNG, a picture written beside it as <folder>.png, reported as the folder.
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "2", "--png", str(tmp_path)]) == 2
+    assert f"--png {str(tmp_path)!r} is a folder; name the file to write in it" in (
+        capsys.readouterr().err
+    )
+    assert not Path(f"{tmp_path}.png").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for option in ("--trace", "--png"):
+        target = blocker / "out"
+        assert main(["schedule", "1f1b", "-p", "2", "-m", "2", option, str(target)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("batchgraph schedule: error: cannot write ") and "Traceback" not in err
