@@ -31,6 +31,7 @@ from batchgraph.autocasting import AutocastState
 from batchgraph.captured import captured_tensors
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.keys import BatchKey, ConstantKey
+from batchgraph.placeholders import is_placeholder
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
 
 __all__ = ["INFERENCE", "Graph", "RecordedGrad", "Ref", "exact_number", "scalar_spec"]
@@ -498,6 +499,11 @@ def constant_signature(kid: int, value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return (kid, exact_number(value))
     if value.requires_grad or value.numel() > _VALUE_DEDUPE_NUMEL:
+        return None
+    if is_placeholder(value):
+        # A worker's weightless stand-in for a model tensor, or a view of one: its
+        # values are not the live ones, which the binder reads in, so no value equals
+        # it. Floating ones read NaN (never equal); integer ones read 0, as real zeros.
         return None
     if value.dim() == 0:  # the same signature as the equal Python scalar
         return (kid, exact_number(value.item()))

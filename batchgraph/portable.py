@@ -44,11 +44,11 @@ from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.naming import function_name, module_names, qualified_name
 from batchgraph.passes import prune
+from batchgraph.placeholders import is_placeholder
 from batchgraph.policy import BatchingPolicy
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, build_schedule
 from batchgraph.specs import CallSignature, OutSpec, TensorSpec, rebuild_sequence
-from batchgraph.structure import is_placeholder
 
 __all__ = [
     "Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export",

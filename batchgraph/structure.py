@@ -41,14 +41,10 @@ import torch
 from torch import nn
 
 from batchgraph.functional import batched_func
+from batchgraph.placeholders import PLACEHOLDER_ATTR, is_placeholder
 from batchgraph.recording import CallSite
 
 __all__ = ["is_placeholder", "load_structure", "model_structure"]
-
-
-# Set on every placeholder: exporting a constant that is one, or a view of one, without
-# a name in the model is refused (its values are not the live model's).
-PLACEHOLDER_ATTR = "_batchgraph_placeholder"
 
 
 def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) -> torch.Tensor:
@@ -61,20 +57,6 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) ->
         tensor = nn.Parameter(tensor, requires_grad=False)
     setattr(tensor, PLACEHOLDER_ATTR, True)
     return tensor
-
-
-def is_placeholder(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a ``load_structure`` placeholder, or a view of one.
-
-    Example:
-        >>> lin = load_structure(model_structure(torch.nn.Linear(2, 3)))
-        >>> is_placeholder(lin.weight), is_placeholder(lin.weight[0]), is_placeholder(torch.ones(2))
-        (True, True, False)
-    """
-    if getattr(tensor, PLACEHOLDER_ATTR, False):
-        return True
-    base = tensor._base
-    return base is not None and getattr(base, PLACEHOLDER_ATTR, False)
 
 
 class _StructurePickler(pickle.Pickler):

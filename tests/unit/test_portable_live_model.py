@@ -190,3 +190,27 @@ def test_stacking_a_batch_whose_examples_were_all_skipped_says_so() -> None:
         bg.bind(batch, model, stack=True)
     with pytest.raises(ValueError, match=r"with no examples: it was made from no examples"):
         bg.bind(bg.GraphCollate(model, "logits")([]), model, stack=True)
+
+
+class Shifter(bg.BatchedModule):
+    """Uses an integer buffer directly, next to a real integer constant of zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.tensor([1, 2, 3]))
+        self.embed = nn.Embedding(8, 2).double()
+
+    def lookup(self, tokens: list[int]) -> Any:
+        zeros = torch.zeros(3, dtype=torch.long)  # equal to a placeholder (which reads 0)
+        picked = self.embed(bg.batched_value(torch.tensor(tokens)) + self.offset)
+        return picked + self.embed(bg.batched_value(torch.tensor(tokens)) + zeros)
+
+
+def test_an_integer_placeholder_is_not_merged_with_an_equal_constant() -> None:
+    # Integer placeholders read 0: in the worker, the buffer was merged by value with the
+    # real zeros, so one of the two computed with the other's values once bound.
+    model = Shifter()
+    items = [[0, 1, 2], [4, 3, 2]]
+    bound = bg.bind(bg.GraphCollate(model, "lookup")(items), model)
+    for b, tokens in zip(bound, items):
+        torch.testing.assert_close(b, model.lookup(tokens), rtol=0, atol=0)
