@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -67,8 +68,8 @@ def balanced_partition(costs: Sequence[float], parts: int) -> list[tuple[int, in
             f"cannot split {n} layers into {parts} stages: need 1 <= stages <= {n} "
             "(every stage needs at least one layer)"
         )
-    if any(c < 0 for c in costs):
-        raise PipelineConfigError(f"costs must be >= 0, got {list(costs)}")
+    if not all(math.isfinite(c) and c >= 0 for c in costs):  # `nan < 0` is False
+        raise PipelineConfigError(f"costs must be finite and >= 0, got {list(costs)}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))

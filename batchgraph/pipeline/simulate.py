@@ -21,6 +21,7 @@ Conventions (the tests pin numbers in these terms):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TypeAlias
@@ -72,8 +73,10 @@ class ActionCosts:
             value = float(spec(stage))
         else:
             value = float(spec)
-        if value < 0:
-            raise ValueError(f"ActionCosts.{name} for stage {stage} is {value}; costs must be >= 0")
+        if not math.isfinite(value) or value < 0:  # `nan < 0` is False
+            raise ValueError(
+                f"ActionCosts.{name} for stage {stage} is {value}; costs must be finite and >= 0"
+            )
         return value
 
     def cost(self, action: Action) -> float:
@@ -90,7 +93,8 @@ class ActionCosts:
         """Read ``"F,B,I,W"`` or ``"F,B,I,W,T"`` (T: transfer), e.g. ``"1,2,1,1"``.
 
         Raises:
-            ValueError: if ``text`` is not 4 or 5 non-negative numbers separated by commas.
+            ValueError: if ``text`` is not 4 or 5 finite non-negative numbers separated by
+                commas.
 
         Example:
             >>> ActionCosts.parse("1,2,1,1,0.5").transfer
@@ -101,9 +105,10 @@ class ActionCosts:
             values = [float(p) for p in parts]
         except ValueError:
             values = []
-        if len(values) not in (4, 5) or any(v < 0 for v in values):
+        if len(values) not in (4, 5) or not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(
-                f"costs {text!r}: expected 4 or 5 non-negative numbers 'F,B,I,W[,T]', e.g. '1,2,1,1'"
+                f"costs {text!r}: expected 4 or 5 finite non-negative numbers 'F,B,I,W[,T]', "
+                "e.g. '1,2,1,1'"
             )
         return cls(*values)
 

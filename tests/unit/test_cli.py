@@ -39,7 +39,7 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schedule", "gpipe", "--chunks", "2"]) == 2
     assert "chunks must be 1" in capsys.readouterr().err
     assert main(["schedule", "1f1b", "--costs", "1,2"]) == 2
-    assert "expected 4 or 5 non-negative numbers" in capsys.readouterr().err
+    assert "expected 4 or 5 finite non-negative numbers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["schedule", "pipedream"])
     assert "invalid choice: 'pipedream'" in capsys.readouterr().err
@@ -66,7 +66,7 @@ def test_costs_that_are_not_finite_are_refused(
     # Before: accepted, and the simulation printed nan makespans and bubbles, status 0.
     assert main(["schedule", "1f1b", "-p", "2", "-m", "2", "--costs", costs]) == 2
     captured = capsys.readouterr()
-    assert f"costs {costs!r}: every cost must be a finite number" in captured.err
+    assert f"costs {costs!r}: expected 4 or 5 finite non-negative numbers" in captured.err
     assert captured.out == ""
 
 

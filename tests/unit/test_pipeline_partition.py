@@ -45,6 +45,9 @@ def test_dp_equals_brute_force(costs: list[float], parts: int) -> None:
 def test_partition_errors() -> None:
     with pytest.raises(PipelineConfigError, match="cannot split 2 layers into 3 stages"):
         balanced_partition([1.0, 1.0], 3)
+    for bad in (-1.0, float("nan"), float("inf")):  # `nan < 0` is False: nan went through
+        with pytest.raises(PipelineConfigError, match="costs must be finite and >= 0"):
+            balanced_partition([1.0, bad, 1.0], 2)
     with pytest.raises(PipelineConfigError, match="unknown cost"):
         layer_costs([nn.ReLU()], "flops")
     with pytest.raises(PipelineConfigError, match="pass sample="):

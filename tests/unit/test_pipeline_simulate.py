@@ -93,16 +93,21 @@ def test_invalid_schedule_is_rejected_before_simulating() -> None:
 
 def test_negative_cost_is_rejected() -> None:
     with pytest.raises(
-        ValueError, match=r"ActionCosts.forward for stage 0 is -1.0; costs must be >= 0"
+        ValueError, match=r"ActionCosts.forward for stage 0 is -1.0; costs must be finite and >= 0"
     ):
         simulate(make_schedule("gpipe", stages=1, microbatches=1), ActionCosts(forward=-1))
+    # `nan < 0` is False: nan and inf went through and simulated nan makespans.
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="costs must be finite and >= 0"):
+            simulate(make_schedule("gpipe", stages=2, microbatches=2),
+                     ActionCosts(backward={1: bad}))
 
 
 def test_parse_costs() -> None:
     assert ActionCosts.parse("1,2,1,1") == ActionCosts(1, 2, 1, 1, 0)
     assert ActionCosts.parse(" 1, 3 ,2,1,0.5") == ActionCosts(1, 3, 2, 1, 0.5)
-    for text in ("1,2", "a,b,c,d", "1,2,1,-1", "1,2,1,1,1,1"):
+    for text in ("1,2", "a,b,c,d", "1,2,1,-1", "1,2,1,1,1,1", "nan,1,1,1", "1,inf,1,1"):
         with pytest.raises(
-            ValueError, match=r"expected 4 or 5 non-negative numbers 'F,B,I,W\[,T\]'"
+            ValueError, match=r"expected 4 or 5 finite non-negative numbers 'F,B,I,W\[,T\]'"
         ):
             ActionCosts.parse(text)
