@@ -35,7 +35,7 @@ from batchgraph.errors import (
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.keys import BatchKey, ConstantKey
-from batchgraph.scheduling import Schedule, Step, leaf_specs
+from batchgraph.scheduling import Schedule, Step, leaf_specs, spec_leaves
 from batchgraph.specs import TensorSpec, flatten_output
 
 __all__ = ["Executor"]
@@ -183,7 +183,7 @@ class Executor:
         except Exception as err:
             raise self._diagnose(key, step, inputs, err) from err
         if key.combine == "list":
-            return self._columns(key, out, size, grad)
+            return self._columns(key, step, out, grad)
         leaves: list[torch.Tensor] = []
         try:
             flatten_output(out, leaves)
@@ -357,8 +357,9 @@ class Executor:
                 )
 
     def _columns(
-        self, key: BatchKey, out: Any, size: int, grad: RecordedGrad | None
+        self, key: BatchKey, step: Step, out: Any, grad: RecordedGrad | None
     ) -> list[Any]:
+        size = len(step.nodes)
         if not isinstance(out, list) or len(out) != size:
             raise BatchedCallError(
                 f"{key.label} must return a list of {size} per-example results, got "
@@ -374,9 +375,55 @@ class Executor:
             flat.append(
                 _without_inert_views(leaves) if grad is False or grad is INFERENCE else leaves
             )
+        self._check_columns(key, step, flat)
         # The last column keeps each whole result: handles whose structure was unknown
         # before running refer to it as leaf -1.
         return [*(list(column) for column in zip(*flat)), list(out)]
+
+    def _check_columns(self, key: BatchKey, step: Step, flat: list[list[torch.Tensor]]) -> None:
+        """Each example's results of a ``combine="list"`` rule against the spec its
+        call was recorded with, as stacked results are checked in ``_run_step``.
+
+        Checked per example, not per batch: the examples of one list batch may have
+        shapes of their own (``PackedSequenceKey``'s lengths), so a rule that hands
+        them back in another order is caught too wherever their shapes differ.
+        Leaves are fixed up in place where autocast explains a dtype.
+        """
+        graph = self.graph
+        node_spec = graph.node_spec
+        autocast = step.key in graph.key_autocast
+        for row, (node, leaves) in enumerate(zip(step.nodes, flat)):
+            # A graph bound from a PortableBatch has no specs; an output whose
+            # structure was unknown when recorded (spec None) has nothing to check.
+            spec = node_spec[node] if node < len(node_spec) else None
+            if spec is None:
+                continue
+            specs = spec_leaves(spec)
+            example = self._example(node)
+            where = f"example {example}" if example is not None else f"node {node}"
+            if len(leaves) != len(specs):
+                raise BatchedCallError(
+                    f"{key.label} returned {len(leaves)} tensor(s) for {where} (row {row} "
+                    f"of a batch of {len(step.nodes)}), where its call run alone returns "
+                    f"{len(specs)}: its run() must return each example's result as the "
+                    "callable returns it."
+                )
+            for i, (leaf, leaf_spec) in enumerate(zip(leaves, specs)):
+                if not isinstance(leaf_spec, TensorSpec):
+                    continue
+                if leaf.shape != leaf_spec.shape or (leaf.dtype != leaf_spec.dtype
+                                                      and not autocast):
+                    raise BatchedCallError(
+                        f"{key.label} returned a {tuple(leaf.shape)} {leaf.dtype} tensor "
+                        f"(output {i}) for {where} (row {row} of a batch of "
+                        f"{len(step.nodes)}), where its call run alone returns "
+                        f"{tuple(leaf_spec.shape)} {leaf_spec.dtype}: its batching rule "
+                        "does not keep each example's meaning (or returns the examples "
+                        "in another order than it got them). Register VmapKey for it "
+                        "(BatchingPolicy(rules={...}))."
+                    )
+                if leaf.dtype != leaf_spec.dtype:  # under autocast, as in _run_step
+                    leaves[i] = leaf.to(leaf_spec.dtype)
 
     def _index_all(self, schedule: Schedule) -> None:
         # Every index list of the schedule becomes a slice of one tensor (one copy

@@ -43,6 +43,7 @@ __all__ = [
     "depth_order",
     "launch_lower_bound",
     "leaf_specs",
+    "spec_leaves",
 ]
 
 
@@ -334,6 +335,13 @@ def leaf_specs(key: BatchKey, spec: OutSpec) -> list[OutSpec]:
         leaves = []
         _flatten_spec(spec, leaves)
         key._leaf_specs = leaves  # type: ignore[attr-defined]
+    return leaves
+
+
+def spec_leaves(spec: OutSpec) -> list[OutSpec]:
+    """The leaves of one output spec, in the order ``flatten_output`` gives tensors."""
+    leaves: list[OutSpec] = []
+    _flatten_spec(spec, leaves)
     return leaves
 
 
