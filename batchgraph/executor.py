@@ -34,9 +34,9 @@ from batchgraph.errors import (
 )
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
-from batchgraph.keys import BatchKey, ConstantKey
-from batchgraph.scheduling import Schedule, Step, leaf_specs, spec_leaves
-from batchgraph.specs import TensorSpec, flatten_output
+from batchgraph.keys import BatchKey, ConstantKey, VmapKey, callable_name
+from batchgraph.scheduling import Schedule, Step, leaf_specs
+from batchgraph.specs import TensorSpec, flatten_output, spec_leaves
 
 __all__ = ["Executor"]
 
@@ -205,8 +205,8 @@ class Executor:
                 raise BatchedCallError(
                     f"{key.label} returned shape {tuple(shape)} for a batch of {size} "
                     f"calls; a batched output needs a leading dimension of {size}. If this "
-                    "callable does not take a leading batch dimension, register VmapKey "
-                    "for it (BatchingPolicy(rules={...}))."
+                    "callable does not take a leading batch dimension, "
+                    f"{_rule_advice(key)}"
                 )
             if not isinstance(spec, TensorSpec):
                 continue
@@ -217,16 +217,16 @@ class Executor:
                 raise BatchedCallError(
                     f"{key.label} returned per-example shape {tuple(shape[1:])} for a batch "
                     f"of {size} calls, where each call run alone returns {spec.shape}: its "
-                    "batching rule does not keep each example's meaning. Register VmapKey "
-                    "for it (BatchingPolicy(rules={...}))."
+                    "batching rule does not keep each example's meaning. "
+                    f"{_rule_advice(key)}"
                 )
             if leaf.dtype != spec.dtype:
                 if step.key not in graph.key_autocast:
                     raise BatchedCallError(
                         f"{key.label} returned {leaf.dtype} for a batch of {size} calls, "
                         f"where each call run alone returns {spec.dtype}: its batching rule "
-                        "does not keep each example's type promotion. Register VmapKey for "
-                        "it (BatchingPolicy(rules={...}))."
+                        "does not keep each example's type promotion. "
+                        f"{_rule_advice(key)}"
                     )
                 # Under autocast, vmap runs some ops out of its reach (prelu): such a
                 # result gets the dtype the eager call has.
@@ -419,8 +419,7 @@ class Executor:
                         f"{len(step.nodes)}), where its call run alone returns "
                         f"{tuple(leaf_spec.shape)} {leaf_spec.dtype}: its batching rule "
                         "does not keep each example's meaning (or returns the examples "
-                        "in another order than it got them). Register VmapKey for it "
-                        "(BatchingPolicy(rules={...}))."
+                        f"in another order than it got them). {_rule_advice(key)}"
                     )
                 if leaf.dtype != leaf_spec.dtype:  # under autocast, as in _run_step
                     leaves[i] = leaf.to(leaf_spec.dtype)
@@ -513,6 +512,15 @@ class Executor:
 
     def _example(self, node: int) -> int | None:
         return self._example_of(node) if self._example_of is not None else None
+
+
+def _rule_advice(key: BatchKey) -> str:
+    """What to do about a rule whose batched results do not match its calls: the
+    general rule, or for vmap itself (an op it batches wrongly) one call at a time."""
+    other = "UnbatchedKey" if isinstance(key, VmapKey) else "VmapKey"
+    fn = key.fn
+    target = type(fn).__name__ if isinstance(fn, torch.nn.Module) else callable_name(fn)
+    return f"Register {other} for it: BatchingPolicy(rules={{{target}: bg.{other}}})."
 
 
 def _long_tensor(rows: array[int]) -> torch.Tensor:

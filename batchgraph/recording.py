@@ -326,7 +326,7 @@ class CallSite:
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
         spec, draws_random, kind = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
-        if key.batchable and spec is not None and not probe_vmap(key):
+        if key.batchable and spec is not None and not probe_vmap(key, spec):
             key = UnbatchedKey(self.fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(self.fn, call)

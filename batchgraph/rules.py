@@ -32,7 +32,15 @@ from batchgraph.keys import (
     VmapKey,
 )
 from batchgraph.sequence import packed_sequence_rule
-from batchgraph.specs import CallSignature, InputSlot, tuple_parts
+from batchgraph.specs import (
+    CallSignature,
+    InputSlot,
+    OutSpec,
+    TensorSpec,
+    flatten_output,
+    spec_leaves,
+    tuple_parts,
+)
 
 __all__ = ["KeyFactory", "RandomDraws", "choose_key", "may_be_random"]
 
@@ -242,10 +250,14 @@ def choose_key(
     return factory(fn, call, deterministic=deterministic)
 
 
-def probe_vmap(key: BatchKey) -> bool:
-    """Whether ``key`` can run a batch of two on fake tensors (checked once per key).
+def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
+    """Whether ``key`` can run a batch of two on fake tensors (checked once per key)
+    and, where the call's own output ``spec`` is given, keeps each example's shapes.
 
     Only ``VmapKey`` needs the probe: the other built-in rules are known to batch.
+    Some ops run under vmap but lose a dimension (``x.argmax(keepdim=True)`` gives
+    each example ``(1,)`` where eagerly it is ``(1, 1)``): such a call would fail at
+    ``compute`` with a shape error the user cannot fix, so it runs one at a time.
     """
     if not isinstance(key, VmapKey):
         return True
@@ -260,7 +272,17 @@ def probe_vmap(key: BatchKey) -> bool:
                 for s in key.call.input_specs
                 if s is not None
             ]
-            key.run(key.fn, inputs, 2)
+            out = key.run(key.fn, inputs, 2)
+            if spec is None:
+                return True
+            leaves: list[torch.Tensor] = []
+            flatten_output(out, leaves)
+            wanted = spec_leaves(spec)
+            # Shapes only: under autocast vmap may give another dtype, which the
+            # executor converts (see Executor._run_step).
+            return len(leaves) == len(wanted) and all(
+                not isinstance(w, TensorSpec) or leaf.shape[1:] == w.shape
+                for leaf, w in zip(leaves, wanted)
+            )
     except Exception:
         return False
-    return True

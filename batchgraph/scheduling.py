@@ -31,7 +31,7 @@ from batchgraph.gathering import GatherPlan, GatherPlanner, record_uses
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.passes import LiveGraph
-from batchgraph.specs import NO_TENSOR, OutSpec, TensorSpec
+from batchgraph.specs import OutSpec, TensorSpec, spec_leaves
 
 __all__ = [
     "GatherPlan",
@@ -43,7 +43,6 @@ __all__ = [
     "depth_order",
     "launch_lower_bound",
     "leaf_specs",
-    "spec_leaves",
 ]
 
 
@@ -332,25 +331,9 @@ def leaf_specs(key: BatchKey, spec: OutSpec) -> list[OutSpec]:
     the output spec of any of them, flattened."""
     leaves: list[OutSpec] | None = getattr(key, "_leaf_specs", None)
     if leaves is None:
-        leaves = []
-        _flatten_spec(spec, leaves)
+        leaves = spec_leaves(spec)
         key._leaf_specs = leaves  # type: ignore[attr-defined]
     return leaves
-
-
-def spec_leaves(spec: OutSpec) -> list[OutSpec]:
-    """The leaves of one output spec, in the order ``flatten_output`` gives tensors."""
-    leaves: list[OutSpec] = []
-    _flatten_spec(spec, leaves)
-    return leaves
-
-
-def _flatten_spec(spec: OutSpec, out: list[OutSpec]) -> None:
-    if type(spec) is tuple:
-        for child in cast(tuple[OutSpec, ...], spec):
-            _flatten_spec(child, out)
-    elif spec is not NO_TENSOR:
-        out.append(spec)
 
 
 def launch_lower_bound(graph: Graph, live: Sequence[int]) -> int:

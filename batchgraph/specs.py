@@ -28,6 +28,7 @@ __all__ = [
     "intern_spec",
     "rebuild_sequence",
     "sequence_kind",
+    "spec_leaves",
     "spec_of",
 ]
 
@@ -94,6 +95,22 @@ def count_leaves(spec: OutSpec) -> int:
     if spec is NO_TENSOR:
         return 0
     return sum(count_leaves(s) for s in cast(tuple[OutSpec, ...], spec))
+
+
+def spec_leaves(spec: OutSpec) -> list[OutSpec]:
+    """The leaves of an output spec tree, in the order ``flatten_output`` gives
+    tensors (``None`` for a structure unknown until the call runs)."""
+    leaves: list[OutSpec] = []
+    _flatten_spec(spec, leaves)
+    return leaves
+
+
+def _flatten_spec(spec: OutSpec, out: list[OutSpec]) -> None:
+    if type(spec) is tuple:
+        for child in cast(tuple[OutSpec, ...], spec):
+            _flatten_spec(child, out)
+    elif spec is not NO_TENSOR:
+        out.append(spec)
 
 
 def spec_of(value: Any) -> OutSpec:

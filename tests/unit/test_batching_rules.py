@@ -296,3 +296,17 @@ def test_slicing_batches_into_one_launch(name: str) -> None:
     grads = torch.autograd.grad(sum(v.sum() for v in got), xs)
     for g, x in zip(grads, xs):
         torch.testing.assert_close(g, torch.autograd.grad(index(x).sum(), x)[0])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.argmax(keepdim=True), lambda x: torch.argmin(x, keepdim=True)],
+)
+def test_a_call_vmap_batches_with_another_shape_runs_one_at_a_time(
+    fn: Callable[..., Any],
+) -> None:
+    # Under vmap, argmax(keepdim=True) with no dim gives each example (1,), where
+    # eagerly it is (1, 1): compute raised a BatchedCallError advising VmapKey, the
+    # rule already in use. The record-time probe now compares shapes, and such a
+    # call runs one call at a time, as vmap cannot batch it.
+    _assert_equal_eager(fn, [torch.randn(2, 3) for _ in range(3)])
