@@ -323,6 +323,16 @@ class Executor:
         # Before any step runs, as for modes: a refused batch computes nothing.
         graph = self.graph
         for step in schedule.steps:
+            if step.key in graph.key_versions and graph.parameters_converted(step.key):
+                raise ParameterChangedError(
+                    f"{graph.keys[step.key].label} in {graph.name!r} was converted to "
+                    "another dtype or device (model.to(...), .double(), .half(), .cuda(); "
+                    "for a function, a tensor it reads) after its calls in this batch "
+                    f"({len(step.nodes)}) were recorded and before they were computed: "
+                    "eagerly they ran with the old parameters. Compute what you recorded "
+                    "before converting the model (bg.compute, or read a value), or record "
+                    "the calls again."
+                )
             if step.key in graph.key_versions and graph.parameters_changed(step.key):
                 key = graph.keys[step.key]
                 what = (

@@ -105,6 +105,9 @@ class Graph:
         # check at compute. Noted when a call goes through ``key_id``: the first call
         # of a key after each compute and after each optimizer step.
         self.key_versions: dict[int, tuple[int, ...]] = {}
+        # And their dtypes and devices (layout_of), per key id with versions: a
+        # module converted (model.double()) before its calls computed is refused.
+        self.key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]] = {}
         # Likewise the train/eval modes of a module's submodules (its own mode is
         # ``key_training``, noted per call): part of the key's identity, per key id.
         self.key_submodes: dict[int, tuple[bool, ...]] = {}
@@ -201,6 +204,7 @@ class Graph:
                 self.key_training[kid] = training
             if versions is not None:
                 self.key_versions[kid] = versions
+                self.key_layouts[kid] = self.layout_of(key.fn)
                 _watch_optimizer_steps(self)
             if submodes is not None:
                 self.key_submodes[kid] = submodes
@@ -211,6 +215,14 @@ class Graph:
         if found is None:
             found = self._module_parts[id(module)] = _ModuleParts(module)
         return found
+
+    def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
+        """The dtype and device of each tensor ``fn`` reads besides its arguments: a
+        module's parameters, a function's captured tensors (listed once per graph).
+
+        A call's output spec may depend on them (an embedding's dtype is its
+        weight's), so a call site's cached signatures hold only while they stay."""
+        return tuple([(p.dtype, p.device) for p in self._parts_of(fn).params])
 
     def switched_submodules(self, kid: int) -> list[str]:
         """The submodules of module key ``kid`` switched between train and eval mode
@@ -237,6 +249,13 @@ class Graph:
             return False
         params = self._module_parts[id(self.keys[kid].fn)].params
         return tuple([p._version for p in params]) != noted
+
+    def parameters_converted(self, kid: int) -> bool:
+        """Whether the parameters of key ``kid`` changed dtype or device (``.to()``,
+        ``.double()``: not in place, so their versions stay) since its calls were
+        recorded."""
+        noted = self.key_layouts.get(kid)
+        return noted is not None and self.layout_of(self.keys[kid].fn) != noted
 
     def new_stamp(self) -> None:
         """A compute ran (or an optimizer stepped): each key's next call goes through

@@ -73,7 +73,9 @@ def active_policy() -> BatchingPolicy | None:
 class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
-    __slots__ = ("children", "dedupe", "key", "kind", "memo", "rules_token", "single", "spec")
+    __slots__ = (
+        "children", "dedupe", "key", "kind", "layout", "memo", "rules_token", "single", "spec",
+    )
 
     def __init__(
         self, key: BatchKey, spec: OutSpec, rules_token: int, draws_random: bool,
@@ -102,6 +104,9 @@ class _Entry:
         # recorded in): one tuple, so it is replaced atomically, and a stamp rather
         # than the graph, so the cache keeps no batch alive.
         self.memo: tuple[int, int, RecordedGrad, bool | None] = (-1, -1, True, None)
+        # The dtype and device of each tensor the callable reads besides its arguments
+        # (Graph.layout_of), when the spec was inferred: see CallSite.__call__.
+        self.layout: tuple[tuple[torch.dtype, torch.device], ...] = ()
 
 
 class CallSite:
@@ -229,6 +234,15 @@ class CallSite:
         if memo[0] == graph.stamp and memo[2] is grad and memo[3] is training:
             kid = memo[1]
         else:
+            if entry.layout and entry.layout != graph.layout_of(self.fn):
+                # The module was converted (model.double(), .to(device)), or a tensor
+                # the function reads was rebound to another dtype, since this
+                # signature was resolved: its cached output spec is stale (an
+                # embedding's dtype is its weight's). Checked here, once per key and
+                # compute, not per call, and not for callables that read no tensors
+                # (operators, most functions); the signatures are resolved anew.
+                self._forget()
+                return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training)
             entry.memo = (graph.stamp, kid, grad, training)
         spec = entry.spec
@@ -284,6 +298,13 @@ class CallSite:
             return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 
+    def _forget(self) -> None:
+        """Drop every cached signature (each is replaced whole: sites are shared by
+        threads, and one reading the old cache meanwhile still gets a whole entry)."""
+        self.cache = {}
+        self.last = (None, None)
+        self.last1 = (None, None)
+
     def _shadow(self) -> CallSite:
         """The site recording this callable's calls in the current autocast state."""
         state = autocast_state()
@@ -330,7 +351,9 @@ class CallSite:
             key = UnbatchedKey(self.fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(self.fn, call)
-        return _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
+        entry = _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
+        entry.layout = policy.graph.layout_of(self.fn)
+        return entry
 
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
         """See ``batchgraph.inference.infer_spec``."""
