@@ -45,6 +45,7 @@ from batchgraph.keys import (
 from batchgraph.module import BatchedModule
 from batchgraph.policy import BatchingPolicy
 from batchgraph.portable import PortableBatch, export
+from batchgraph.rules import BatchedHooksWarning
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, ScheduleStats
 from batchgraph.sequence import PackedSequenceKey
@@ -57,6 +58,7 @@ __all__ = [
     "AsyncBatcher",
     "BatchKey",
     "BatchedCallError",
+    "BatchedHooksWarning",
     "BatchedModule",
     "BatchgraphError",
     "BatchingPolicy",

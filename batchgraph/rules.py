@@ -9,6 +9,7 @@ call at all; if not, the call runs one at a time (``UnbatchedKey``) and stats sa
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from batchgraph.keys import (
     StackKey,
     UnbatchedKey,
     VmapKey,
+    callable_name,
 )
 from batchgraph.sequence import packed_sequence_rule
 from batchgraph.specs import (
@@ -42,7 +44,7 @@ from batchgraph.specs import (
     tuple_parts,
 )
 
-__all__ = ["KeyFactory", "RandomDraws", "choose_key", "may_be_random"]
+__all__ = ["BatchedHooksWarning", "KeyFactory", "RandomDraws", "choose_key", "may_be_random"]
 
 KeyFactory = Callable[..., BatchKey]
 
@@ -247,7 +249,64 @@ def choose_key(
         factory = rules.get(fn)
         if factory is None:
             factory = _function_key(fn, call)
-    return factory(fn, call, deterministic=deterministic)
+    key = factory(fn, call, deterministic=deterministic)
+    if isinstance(fn, nn.Module) and key.batchable:
+        _warn_about_hooks(fn, key)
+    return key
+
+
+class BatchedHooksWarning(UserWarning):
+    """A module with hooks is batched: its hooks run once per batched call."""
+
+
+def _hook_kinds(module: nn.Module) -> list[str]:
+    from torch.nn.modules import module as torch_module
+
+    kinds = []
+    for name, attr in (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
+                       ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks")):
+        if getattr(torch_module, f"_global{attr}", None) or any(
+            getattr(m, attr, None) for m in module.modules()
+        ):
+            kinds.append(name)
+    return kinds
+
+
+def _warn_about_hooks(module: nn.Module, key: BatchKey) -> None:
+    """Warn (once per signature: keys are chosen once) that a batched module's hooks
+    do not run per example as eagerly. Hooks cannot be split per example, and
+    running such a module one call at a time would be a silent slowdown, so this
+    says what happens and what to register instead.
+    """
+    kinds = _hook_kinds(module)
+    if not kinds:
+        return
+    if isinstance(key, VmapKey):
+        how = (
+            "forward hooks run inside torch.func.vmap (a tensor a hook keeps escapes it "
+            "and cannot be used afterwards), and backward hooks see the whole batch's "
+            "gradients"
+        )
+    else:
+        how = (
+            "a hook sees the whole batch, (B, ...) tensors, so one that reads or changes "
+            "values across an example (out / out.norm()) mixes the examples, and one "
+            "that keeps tensors keeps batches"
+        )
+    name = type(module).__name__
+    vmap = "" if isinstance(key, VmapKey) else (
+        "; a forward hook that only transforms each example's values is right under "
+        f"rules={{{name}: bg.VmapKey}}"
+    )
+    warnings.warn(
+        f"{callable_name(module)} has {' and '.join(kinds)} hooks; batched by "
+        f"{type(key).__name__}, they run once per batched call (and once on fake tensors "
+        f"when a call signature is new), not once per example: {how}. For eager "
+        f"behaviour run it one call at a time, BatchingPolicy(rules={{{name}: "
+        f"bg.UnbatchedKey}}){vmap}.",
+        BatchedHooksWarning,
+        stacklevel=6,  # <- choose_key <- _resolve <- _entry <- CallSite.__call__ <- caller
+    )
 
 
 def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:

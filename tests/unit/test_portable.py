@@ -148,6 +148,8 @@ class OtherCell(nn.Module):
         (lambda: TreeModel(classes=4), r"StackKey\[out\] returns \(4,\) float32 on cpu per example"),
     ],
 )
+# RealCalls counts with hooks, which run once per batched call by design.
+@pytest.mark.filterwarnings("ignore::batchgraph.BatchedHooksWarning")
 def test_batch_for_another_model_is_refused_before_computing(live: Any, match: str) -> None:
     batch = bg.GraphCollate(TreeModel(), "logits")([(1, 2), (3, (4, 5))])
     model = live()
