@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from batchgraph import gcpause
+from batchgraph.autocasting import autocast_state
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import (
     COORDINATOR,
@@ -203,11 +204,16 @@ class Coordinator:
             inputs: a tensor or tuple of tensors (the first stage's inputs), batch in dim 0.
             targets: what the loss compares the last stage's output with, batch in dim 0.
 
+        The stages run in the caller's ``torch.autocast`` state (forwards and the loss;
+        backwards follow autograd). Gradients are recorded whatever the grad mode, as the
+        step's name says; under ``torch.inference_mode()`` none can be, so it is refused.
+
         Returns:
             The loss of the whole batch (detached), as ``loss_fn`` on the full batch gives.
 
         Raises:
-            PipelineConfigError: without a loss, or for more microbatches than samples.
+            PipelineConfigError: without a loss, for more microbatches than samples, or
+                under ``torch.inference_mode()``.
             StageMismatchError: if the stages do not fit together (before any compute).
             StageError: if a task fails; the step is abandoned, ``.grad`` may hold part of
                 the step's gradients.
@@ -256,7 +262,8 @@ class Coordinator:
         return torch.stack([value * weight for value, weight in values]).sum()
 
     def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
-        """Run the forward pass only (no gradients), microbatch by microbatch.
+        """Run the forward pass only (no gradients), microbatch by microbatch, in the
+        caller's autocast state and inference mode.
 
         Returns:
             The last stage's outputs for the whole batch, concatenated along dim 0.
@@ -291,8 +298,19 @@ class Coordinator:
         on_output: Callable[[int, tuple[Tensor, ...]], Payload | None],
     ) -> None:
         self._check_open()
+        inference = torch.is_inference_mode_enabled()
+        if train and inference:
+            raise PipelineConfigError(
+                "train_step was called under torch.inference_mode(), where no gradient can "
+                "be recorded; call it outside inference mode (pipe.forward runs in it)"
+            )
         self._probe(mbs[0])
         self.reset()
+        # Autocast and inference mode are per thread: the device threads take the
+        # caller's, captured now (grad mode is the step's own: train_step records).
+        cast = autocast_state()
+        for stage in self.stages:
+            stage.autocast = cast
         plan = self._plans[train]
         events: dict[int, list[_Record]] = {d: [] for d in plan}
         first, last = 0, len(self.stages) - 1
@@ -324,7 +342,7 @@ class Coordinator:
         gcpause.enter()
         try:
             futures: list[Future[None]] = [
-                self._workers[d].submit(self._device_job, steps, train, events[d])
+                self._workers[d].submit(self._device_job, steps, train, inference, events[d])
                 for d, steps in plan.items()
             ]
             try:
@@ -361,10 +379,12 @@ class Coordinator:
         ]
         self._stats = PipelineStats.from_events(self._events, devices=self.schedule.devices)
 
-    def _device_job(self, steps: list[_Step], train: bool, events: list[_Record]) -> None:
+    def _device_job(
+        self, steps: list[_Step], train: bool, inference: bool, events: list[_Record]
+    ) -> None:
         comm = self.comm
         record = events.append
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), torch.inference_mode(inference):
             for stage, action, recv_key, send_key in steps:
                 try:
                     start, end = stage.run_keyed(action, recv_key, send_key, comm, train)

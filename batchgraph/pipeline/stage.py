@@ -24,11 +24,13 @@ handles are kept by the communicator until the end of the step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 
 import torch
 from torch import Tensor, nn
 
+from batchgraph.autocasting import AutocastState, in_autocast_state
 from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.actions import Action, ActionKind
 from batchgraph.pipeline.backward import BackwardTape, TwoStageBackward
@@ -36,6 +38,8 @@ from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, Mess
 from batchgraph.pipeline.errors import PipelineAbortedError, StageError
 
 __all__ = ["Stage"]
+
+_NO_CONTEXT = nullcontext()
 
 _KIND_WORDS = {
     ActionKind.FORWARD: "forward",
@@ -128,6 +132,9 @@ class Stage:
         self._split: TwoStageBackward | None = None
         self._saved: dict[int, _Saved] = {}
         self._weight_pending: dict[int, BackwardTape | _Deferred | None] = {}
+        # The autocast state of the thread that started the step: autocast is per thread,
+        # and a runtime that runs this stage on a thread of its own sets it (see run_keyed).
+        self.autocast: AutocastState | None = None
 
     def __repr__(self) -> str:
         return (
@@ -335,14 +342,15 @@ class Stage:
             assert recv_key is not None
             payload = comm.recv(recv_key)
             start = perf_counter()
-            if kind is ActionKind.FORWARD:
-                result = self.forward(action.microbatch, payload, train=train)
-            elif kind is ActionKind.BACKWARD:
-                result = self.backward(action.microbatch, payload)
-            else:
-                result = self.backward_input(action.microbatch, payload)
-            if send_key is not None:
-                comm.send(send_key, result)
+            with self._context(kind):
+                if kind is ActionKind.FORWARD:
+                    result = self.forward(action.microbatch, payload, train=train)
+                elif kind is ActionKind.BACKWARD:
+                    result = self.backward(action.microbatch, payload)
+                else:
+                    result = self.backward_input(action.microbatch, payload)
+                if send_key is not None:
+                    comm.send(send_key, result)
             return start, perf_counter()
         except (PipelineAbortedError, StageError):
             raise  # already names where it failed (e.g. the loss, run from this thread)
@@ -384,6 +392,13 @@ class Stage:
             # A leaf of its own: the stage's graph stops here and dL/dx is read off it.
             return value.detach().requires_grad_(True)
         return value
+
+    def _context(self, kind: ActionKind) -> AbstractContextManager[object]:
+        """What an action runs in: a forward (and the loss, which the last stage's send
+        computes) in the caller's autocast; backwards follow autograd, outside it."""
+        if kind is ActionKind.FORWARD and self.autocast is not None:
+            return in_autocast_state(self.autocast)
+        return _NO_CONTEXT
 
     @staticmethod
     def _alias(x: Tensor | None) -> Tensor | None:
