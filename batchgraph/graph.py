@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from batchgraph.autocasting import AutocastState
 from batchgraph.captured import captured_tensors
 from batchgraph.eager_grad import eager_requires_grad
+from batchgraph.errors import ShapeMismatchError
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.placeholders import is_placeholder
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
@@ -192,6 +193,8 @@ class Graph:
             submodes = tuple([m.training for m in parts.submodules])
         ident = (key, grad, autocast, training, versions, submodes)
         kid = self.key_ids.get(ident)
+        if kid is not None and self.keys[kid] is not key:
+            _check_stackable(self.keys[kid], key)
         if kid is None:
             kid = len(self.keys)
             self.keys.append(key)
@@ -423,6 +426,35 @@ class Graph:
             row = tree_map_only(torch.Tensor, torch.Tensor.detach, row)
         value: torch.Tensor = tree_map_only(torch.Tensor, own_copy, row)
         return value
+
+
+def _check_stackable(first: BatchKey, other: BatchKey) -> None:
+    """Refuse, where it is recorded, a call whose key equals ``first``'s (they would
+    run as one call) though its per-example inputs differ: a rule with
+    ``combine = "stack"`` gets each input as one tensor of shape ``(B, *spec)``, so
+    equal keys need equal input specs. Only a custom ``identity()`` that leaves them
+    out can do this (the default includes them); the gather would fail at compute
+    with torch.cat's "Sizes of tensors must match" or, for dtypes, promote silently.
+    """
+    here, there = other.call.input_specs, first.call.input_specs
+    if other.combine != "stack" or here == there:
+        return
+    if len(here) != len(there):
+        what = f"it has {len(here)} tensor inputs and the earlier call {len(there)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(here, there)) if a != b)
+        what = f"its input {i} is {_describe(here[i])} and the earlier call's {_describe(there[i])}"
+    raise ShapeMismatchError(
+        f"{other.label}: this call's key equals an earlier call's, so the two would run as "
+        f"one stacked call, but {what}. With combine = \"stack\", "
+        f"{type(other).__name__}.identity() must include the per-example input specs "
+        "(BatchKey.identity() does: return (super().identity(), ...) to add to it), or "
+        "set combine = \"list\" to receive each example's inputs as they are."
+    )
+
+
+def _describe(spec: TensorSpec | None) -> str:
+    return "of unknown structure" if spec is None else spec.describe()
 
 
 class _ModuleParts:

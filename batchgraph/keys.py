@@ -88,7 +88,15 @@ class BatchKey:
         self.fn = fn
         self.call = call
         self.deterministic = deterministic
-        self._hash = hash((type(self), self.identity()))
+        identity = self.identity()
+        try:
+            self._hash = hash((type(self), identity))
+        except TypeError as err:  # a list inside, say: name the method to fix
+            raise TypeError(
+                f"{type(self).__name__}.identity() returned {identity!r:.200}, which is not "
+                f"hashable ({err}): keys are compared and hashed to batch calls, so return "
+                "a tuple of hashable values (tuple(...) for a list)"
+            ) from err
 
     def identity(self) -> Hashable:
         """What must be equal for two calls to batch: callable and full signature."""
