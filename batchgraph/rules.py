@@ -239,7 +239,12 @@ def choose_key(
         return UnbatchedKey(fn, call)
     if isinstance(fn, nn.Module):
         deterministic = not _is_random_module(fn)
-        factory: KeyFactory | None = getattr(fn, "batch_key", None)
+        # Read from the class unless the instance has its own: a factory function
+        # given as a class attribute would otherwise come back bound to the module
+        # (and fail with "takes 2 positional arguments but 3 were given").
+        factory: KeyFactory | None = fn.__dict__.get("batch_key")
+        if factory is None:
+            factory = getattr(type(fn), "batch_key", None)
         if factory is None:
             factory = rules.get(type(fn))
         if factory is None:

@@ -9,9 +9,11 @@ the second call is recorded, saying what to change.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import batchgraph as bg
 
@@ -53,3 +55,25 @@ def test_an_unhashable_identity_names_the_method() -> None:
     unhashable = pytest.raises(TypeError, match=r"_Unhashable\.identity\(\) returned \[\d+\], which")
     with bg.BatchingPolicy(rules={double.fn: _Unhashable}), unhashable:
         double(torch.randn(3))
+
+
+def _stacked(fn: Any, call: Any, *, deterministic: bool = True) -> bg.BatchKey:
+    return bg.StackKey(fn, call, deterministic=deterministic)
+
+
+class _Doubler(nn.Module):
+    batch_key = _stacked  # a factory, as BatchingPolicy(rules=...) takes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_key_factory_function_as_a_batch_key_class_attribute() -> None:
+    # Read through the instance, the function was bound to the module.
+    double = bg.batched_func(_Doubler())
+    xs = [torch.randn(3) for _ in range(3)]
+    with bg.BatchingPolicy() as policy:
+        handles = [double(x) for x in xs]
+    for x, got in zip(xs, bg.compute(handles)):
+        torch.testing.assert_close(got, x * 2)
+    assert policy.stats.launches == 1
