@@ -35,6 +35,7 @@ from torch import Tensor
 
 from batchgraph import gcpause
 from batchgraph.autocasting import autocast_state
+from batchgraph.pipeline import rng
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import (
     COORDINATOR,
@@ -311,6 +312,8 @@ class Coordinator:
         cast = autocast_state()
         for stage in self.stages:
             stage.autocast = cast
+        randoms = [stage.random for stage in self.stages]
+        rng_state = rng.begin_step(randoms, [stage.module for stage in self.stages], train)
         plan = self._plans[train]
         events: dict[int, list[_Record]] = {d: [] for d in plan}
         first, last = 0, len(self.stages) - 1
@@ -370,6 +373,7 @@ class Coordinator:
                 root = root.__cause__
             raise root
         self.comm.wait_sends()
+        rng.end_step(randoms, rng_state)
         # Timeline and stats are built here, after the step, not in the device threads.
         t0 = min((start for d in events for _, start, _ in events[d]), default=0.0)
         self._events = [

@@ -23,8 +23,8 @@ handles are kept by the communicator until the end of the step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from time import perf_counter
 
 import torch
@@ -36,6 +36,7 @@ from batchgraph.pipeline.actions import Action, ActionKind
 from batchgraph.pipeline.backward import BackwardTape, TwoStageBackward
 from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.errors import PipelineAbortedError, StageError
+from batchgraph.pipeline.rng import StageRandom
 
 __all__ = ["Stage"]
 
@@ -84,6 +85,14 @@ def _backward(outputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]) -> No
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
     if pairs:
         _autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+@contextmanager
+def _nested(
+    outer: AbstractContextManager[object], inner: AbstractContextManager[object]
+) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def _default_device(module: nn.Module) -> torch.device:
@@ -135,6 +144,9 @@ class Stage:
         # The autocast state of the thread that started the step: autocast is per thread,
         # and a runtime that runs this stage on a thread of its own sets it (see run_keyed).
         self.autocast: AutocastState | None = None
+        # Reproducible random numbers on a thread of its own (see pipeline.rng); a runtime
+        # that plans it (rng.begin_step) makes the stage lock and seed its actions.
+        self.random = StageRandom(index, self.device)
 
     def __repr__(self) -> str:
         return (
@@ -335,14 +347,15 @@ class Stage:
         """:meth:`run` with the keys from :meth:`message_keys` computed ahead (a runtime's loop)."""
         kind = action.kind
         try:
-            if kind is ActionKind.BACKWARD_WEIGHT:
+            payload = None if recv_key is None else comm.recv(recv_key)
+            # Started once the context is entered: waiting for the generator lock (see
+            # _context) is bubble, like waiting for the message.
+            with self._context(kind, action.microbatch):
                 start = perf_counter()
-                self.backward_weight(action.microbatch)
-                return start, perf_counter()
-            assert recv_key is not None
-            payload = comm.recv(recv_key)
-            start = perf_counter()
-            with self._context(kind):
+                if kind is ActionKind.BACKWARD_WEIGHT:
+                    self.backward_weight(action.microbatch)
+                    return start, perf_counter()
+                assert payload is not None
                 if kind is ActionKind.FORWARD:
                     result = self.forward(action.microbatch, payload, train=train)
                 elif kind is ActionKind.BACKWARD:
@@ -351,7 +364,7 @@ class Stage:
                     result = self.backward_input(action.microbatch, payload)
                 if send_key is not None:
                     comm.send(send_key, result)
-            return start, perf_counter()
+                return start, perf_counter()
         except (PipelineAbortedError, StageError):
             raise  # already names where it failed (e.g. the loss, run from this thread)
         except Exception as exc:
@@ -393,12 +406,20 @@ class Stage:
             return value.detach().requires_grad_(True)
         return value
 
-    def _context(self, kind: ActionKind) -> AbstractContextManager[object]:
+    def _context(self, kind: ActionKind, microbatch: int) -> AbstractContextManager[object]:
         """What an action runs in: a forward (and the loss, which the last stage's send
-        computes) in the caller's autocast; backwards follow autograd, outside it."""
-        if kind is ActionKind.FORWARD and self.autocast is not None:
-            return in_autocast_state(self.autocast)
-        return _NO_CONTEXT
+        computes) in the caller's autocast, backwards follow autograd, outside it; and
+        when the stage draws random numbers, its own generator state (see pipeline.rng)."""
+        forward = kind is ActionKind.FORWARD
+        if not self.random.locked or not (forward or self.random.drew):
+            if forward and self.autocast is not None:
+                return in_autocast_state(self.autocast)
+            return _NO_CONTEXT
+        if not forward:
+            return self.random.hold()
+        if self.autocast is None:
+            return self.random.forward(microbatch)
+        return _nested(self.random.forward(microbatch), in_autocast_state(self.autocast))
 
     @staticmethod
     def _alias(x: Tensor | None) -> Tensor | None:
