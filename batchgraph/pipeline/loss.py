@@ -6,6 +6,8 @@ to equal the full-batch gradient, each microbatch's loss is weighted:
 
 * ``reduction="mean"`` (the loss averages over its samples): weight ``n_i / N``, because
   ``mean over N = sum_i (n_i / N) * mean over microbatch i``;
+* ``reduction="batchmean"`` (``KLDivLoss``: the sum divided by the number of samples):
+  weight ``n_i / N`` too, as ``sum / N = sum_i (n_i / N) * (sum over microbatch i / n_i)``;
 * ``reduction="sum"``: weight 1.
 
 The reduction is read from the loss function's ``reduction`` attribute when it has one
@@ -29,8 +31,10 @@ from batchgraph.pipeline.errors import PipelineConfigError
 
 __all__ = ["Loss", "Reduction"]
 
-Reduction = Literal["mean", "sum"]
+Reduction = Literal["mean", "batchmean", "sum"]
 Output = Tensor | tuple[Tensor, ...]
+# Each reduction a microbatch's loss can be weighted for exactly (see the module docstring).
+_REDUCTIONS: dict[str, Reduction] = {"mean": "mean", "batchmean": "batchmean", "sum": "sum"}
 
 
 class Loss:
@@ -38,12 +42,12 @@ class Loss:
 
     Args:
         fn: the loss function; it must return a scalar tensor.
-        reduction: ``"mean"``, ``"sum"``, or ``"auto"`` (read ``fn.reduction``; ``"mean"``
-            for a function without that attribute).
+        reduction: ``"mean"``, ``"batchmean"``, ``"sum"``, or ``"auto"`` (read
+            ``fn.reduction``; ``"mean"`` for a function without that attribute).
 
     Raises:
-        PipelineConfigError: if the reduction is not ``"mean"`` or ``"sum"`` (``"none"``
-            gives no scalar to differentiate).
+        PipelineConfigError: if the reduction is not one of those (``"none"`` gives no
+            scalar to differentiate).
 
     Example:
         >>> import torch
@@ -61,13 +65,13 @@ class Loss:
         self.fn = fn
         if reduction == "auto":
             reduction = str(getattr(fn, "reduction", "mean"))
-        if reduction not in ("mean", "sum"):
+        if reduction not in _REDUCTIONS:
             raise PipelineConfigError(
-                f"Loss reduction {reduction!r} is not supported: use 'mean' or 'sum' (a "
-                "pipeline needs a scalar loss per microbatch; for reduction='none', reduce "
-                "it yourself inside the loss function)"
+                f"Loss reduction {reduction!r} is not supported: use 'mean', 'batchmean' or "
+                "'sum' (a pipeline needs a scalar loss per microbatch; for reduction='none', "
+                "reduce it yourself inside the loss function)"
             )
-        self.reduction: Reduction = "mean" if reduction == "mean" else "sum"
+        self.reduction: Reduction = _REDUCTIONS[reduction]
 
     def weight(self, microbatch_size: int, batch_size: int) -> float:
         """The factor that turns a microbatch's loss into its share of the batch loss.
@@ -77,9 +81,10 @@ class Loss:
             batch_size: samples in the whole batch.
 
         Returns:
-            ``microbatch_size / batch_size`` for ``"mean"``, ``1.0`` for ``"sum"``.
+            ``microbatch_size / batch_size`` for ``"mean"`` and ``"batchmean"``, ``1.0``
+            for ``"sum"``.
         """
-        if self.reduction == "mean":
+        if self.reduction != "sum":
             return microbatch_size / batch_size
         return 1.0
 

@@ -195,7 +195,8 @@ class Pipeline:
         devices: one device per pipeline device; stages are moved there (in place).
         cost: how layers are balanced: ``"params"``, ``"uniform"`` or ``"profile"``.
         sample: a sample input batch, for ``cost="profile"``.
-        reduction: the loss reduction, ``"auto"``, ``"mean"`` or ``"sum"`` (see :class:`Loss`).
+        reduction: the loss reduction, ``"auto"``, ``"mean"``, ``"batchmean"`` or ``"sum"``
+            (see :class:`Loss`).
         timeout: seconds any wait for a message may take before the step fails.
         check_shapes: probe the stages on the meta device before the first step.
 

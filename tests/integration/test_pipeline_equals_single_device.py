@@ -209,3 +209,21 @@ def test_loss_that_computes_its_own_gradient(schedule: str) -> None:
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want_grads)
     assert len(calls) == 4  # once per microbatch
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("reduction", ["batchmean", "mean", "sum"])
+def test_kl_divergence_loss_equals_single_device(schedule: str, reduction: str) -> None:
+    # KLDivLoss(reduction="batchmean") splits exactly (sum over microbatches of each one's
+    # sum / N) but was refused as an unknown reduction.
+    model = nn.Sequential(mlp(layers=4), nn.LogSoftmax(dim=-1))
+    x = torch.randn(7, 5, dtype=torch.float64)
+    y = torch.softmax(torch.randn(7, 3, dtype=torch.float64), dim=-1)
+    loss_fn = nn.KLDivLoss(reduction=reduction)
+    want_loss, want_grads = reference(model, x, y, loss_fn)
+    with Pipeline(
+        model, stages=2, microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30
+    ) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want_grads)

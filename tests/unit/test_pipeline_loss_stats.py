@@ -42,6 +42,8 @@ def test_loss_reduction_detection_and_errors() -> None:
     assert Loss(lambda o, t: (o - t).sum(), reduction="sum").weight(3, 10) == 1.0
     with pytest.raises(PipelineConfigError, match="'none' is not supported"):
         Loss(nn.MSELoss(reduction="none"))
+    kl = Loss(nn.KLDivLoss(reduction="batchmean"))
+    assert kl.reduction == "batchmean" and kl.weight(3, 10) == 0.3
     with pytest.raises(ValueError, match="must return a scalar"):
         Loss(lambda o, t: o - t).compute_loss(torch.ones(2), torch.ones(2))
 
