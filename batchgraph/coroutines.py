@@ -246,17 +246,35 @@ def _drive_threaded(lanes: list[Lane], mode: GradMode, workers: int) -> None:
     # run at the same time. The driver waits for lanes in the order they were submitted
     # (first in, first out), so while it waits for one lane the next lane's step is
     # already queued or running.
+    #
+    # Steps that may draw random numbers (dropout, sampling) share the global
+    # generator: run at the same time, their draws would interleave as the threads
+    # happen to run, and a fixed seed would give other values run to run. So each such
+    # step starts after the one submitted before it ends: the draws come in submission
+    # order, the order inline and one-thread runs take too.
     with compute_pool("batchgraph-step", workers) as pool:
         inflight: deque[tuple[Lane, Future[None]]] = deque()
+        last_random: list[Future[None] | None] = [None]
+
+        def submit(lane: Lane) -> None:
+            if workers > 1 and lane.policy.graph.draws_random:
+                if last_random[0] is not None:
+                    last_random[0].exception()  # waits; its errors are re-raised below
+                step = pool.submit(lane.compute, lane.live, mode)
+                last_random[0] = step
+            else:
+                step = pool.submit(lane.compute, lane.live, mode)
+            inflight.append((lane, step))
+
         for lane in lanes:
             if lane.live:
-                inflight.append((lane, pool.submit(lane.compute, lane.live, mode)))
+                submit(lane)
         while inflight:
             lane, step = inflight.popleft()
             step.result()  # per-example errors are kept on the examples; this re-raises bugs
             lane.resume()
             if lane.live:
-                inflight.append((lane, pool.submit(lane.compute, lane.live, mode)))
+                submit(lane)
 
 
 def _results(examples: list[Example], return_exceptions: bool) -> list[Any]:

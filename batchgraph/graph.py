@@ -130,6 +130,11 @@ class Graph:
         # Identical calls and constants are merged as they are recorded (hash-consing):
         # this table maps a call's (key, inputs) or a constant's value to its node.
         self.dedupe = True
+        # Whether a call that may draw random numbers was recorded (noted at a key's
+        # first call after each compute): lanes of run_all computing on threads at
+        # once run such steps one after another, in a fixed order, so a fixed seed
+        # gives the same draws run to run.
+        self.draws_random = False
         # The recording policy's settings, for computing after it was freed.
         self.scheduler = "agenda"
         self.rules: dict[Any, Any] = {}
