@@ -18,7 +18,9 @@ records (``with split.record() as tape``), each unit call is rewired::
 
 * the unit runs once, on a detached copy ``x_det`` of its input, so its autograd graph
   (the *local graph*) starts at ``x_det`` and the parameters and is *not* linked to the
-  rest of the stage;
+  rest of the stage (a unit that changes its input in place, ``x.mul_(gamma)``, which
+  torch refuses on a leaf, gets an alias of ``x_det`` from its first such call on, that
+  call run again; one with buffers is refused, as the first run may have updated them);
 * a ``Junction`` node links ``x`` to ``y`` in the stage's graph (the *chain*). Its
   backward stores ``dL/dy`` on the tape and asks the local graph for ``dL/dx_det`` only.
   Autograd then skips the weight-gradient kernels of the unit, because only the edges
@@ -373,6 +375,8 @@ class _Recording(threading.local):
 _RECORDING = _Recording()
 # Stage threads build their TwoStageBackward concurrently, possibly on a shared module.
 _WRAPPING = threading.Lock()
+# What torch says when a unit changes its leaf input in place.
+_LEAF_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
 
 
 def _wrap(unit: nn.Module) -> _UnitForward:
@@ -404,34 +408,60 @@ class _UnitForward:
     are plain modules, not prepared for any tape.
     """
 
-    __slots__ = ("forward", "params", "previous", "unit", "users")
+    __slots__ = ("forward", "inplace", "params", "previous", "unit", "users")
 
     def __init__(self, unit: nn.Module, forward: Any, params: tuple[nn.Parameter, ...]) -> None:
         self.unit, self.forward, self.params = unit, forward, params
         self.previous = unit.__dict__.get("forward")  # an instance's own forward, if any
         self.users = 1  # TwoStageBackward objects that prepared the unit (see close)
+        self.inplace = False  # seen changing its input in place: gets aliases of leaves
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _unwrapped, (self.forward,)
+
+    def _run_local(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], alias: bool
+    ) -> tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """The unit on detached leaves of its inputs (aliases of them with ``alias``):
+        (output, the inputs cut, their leaves)."""
+        if not kwargs and all(type(a) in _PLAIN for a in args):
+            # The common call, tensors only: no pytree walk.
+            new_args, originals, leaves = _cut(args, alias)
+            new_kwargs = kwargs
+        else:
+            flat, spec = tree_flatten((args, kwargs))
+            new_flat, originals, leaves = _cut(flat, alias)
+            new_args, new_kwargs = tree_unflatten(new_flat, spec)
+        _RECORDING.depth = 1
+        try:
+            return self.forward(*new_args, **new_kwargs), originals, leaves
+        finally:
+            _RECORDING.depth = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         local = _RECORDING
         tape = local.tape
         if tape is None or local.depth or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        if not kwargs and all(type(a) in _PLAIN for a in args):
-            # The common call, tensors only: no pytree walk.
-            new_args, originals, leaves = _cut(args)
-            new_kwargs = kwargs
-        else:
-            flat, spec = tree_flatten((args, kwargs))
-            new_flat, originals, leaves = _cut(flat)
-            new_args, new_kwargs = tree_unflatten(new_flat, spec)
-        local.depth = 1
         try:
-            output = self.forward(*new_args, **new_kwargs)
-        finally:
-            local.depth = 0
+            output, originals, leaves = self._run_local(args, kwargs, self.inplace)
+        except RuntimeError as exc:
+            if self.inplace or _LEAF_IN_PLACE not in str(exc):
+                raise
+            # The unit changes its input in place (timm's LayerScale(inplace=True):
+            # x.mul_(gamma)), which torch refuses on a leaf before changing anything. It
+            # gets aliases of its leaves from now on, as a stage's first op does (see
+            # _autograd.alias); a unit with buffers may have updated them already (running
+            # statistics), so it is not run twice.
+            if any(True for _ in self.unit.buffers()):
+                raise RuntimeError(
+                    f"{type(self.unit).__name__} changes its input in place, which the "
+                    "two-stage backward ('zb-h1') allows only in a layer without buffers: "
+                    "make the in-place op out of place (e.g. LayerScale(inplace=False)), "
+                    "or use a schedule without the split backward ('1f1b')"
+                ) from exc
+            self.inplace = True
+            output, originals, leaves = self._run_local(args, kwargs, True)
         if type(output) in _PLAIN:
             # One tensor out: no pytree walk.
             if not output.requires_grad:
@@ -454,8 +484,11 @@ class _UnitForward:
         return tree_unflatten(flat, spec)
 
 
-def _cut(values: Sequence[Any]) -> tuple[list[Any], tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """Each tensor that requires grad replaced by a detached leaf: (values, originals, leaves)."""
+def _cut(
+    values: Sequence[Any], alias: bool = False
+) -> tuple[list[Any], tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Each tensor that requires grad replaced by a detached leaf (an alias of one that an
+    in-place op may change, with ``alias``): (values, originals, leaves)."""
     out: list[Any] = []
     originals: list[Tensor] = []
     leaves: list[Tensor] = []
@@ -464,7 +497,7 @@ def _cut(values: Sequence[Any]) -> tuple[list[Any], tuple[Tensor, ...], tuple[Te
             leaf = value.detach().requires_grad_(True)
             originals.append(value)
             leaves.append(leaf)
-            out.append(leaf)
+            out.append(_autograd.alias(leaf) if alias else leaf)
         else:
             out.append(value)
     return out, tuple(originals), tuple(leaves)

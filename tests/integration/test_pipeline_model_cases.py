@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline
+from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline, StageError
 from tests.pipeline_models import mlp
 
 _SCHEDULES = [s for s in SCHEDULE_NAMES if s != "interleaved-1f1b"]
@@ -108,6 +108,72 @@ def test_stages_starting_with_an_in_place_op(schedule: str) -> None:
     for p, g in zip(model.parameters(), want):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+
+
+class _LayerScale(nn.Module):
+    """timm's LayerScale(inplace=True): parameters of its own, and its input changed in place."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, dim, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(self.gamma)
+
+
+@pytest.mark.parametrize("schedule", _SCHEDULES)
+@pytest.mark.parametrize("cut", [2, 3, 4])
+def test_layer_with_parameters_changing_its_input_in_place(schedule: str, cut: int) -> None:
+    # Under zb-h1 every unit (a layer with parameters) ran on a leaf of its input, which
+    # torch does not let an in-place op change: x.mul_(gamma) failed anywhere in a stage.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), _LayerScale(6), nn.Tanh(),
+        nn.Linear(6, 6), _LayerScale(6), nn.Linear(6, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    loss = nn.MSELoss()(model(x), y)
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    with Pipeline(
+        [model[:cut], model[cut:]], microbatches=3, schedule=schedule, loss_fn=nn.MSELoss()
+    ) as pipe:
+        for _ in range(2):  # the first call of a LayerScale runs again, the second not
+            torch.testing.assert_close(pipe.train_step(x, y), loss.detach())
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.forward(x), model(x), rtol=1e-10, atol=1e-10)
+    for p, g in zip(model.parameters(), want):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, 2 * g, rtol=1e-10, atol=1e-10)
+
+
+class _ScaledNorm(_LayerScale):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.norm = nn.BatchNorm1d(dim).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x).mul_(self.gamma)  # changes its own output: fine
+
+
+class _NormThenInPlace(_ScaledNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.norm(x)  # running statistics updated before the in-place change
+        return x.mul_(self.gamma)
+
+
+def test_layer_with_buffers_changing_its_input_in_place_is_named() -> None:
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    for layer, fails in ((_ScaledNorm(5), False), (_NormThenInPlace(5), True)):
+        mods = [nn.Linear(5, 5).double(), nn.Sequential(nn.Tanh(), layer)]
+        with Pipeline(mods, microbatches=2, schedule="zb-h1", loss_fn=nn.MSELoss()) as pipe:
+            if not fails:
+                pipe.train_step(x, y)
+                continue
+            with pytest.raises(StageError, match=r"_NormThenInPlace changes its input in place"):
+                pipe.train_step(x, y)
 
 
 def test_zb_h1_model_copies_while_open_and_is_restored_when_closed() -> None:
