@@ -277,9 +277,9 @@ class TwoStageBackward:
     attribute, the class is untouched). The wrapper acts only in a thread that is
     recording a tape, so the module behaves as usual everywhere else, and a unit's own
     hooks still run around it. ``close()`` (or leaving the ``with`` block) restores the
-    units. Which modules are units is decided here, from ``requires_grad``: after freezing
-    or unfreezing parameters, :meth:`stale` is true and a new one must be built (a
-    :class:`~batchgraph.pipeline.stage.Stage` does that at a step's first forward).
+    units. Which modules are units is decided here, from ``requires_grad``: after freezing,
+    unfreezing or replacing parameters, :meth:`stale` is true and a new one must be built
+    (a :class:`~batchgraph.pipeline.stage.Stage` does that at a step's first forward).
 
     A wrapper rather than a forward pre-hook and hook: a module with hooks takes
     ``nn.Module``'s slow call path, and the pair passes its state through a stack of
@@ -319,14 +319,22 @@ class TwoStageBackward:
         self.close()
 
     def stale(self) -> bool:
-        """Whether a parameter was frozen or unfrozen since this was built.
+        """Whether a parameter was frozen, unfrozen, added or replaced since this was built.
 
-        The units and the parameters ``I`` asks for depend on ``requires_grad``; with a
-        changed set, a frozen parameter would be asked for (an error) and an unfrozen
-        layer outside every unit would get no gradient. Costs one flag read per
-        parameter, so it can be checked every step.
+        The units and the parameters ``I`` and ``W`` ask for depend on ``requires_grad``
+        and on the parameter objects: with a changed trainable set, a frozen parameter
+        would be asked for (an error) and an unfrozen layer outside every unit would get no
+        gradient; a parameter replaced by another (``layer.weight = nn.Parameter(...)``)
+        would get none either. Costs a walk over the parameters, so it can be checked
+        every step.
         """
-        return tuple([p.requires_grad for p in self._all_params]) != self._trainable
+        params = tuple(self.module.parameters())
+        if len(params) != len(self._all_params):
+            return True
+        return any(
+            p is not q or p.requires_grad != trainable
+            for p, q, trainable in zip(params, self._all_params, self._trainable)
+        )
 
     def close(self) -> None:
         """Restore the units' ``forward``; the module is left as it was.
@@ -384,6 +392,7 @@ def _wrap(unit: nn.Module) -> _UnitForward:
     current = unit.__dict__.get("forward")
     if isinstance(current, _UnitForward) and current.unit is unit:
         current.users += 1
+        current.params = tuple(unit.parameters())  # they may have been replaced since
         return current
     wrapper = _UnitForward(unit, unit.forward, tuple(unit.parameters()))
     unit.forward = wrapper  # type: ignore[method-assign]

@@ -206,8 +206,9 @@ class Stage:
             # I returns dL/dx instead of carrying it on into the caller's graph.
             split = self._split
             if split is None or (not self._saved and not self._weight_pending and split.stale()):
-                # Built at the first training forward and again when the trainable set
-                # changed (checked only when no tape is in flight: between steps).
+                # Built at the first training forward and again when the trainable set or
+                # a parameter object changed (checked only when no tape is in flight:
+                # between steps).
                 if split is not None:
                     split.close()
                 split = self._split = TwoStageBackward(self.module)

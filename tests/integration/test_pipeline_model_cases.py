@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -42,14 +43,11 @@ def test_inputs_that_require_grad_get_their_gradient(schedule: str) -> None:
     assert not [w for w in caught if "non-leaf" in str(w.message)]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-@pytest.mark.parametrize("unfreeze", [True, False])
-def test_layer_frozen_or_unfrozen_between_steps(schedule: str, unfreeze: bool) -> None:
-    # Gradual unfreezing, fine-tuning: the trainable set of a middle stage changes between
-    # steps (the split backward once kept the units it found at the first step).
-    model = mlp(layers=6)
-    target = model[4]  # a Linear in the middle stage of three
-    target.requires_grad_(not unfreeze)
+def _change_between_steps(
+    schedule: str, model: nn.Sequential, change: Callable[[list[nn.Module]], None]
+) -> None:
+    """Two steps on three stages of ``model``, ``change(stages)`` between them; the second
+    step's loss and gradients equal one device's on the changed model."""
     x = torch.randn(6, 5, dtype=torch.float64)
     y = torch.randn(6, 3, dtype=torch.float64)
     with Pipeline(
@@ -60,16 +58,49 @@ def test_layer_frozen_or_unfrozen_between_steps(schedule: str, unfreeze: bool) -
         timeout=30,
     ) as pipe:
         pipe.train_step(x, y)
-        target.requires_grad_(unfreeze)
+        change(pipe.stage_modules)
         model.zero_grad(set_to_none=True)
-        pipe.train_step(x, y)
+        loss = pipe.train_step(x, y)
         got = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    nn.MSELoss()(model(x), y).backward()
+    want = nn.MSELoss()(model(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-10)
     for i, (g, p) in enumerate(zip(got, model.parameters())):
         assert (g is None) == (p.grad is None), f"parameter {i}: grad presence differs"
         if g is not None:
             torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_layer_frozen_or_unfrozen_between_steps(schedule: str, unfreeze: bool) -> None:
+    # Gradual unfreezing, fine-tuning: the trainable set of a middle stage changes between
+    # steps (the split backward once kept the units it found at the first step).
+    model = mlp(layers=6)
+    target = model[4]  # a Linear in the middle stage of three
+    target.requires_grad_(not unfreeze)
+    _change_between_steps(schedule, model, lambda stages: target.requires_grad_(unfreeze))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("what", ["weight", "layer"])
+def test_parameter_replaced_between_steps(schedule: str, what: str) -> None:
+    # Re-initializing a layer, loading a checkpoint by assignment: zb-h1 kept asking for
+    # the old parameter objects (stale() looked at requires_grad flags only), so the new
+    # weight got no gradient.
+    model = mlp(layers=6)
+
+    def replace(stages: list[nn.Module]) -> None:
+        middle = stages[1]
+        assert isinstance(middle, nn.Sequential)
+        if what == "weight":
+            middle[0].weight = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+        else:  # the stage is a slice of model: a new layer goes into both
+            middle[0] = model[4] = nn.Linear(6, 6).double()
+
+    _change_between_steps(schedule, model, replace)
+    assert all(p.grad is not None for p in model.parameters())
 
 
 class _AddInPlace(nn.Module):
