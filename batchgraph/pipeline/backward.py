@@ -80,6 +80,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from batchgraph.pipeline import _autograd
+from batchgraph.pipeline.errors import PipelineConfigError
 
 __all__ = ["BackwardTape", "TwoStageBackward", "find_units"]
 
@@ -308,6 +309,7 @@ class TwoStageBackward:
         self._trainable = tuple([p.requires_grad for p in self._all_params])
         self._params: list[nn.Parameter] = [p for p in self._all_params if p.requires_grad]
         self._wrapped: list[tuple[nn.Module, _UnitForward]] = []
+        self.checked = False  # see check()
         with _WRAPPING:
             for unit in self.units:
                 self._wrapped.append((unit, _wrap(unit)))
@@ -352,6 +354,31 @@ class TwoStageBackward:
                     else:
                         unit.__dict__["forward"] = wrapper.previous
         self._wrapped.clear()
+
+    def check(self, outputs: Sequence[Tensor], tape: BackwardTape) -> None:
+        """Refuse what the split backward cannot run, once, after the first recorded forward.
+
+        A reentrant ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` runs its
+        own ``backward`` inside the graph, which fails when autograd is asked for some
+        inputs' gradients only, as ``I`` and ``W`` are; it would fail at the first ``I``
+        with torch's own error. The recorded graphs (the chain and each unit's local one)
+        are walked once for its node.
+
+        Raises:
+            PipelineConfigError: if a reentrant checkpoint was recorded.
+        """
+        if self.checked:
+            return
+        self.checked = True
+        roots = [*outputs, *(y for call in tape._calls for y in call.outputs)]
+        if _has_node(roots, "CheckpointFunctionBackward"):
+            raise PipelineConfigError(
+                f"the stage module ({type(self.module).__name__}) runs "
+                "torch.utils.checkpoint.checkpoint with "
+                "use_reentrant=True, which the split backward of 'zb-h1' cannot run (it asks "
+                "autograd for input gradients only); pass use_reentrant=False (it works "
+                "with 'zb-h1'), or use a schedule without the split backward ('1f1b')"
+            )
 
     @contextmanager
     def record(self) -> Iterator[BackwardTape]:
@@ -491,6 +518,21 @@ class _UnitForward:
         for i, y in zip(positions, linked):
             flat[i] = y
         return tree_unflatten(flat, spec)
+
+
+def _has_node(roots: Sequence[Tensor], name: str) -> bool:
+    """Whether an autograd node of type ``name`` is in the graph of ``roots``."""
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == name:
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _cut(

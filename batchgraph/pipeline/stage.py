@@ -214,6 +214,7 @@ class Stage:
                 split = self._split = TwoStageBackward(self.module)
             with split.record() as tape:
                 outputs = self._as_outputs(self.module(*args))
+            split.check(outputs, tape)
         else:
             outputs = self._as_outputs(self.module(*args))
         self._saved[microbatch] = _Saved(xs, outputs, tape)
