@@ -35,6 +35,7 @@ from batchgraph.errors import (
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.keys import BatchKey, ConstantKey, VmapKey, callable_name
+from batchgraph.recording import not_recording
 from batchgraph.scheduling import Schedule, Step, leaf_specs
 from batchgraph.specs import TensorSpec, flatten_output, spec_leaves
 
@@ -103,7 +104,7 @@ class Executor:
         ambient_cast = autocast_state()
         keys = graph.keys
         try:
-            with guard:
+            with guard, not_recording():  # a batched call computes, even inside `with`
                 # Index tensors too are made here: in inference mode they would be
                 # inference tensors, which a gather with grad cannot save.
                 self._index_all(schedule)

@@ -10,6 +10,7 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -68,6 +69,24 @@ _ACTIVE: ContextVar[BatchingPolicy | None] = ContextVar("batchgraph_policy", def
 def active_policy() -> BatchingPolicy | None:
     """The policy recording in this context, or None (then code runs eagerly)."""
     return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def not_recording() -> Iterator[None]:
+    """Around code that runs the recorded callables themselves (shape inference on
+    fake tensors, the vmap probe, a batched step): no policy records, and no stub is
+    pinned, so a function reading a ``BatchedModule``'s submodule (``model.cell``)
+    gets the module and calls it, as eagerly, instead of recording a call of it
+    into the policy (which left the function unbatched, or returned a handle from a
+    batched step) or handing a stub to code that wants a module
+    (``torch.func.functional_call``).
+    """
+    token = _ACTIVE.set(None)
+    unpin_stubs()
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 class _Entry:
@@ -347,10 +366,14 @@ class CallSite:
         template_args = tuple(template_argument(a, specs) for a in args)
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
-        spec, draws_random, kind = self._infer_spec(call)
+        with not_recording():
+            spec, draws_random, kind = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
-        if key.batchable and spec is not None and not probe_vmap(key, spec):
-            key = UnbatchedKey(self.fn, call)
+        if key.batchable and spec is not None:
+            with not_recording():
+                batches = probe_vmap(key, spec)
+            if not batches:
+                key = UnbatchedKey(self.fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(self.fn, call)
         entry = _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
