@@ -232,6 +232,12 @@ class Executor:
                 # Under autocast, vmap runs some ops out of its reach (prelu): such a
                 # result gets the dtype the eager call has.
                 leaves[i] = leaf.to(spec.dtype)
+            if leaf.device != spec.device:
+                raise BatchedCallError(
+                    f"{key.label} returned a tensor on {leaf.device} for a batch of {size} "
+                    f"calls, where each call run alone returns one on {spec.device}: its "
+                    f"batching rule moves the results. {_rule_advice(key)}"
+                )
         return leaves
 
     def _modes(
@@ -422,13 +428,13 @@ class Executor:
             for i, (leaf, leaf_spec) in enumerate(zip(leaves, specs)):
                 if not isinstance(leaf_spec, TensorSpec):
                     continue
-                if leaf.shape != leaf_spec.shape or (leaf.dtype != leaf_spec.dtype
-                                                      and not autocast):
+                if leaf.shape != leaf_spec.shape or leaf.device != leaf_spec.device or (
+                        leaf.dtype != leaf_spec.dtype and not autocast):
                     raise BatchedCallError(
-                        f"{key.label} returned a {tuple(leaf.shape)} {leaf.dtype} tensor "
-                        f"(output {i}) for {where} (row {row} of a batch of "
+                        f"{key.label} returned a {tuple(leaf.shape)} {leaf.dtype} tensor on "
+                        f"{leaf.device} (output {i}) for {where} (row {row} of a batch of "
                         f"{len(step.nodes)}), where its call run alone returns "
-                        f"{tuple(leaf_spec.shape)} {leaf_spec.dtype}: its batching rule "
+                        f"{leaf_spec.describe()}: its batching rule "
                         "does not keep each example's meaning (or returns the examples "
                         f"in another order than it got them). {_rule_advice(key)}"
                     )

@@ -53,6 +53,11 @@ def callable_name(fn: Any) -> str:
         return f"{type(fn).__name__}({extra})" if extra else type(fn).__name__
     module = getattr(fn, "__module__", None) or ""
     qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    # Names a user can write: torch.tanh's qualname is _VariableFunctionsClass.tanh,
+    # a tensor method's TensorBase.add (error messages advise rules={<name>: ...}).
+    for prefix, shown in (("_VariableFunctionsClass.", "torch."), ("TensorBase.", "Tensor.")):
+        if qual.startswith(prefix):
+            return shown + qual[len(prefix):]
     if module.startswith("torch") and "." not in qual:
         return f"torch.{qual}"
     return f"{module}.{qual}" if module and module != "builtins" else qual

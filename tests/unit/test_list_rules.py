@@ -59,8 +59,8 @@ class _Reversing(bg.BatchKey):
 @pytest.mark.parametrize(
     ("rule", "message"),
     [
-        (_Promoting, r"\(3,\) torch\.float64 tensor .* example 0 .* returns \(3,\) torch\.float32"),
-        (_Truncating, r"\(2,\) torch\.float32 tensor .* returns \(3,\) torch\.float32"),
+        (_Promoting, r"\(3,\) torch\.float64 tensor on cpu .* example 0 .* returns \(3,\) float32"),
+        (_Truncating, r"\(2,\) torch\.float32 tensor on cpu .* returns \(3,\) float32 on cpu"),
         (_Pairing, r"returned 2 tensor\(s\) for example 0 .* returns 1"),
     ],
 )
@@ -90,3 +90,34 @@ def test_a_faithful_list_rule_over_examples_of_different_shapes_matches_eager() 
     xs = [torch.randn(n) for n in (2, 3, 4)]
     for x, got in zip(xs, _compute_with(_Faithful, xs)):
         torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
+
+
+class _Moving(bg.StackKey):
+    """A broken rule: its batched results come out on another device."""
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        return super().run(fn, inputs, size).to("meta")
+
+
+class _MovingList(bg.BatchKey):
+    combine = "list"
+
+    def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        return [fn(x).to("meta") for x in inputs[0]]
+
+
+@pytest.mark.parametrize("rule", [_Moving, _MovingList])
+def test_a_rule_that_moves_results_to_another_device_fails_loudly(
+    rule: type[bg.BatchKey],
+) -> None:
+    # Shape and dtype were checked, not the device: results came back on it.
+    with pytest.raises(BatchedCallError, match=r"on meta .*on cpu"):
+        _compute_with(rule, [torch.randn(3) for _ in range(2)])
+
+
+def test_errors_name_torch_functions_as_written() -> None:
+    tanh = bg.batched_func(torch.tanh)
+    with bg.BatchingPolicy(rules={torch.tanh: _Moving}):
+        handles = [tanh(bg.batched_value(torch.randn(3))) for _ in range(2)]
+    with pytest.raises(BatchedCallError, match=r"rules=\{torch\.tanh: bg\.VmapKey\}"):
+        bg.compute(handles)
