@@ -169,10 +169,12 @@ class ElementwiseKey(BatchKey):
     def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
         super().__init__(fn, call, deterministic=deterministic)
         ranks = [len(s.shape) for s in call.input_specs if s is not None]
-        top = max(ranks, default=0)
+        # A conversion does not broadcast (``x.to(other)`` takes only other's dtype and
+        # device): padding x to other's rank would give it other's rank.
+        top = 0 if fn in _CONVERSIONS else max(ranks, default=0)
         # One entry per input: the per-example shape padded on the left, or None.
         self._views: list[tuple[int, ...] | None] = [
-            None if s is None or len(s.shape) == top else (1,) * (top - len(s.shape)) + s.shape
+            None if s is None or len(s.shape) >= top else (1,) * (top - len(s.shape)) + s.shape
             for s in call.input_specs
         ]
         self._casts = _scalar_tensor_casts(fn, call) if top else None

@@ -310,3 +310,15 @@ def test_a_call_vmap_batches_with_another_shape_runs_one_at_a_time(
     # rule already in use. The record-time probe now compares shapes, and such a
     # call runs one call at a time, as vmap cannot batch it.
     _assert_equal_eager(fn, [torch.randn(2, 3) for _ in range(3)])
+
+
+@pytest.mark.parametrize("other_shape", [(2, 3), (4, 1, 3), ()])
+def test_a_conversion_to_a_tensor_of_another_rank_keeps_the_values_shape(
+    other_shape: tuple[int, ...],
+) -> None:
+    # x.to(other) takes only other's dtype and device; ElementwiseKey padded x to
+    # other's rank as for a broadcast, and the batch came out (1, 3) per example.
+    xs = [torch.arange(3) + i for i in range(3)]
+    others = [torch.randn(other_shape, dtype=torch.float64) for _ in range(3)]
+    policy = _assert_equal_eager(lambda x, c: x.to(c), xs, others)
+    assert policy.stats.launches <= 3  # the constants and one conversion
