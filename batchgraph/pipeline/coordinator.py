@@ -230,6 +230,7 @@ class Coordinator:
             )
         mbs = split_microbatches(inputs, m)
         tgs = split_microbatches(targets, m)
+        loss.begin_step(targets)
         values: list[tuple[Tensor, float]] = []
         last = self.stages[-1]
         # With the default gradient, the loss joins the last stage's backward (see

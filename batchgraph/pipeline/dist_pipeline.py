@@ -391,6 +391,8 @@ class DistributedPipeline:
         if self._has_last and train:
             assert targets is not None  # see _check_batches
             tgs = split_microbatches(targets, m)
+            assert self.loss is not None
+            self.loss.begin_step(targets)
         losses: list[Tensor] = []
         weights: list[float] = []
         outputs: dict[int, tuple[Tensor, ...]] = {}

@@ -13,8 +13,14 @@ to equal the full-batch gradient, each microbatch's loss is weighted:
 The reduction is read from the loss function's ``reduction`` attribute when it has one
 (every ``torch.nn`` loss does) and otherwise must be declared; a plain function is taken
 as ``"mean"`` (what ``torch.nn.functional`` losses do by default) unless told otherwise.
-A "mean" that is not a plain average over samples (``CrossEntropyLoss`` with class
-``weight`` or ``ignore_index`` hits divides by a data-dependent count) cannot be split
+``CrossEntropyLoss`` and ``NLLLoss`` with ``reduction="mean"`` and class-index targets
+divide by a count that depends on the data: the targets not equal to ``ignore_index``,
+each counted as its class ``weight``. Weighted by ``n_i / N``, microbatches with more
+ignored (padding) or lighter targets would count too much, and one with every target
+ignored gives NaN. For them, each step first counts the whole batch's targets
+(:meth:`Loss.begin_step`); each microbatch's loss is then its sum (``reduction="sum"``,
+the same weight, ignore_index and label smoothing), weighted ``1 / count``: exactly the
+batch's mean. Another "mean" that is not a plain average over samples cannot be split
 exactly: use ``reduction="sum"`` and divide by your own count.
 """
 
@@ -24,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.errors import PipelineConfigError
@@ -72,6 +79,42 @@ class Loss:
                 "reduce it yourself inside the loss function)"
             )
         self.reduction: Reduction = _REDUCTIONS[reduction]
+        # This step's count for a mean over counted targets (see begin_step), or None.
+        self._count: float | None = None
+
+    def begin_step(self, targets: Tensor | Sequence[Tensor]) -> None:
+        """Note, before a step's microbatches, what their weights depend on besides
+        their sizes: for ``CrossEntropyLoss``/``NLLLoss`` with ``reduction="mean"`` and
+        class-index targets, the count the batch's mean divides by (see the module
+        docstring). A ``Loss`` subclass that computes its own loss keeps the plain
+        weights.
+
+        Args:
+            targets: the whole batch's targets.
+
+        Example:
+            >>> loss = Loss(torch.nn.CrossEntropyLoss(ignore_index=0))
+            >>> loss.begin_step(torch.tensor([0, 2, 1, 0]))      # two targets count
+            >>> loss.weight(2, 4)
+            0.5
+        """
+        self._count = None
+        fn = self.fn
+        if (
+            self.reduction != "mean"
+            or type(fn) not in (nn.CrossEntropyLoss, nn.NLLLoss)
+            or type(self).compute_loss is not Loss.compute_loss
+            or type(self).weight is not Loss.weight
+            or not isinstance(targets, Tensor)
+            or targets.is_floating_point()  # class probabilities: a mean over samples
+        ):
+            return
+        assert isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+        counted = targets[targets != fn.ignore_index]
+        weight = fn.weight
+        self._count = float(
+            counted.numel() if weight is None else weight[counted.to(weight.device)].sum()
+        )
 
     def weight(self, microbatch_size: int, batch_size: int) -> float:
         """The factor that turns a microbatch's loss into its share of the batch loss.
@@ -82,8 +125,11 @@ class Loss:
 
         Returns:
             ``microbatch_size / batch_size`` for ``"mean"`` and ``"batchmean"``, ``1.0``
-            for ``"sum"``.
+            for ``"sum"``; ``1 / count`` for a mean over counted targets (see
+            :meth:`begin_step`), whose microbatch losses are sums.
         """
+        if self._count is not None:
+            return 1.0 / self._count if self._count else float("nan")  # as 0 / 0 is
         if self.reduction != "sum":
             return microbatch_size / batch_size
         return 1.0
@@ -94,7 +140,7 @@ class Loss:
         Raises:
             ValueError: if ``fn`` does not return a one-element tensor.
         """
-        value = self.fn(output, target)
+        value = self.fn(output, target) if self._count is None else self._summed(output, target)
         if not isinstance(value, Tensor) or value.numel() != 1:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(
@@ -103,6 +149,21 @@ class Loss:
             )
         # A 0-dim loss (every torch.nn loss) as it is: a reshape is one more graph node.
         return value if value.dim() == 0 else value.reshape(())
+
+    def _summed(self, output: Output, target: Output) -> Tensor:
+        # The microbatch's share of a mean over counted targets, before 1 / count: the
+        # same loss with reduction="sum" (0, not NaN, where every target is ignored).
+        fn = self.fn
+        assert isinstance(output, Tensor) and isinstance(target, Tensor)
+        if type(fn) is nn.CrossEntropyLoss:
+            return F.cross_entropy(
+                output, target, weight=fn.weight, ignore_index=fn.ignore_index,
+                reduction="sum", label_smoothing=fn.label_smoothing,
+            )  # fmt: skip
+        assert isinstance(fn, nn.NLLLoss)
+        return F.nll_loss(
+            output, target, weight=fn.weight, ignore_index=fn.ignore_index, reduction="sum"
+        )
 
     def compute_gradient(
         self, loss: Tensor, output: Output, *, weight: float = 1.0

@@ -220,6 +220,26 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
                 "loss": None if loss is None else float(loss),
                 "fused": pipe._fused_loss,
             }
+    # A mean over counted targets (ignored padding, class weights): exact, as one device.
+    counted = nn.CrossEntropyLoss(
+        weight=torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64), ignore_index=0
+    )
+    labels = torch.tensor([0, 0, 0, 1, 2, 1, 0, 2, 2, 1, 0, 0])  # microbatch 0: all ignored
+    mods = [make_stage(s, world) for s in range(world)]
+    want = counted(nn.Sequential(*mods)(x), labels)
+    want.backward()
+    with DistributedPipeline(
+        factories(world), stages=world, microbatches=4, schedule="zb-h1",
+        loss_fn=counted, timeout=20,
+    ) as pipe:  # fmt: skip
+        loss = pipe.train_step(x if rank == 0 else None, labels if rank == world - 1 else None)
+        out["counted"] = {
+            "error": _grad_error(
+                pipe.stages, {s: [p.grad for p in m.parameters()] for s, m in enumerate(mods)}
+            ),
+            "loss": None if loss is None else float(loss),
+            "ref_loss": float(want),
+        }
     # The façade, with real modules on every rank (each uses only its own).
     mods = [make_stage(s, world) for s in range(world)]
     with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(),

@@ -61,6 +61,16 @@ def test_last_stage_loss_with_and_without_its_own_gradient_pass(
     assert two_ranks.ok(1)[variant]["loss"] == pytest.approx(W.reference_loss(2), abs=TOL)
 
 
+def test_a_mean_over_counted_targets_equals_single_device(two_ranks: W.Launch) -> None:
+    # CrossEntropyLoss with ignore_index and class weights divides by a data-dependent
+    # count; weighted by microbatch size it was wrong, and NaN for an all-ignored one.
+    for r in range(2):
+        res = two_ranks.ok(r)["counted"]
+        assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+    res = two_ranks.ok(1)["counted"]
+    assert res["loss"] == pytest.approx(res["ref_loss"], abs=TOL)
+
+
 def test_facade_backend_uses_only_own_stage(two_ranks: W.Launch) -> None:
     for r in range(2):
         res = two_ranks.ok(r)["facade"]

@@ -216,14 +216,45 @@ def test_loss_that_computes_its_own_gradient(schedule: str) -> None:
 def test_kl_divergence_loss_equals_single_device(schedule: str, reduction: str) -> None:
     # KLDivLoss(reduction="batchmean") splits exactly (sum over microbatches of each one's
     # sum / N) but was refused as an unknown reduction.
+    y = torch.softmax(torch.randn(7, 3, dtype=torch.float64), dim=-1)
+    log_probs_step_equals_single_device(y, nn.KLDivLoss(reduction=reduction), schedule, 3)
+
+
+def log_probs_step_equals_single_device(
+    y: torch.Tensor, loss_fn: nn.Module, schedule: str, microbatches: int
+) -> None:
+    """One training step of a 2-stage MLP ending in log-probabilities over 3 classes, 7
+    samples, against one device."""
     model = nn.Sequential(mlp(layers=4), nn.LogSoftmax(dim=-1))
     x = torch.randn(7, 5, dtype=torch.float64)
-    y = torch.softmax(torch.randn(7, 3, dtype=torch.float64), dim=-1)
-    loss_fn = nn.KLDivLoss(reduction=reduction)
     want_loss, want_grads = reference(model, x, y, loss_fn)
+    assert torch.isfinite(want_loss)
     with Pipeline(
-        model, stages=2, microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30
-    ) as pipe:
+        model, stages=2, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn,
+        timeout=30,
+    ) as pipe:  # fmt: skip
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want_grads)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(ignore_index=0),
+        nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64),
+                            ignore_index=2, label_smoothing=0.1),
+        nn.NLLLoss(weight=torch.tensor([3.0, 1.0, 0.25], dtype=torch.float64)),
+    ],
+    ids=["ignore_index", "weight-ignore-smoothing", "nll-weight"],
+)
+def test_a_mean_over_counted_targets_equals_single_device(
+    schedule: str, loss_fn: nn.Module
+) -> None:
+    # CrossEntropyLoss/NLLLoss "mean" divides by the (weighted) count of targets not
+    # ignored. Weighted by microbatch size, a microbatch of padding counted as much as
+    # one of real targets (silently wrong loss and gradients), and one whose targets are
+    # all ignored gave NaN. Microbatches here: [0, 0] (all ignored by the first loss),
+    # [1, 2], [1, 1], [2].
+    log_probs_step_equals_single_device(torch.tensor([0, 0, 1, 2, 1, 1, 2]), loss_fn, schedule, 4)
