@@ -264,8 +264,8 @@ class CallSite:
                 return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training)
             entry.memo = (graph.stamp, kid, grad, training)
-            if not entry.dedupe:  # never merged: it may draw random numbers (or the
-                graph.draws_random = True  # policy merges nothing: as conservative)
+            if not entry.dedupe:  # never merged: it may draw random numbers
+                graph.draws_random = True
         spec = entry.spec
         fresh = node = len(graph.node_key)
         if entry.dedupe and graph.dedupe:
