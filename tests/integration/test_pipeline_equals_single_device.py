@@ -211,6 +211,7 @@ def test_loss_that_computes_its_own_gradient(schedule: str) -> None:
     assert len(calls) == 4  # once per microbatch
 
 
+@pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss:UserWarning")
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("reduction", ["batchmean", "mean", "sum"])
 def test_kl_divergence_loss_equals_single_device(schedule: str, reduction: str) -> None:
