@@ -1,0 +1,52 @@
+"""Lazy modules (``nn.LazyLinear``) called while recording.
+
+Shape inference runs on fake tensors, where a lazy module's first call could only
+make meta parameters: recording failed with "does not accept these per-example
+inputs ... found at least two devices, cpu and meta", on code that runs eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import batchgraph as bg
+
+
+class _Model(bg.BatchedModule):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def f(self, x: Any) -> Any:
+        return self.head(x)
+
+
+def test_a_lazy_module_is_initialized_by_its_first_recorded_call_as_eagerly() -> None:
+    xs = [torch.randn(3) for _ in range(3)]
+    torch.manual_seed(0)
+    eager_model = _Model(nn.LazyLinear(4))
+    eager = [eager_model.f(x) for x in xs]
+    torch.manual_seed(0)
+    model = _Model(nn.LazyLinear(4))
+    with bg.BatchingPolicy() as policy:
+        handles = [model.f(bg.batched_value(x)) for x in xs]
+    got = bg.compute(handles)
+    # The same initial weights (drawn where the first call is), the same values.
+    torch.testing.assert_close(model.head.weight, eager_model.head.weight, rtol=0, atol=0)
+    for want, value in zip(eager, got):
+        torch.testing.assert_close(value, want)
+    assert policy.stats.launches <= 2  # the constants and one batched Linear
+
+
+def test_a_lazy_submodule_inside_a_called_module_is_refused_with_what_to_do() -> None:
+    model = _Model(nn.Sequential(nn.LazyLinear(4), nn.Tanh()))
+    with bg.BatchingPolicy(), pytest.raises(ValueError, match=r"lazy modules .*\(0\).*eagerly first"):
+        model.f(bg.batched_value(torch.randn(3)))
+    model.f(torch.randn(3))  # initialized eagerly: now it records
+    with bg.BatchingPolicy():
+        handle = model.f(bg.batched_value(torch.randn(3)))
+    assert bg.compute(handle).shape == (4,)
