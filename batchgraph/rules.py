@@ -271,10 +271,28 @@ def _hook_kinds(module: nn.Module) -> list[str]:
     for name, attr in (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
                        ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks")):
         if getattr(torch_module, f"_global{attr}", None) or any(
-            getattr(m, attr, None) for m in module.modules()
+            _per_example_unsafe(getattr(m, attr, None)) for m in module.modules()
         ):
             kinds.append(name)
     return kinds
+
+
+# Hooks torch itself installs to compute a parameter from others before each forward
+# (torch.nn.utils.weight_norm's WeightNorm): they read no activations and keep no
+# state, so running once per batched call gives what each eager call gets. Not
+# spectral_norm's: in train mode each call takes a power-iteration step, per example
+# eagerly, once per batch here.
+_PARAMETER_HOOK_MODULES = ("torch.nn.utils.weight_norm",)
+
+
+def _per_example_unsafe(hooks: Any) -> bool:
+    """Whether a module's hook dict holds a hook that may see activations."""
+    if not hooks:
+        return False
+    return any(
+        getattr(type(hook), "__module__", None) not in _PARAMETER_HOOK_MODULES
+        for hook in hooks.values()
+    )
 
 
 def _warn_about_hooks(module: nn.Module, key: BatchKey) -> None:

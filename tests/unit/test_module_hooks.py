@@ -69,3 +69,25 @@ def test_a_module_without_hooks_does_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", BatchedHooksWarning)
         _batched(_Model(), [torch.randn(4) for _ in range(3)])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_weight_norms_hook_does_not_warn_and_equals_eager() -> None:
+    # weight_norm computes the weight in a forward pre-hook that reads no activations and
+    # keeps no state: once per batched call is what each eager call gets, so no warning.
+    model = _Model()
+    model.lin = nn.utils.weight_norm(model.lin)
+    xs = [torch.randn(4) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchedHooksWarning)
+        got = _batched(model, xs)
+    for x, g in zip(xs, got):
+        torch.testing.assert_close(g, model.f(x))
+
+
+def test_spectral_norms_hook_warns() -> None:
+    # In train mode it takes a power-iteration step per call: per example eagerly.
+    model = _Model()
+    model.lin = nn.utils.spectral_norm(model.lin)
+    with pytest.warns(BatchedHooksWarning, match="forward pre hooks"):
+        _batched(model, [torch.randn(4) for _ in range(3)])
