@@ -170,8 +170,26 @@ def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:
             return StackKey
     if isinstance(module, (nn.Softmax, nn.LogSoftmax)) and isinstance(module.dim, int):
         if module.dim < 0 and _no_scalars(call):  # on a 0-d input -1 is not the last dim
-            return StackKey
+            return _SoftmaxModuleKey
     return VmapKey
+
+
+class _SoftmaxModuleKey(StackKey):
+    """``nn.Softmax``/``nn.LogSoftmax`` chosen with a dim from the end: stacked, it
+    still addresses each example's dim. Its ``dim`` is read again when the batch runs:
+    a call site keeps this key for its signature, and a module whose ``dim`` was set
+    since (to one from the front, or None) would otherwise take its softmax across the
+    examples, silently. Such a dim is moved past the batch dimension instead."""
+
+    def run(self, fn: Callable[..., Any], inputs: Any, size: int) -> Any:
+        dim = getattr(fn, "dim", -1)
+        if isinstance(dim, int) and dim < 0:
+            return super().run(fn, inputs, size)
+        x = inputs[0]
+        if dim is None:  # the legacy implicit dim, as eager code picks it per example
+            dim = 0 if x.dim() - 1 in (0, 1, 3) else 1
+        op = torch.log_softmax if isinstance(fn, nn.LogSoftmax) else torch.softmax
+        return op(x, int(dim) + 1)
 
 
 def _function_key(fn: Any, call: CallSignature) -> KeyFactory:

@@ -8,6 +8,7 @@ random programs; these are the named regressions.
 
 from __future__ import annotations
 
+import warnings
 from collections import namedtuple
 from collections.abc import Callable
 from typing import Any
@@ -322,3 +323,29 @@ def test_a_conversion_to_a_tensor_of_another_rank_keeps_the_values_shape(
     others = [torch.randn(other_shape, dtype=torch.float64) for _ in range(3)]
     policy = _assert_equal_eager(lambda x, c: x.to(c), xs, others)
     assert policy.stats.launches <= 3  # the constants and one conversion
+
+
+@pytest.mark.parametrize("module", [nn.Softmax, nn.LogSoftmax])
+@pytest.mark.parametrize("new_dim", [0, 1, None])
+def test_a_softmax_modules_dim_set_after_its_signature_was_cached_acts_per_example(
+    module: Callable[..., nn.Module], new_dim: int | None
+) -> None:
+    # A call site keeps the key chosen for a signature (stacked, for a dim from the
+    # end). Setting the module's dim to one from the front afterwards took the softmax
+    # across the examples, silently; the dim is now read when the batch runs.
+    layer = module(dim=-1)
+    site = bg.batched_func(layer)
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    with bg.BatchingPolicy():
+        first = [site(bg.batched_value(x)) for x in xs]
+    bg.compute(first)
+    layer.dim = new_dim
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an implicit dim (None): torch warns, eagerly too
+        with bg.BatchingPolicy() as policy:
+            handles = [site(bg.batched_value(x)) for x in xs]
+        eager = [layer(x) for x in xs]
+        got = bg.compute(handles)
+    assert policy.stats is not None and policy.stats.launches == 1
+    for g, want in zip(got, eager):
+        torch.testing.assert_close(g, want)
