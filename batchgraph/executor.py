@@ -34,10 +34,11 @@ from batchgraph.errors import (
 )
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
-from batchgraph.keys import BatchKey, ConstantKey, VmapKey, callable_name
+from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.recording import not_recording
+from batchgraph.result_checks import check_columns, check_stacked
 from batchgraph.scheduling import Schedule, Step, leaf_specs
-from batchgraph.specs import TensorSpec, flatten_output, spec_leaves
+from batchgraph.specs import flatten_output
 
 __all__ = ["Executor"]
 
@@ -195,49 +196,7 @@ class Executor:
         first = step.nodes[0]
         # (A graph bound from a PortableBatch carries no specs: its keys check alone.)
         specs = leaf_specs(key, graph.node_spec[first]) if first < len(graph.node_spec) else leaves
-        if len(leaves) != len(specs):
-            raise BatchedCallError(
-                f"{key.label} returned {len(leaves)} tensors for a batch; its calls, run "
-                f"one at a time, return {len(specs)}"
-            )
-        for i, (leaf, spec) in enumerate(zip(leaves, specs)):
-            shape = leaf.shape
-            if not shape or shape[0] != size:
-                raise BatchedCallError(
-                    f"{key.label} returned shape {tuple(shape)} for a batch of {size} "
-                    f"calls; a batched output needs a leading dimension of {size}. If this "
-                    "callable does not take a leading batch dimension, "
-                    f"{_rule_advice(key)}"
-                )
-            if not isinstance(spec, TensorSpec):
-                continue
-            # A batching rule that loses an example's meaning mostly shows in the
-            # shape or dtype (and one that keeps both right is caught by the property
-            # tests): checked per step, so it costs nothing per call.
-            if shape[1:] != spec.shape:
-                raise BatchedCallError(
-                    f"{key.label} returned per-example shape {tuple(shape[1:])} for a batch "
-                    f"of {size} calls, where each call run alone returns {spec.shape}: its "
-                    "batching rule does not keep each example's meaning. "
-                    f"{_rule_advice(key)}"
-                )
-            if leaf.dtype != spec.dtype:
-                if step.key not in graph.key_autocast:
-                    raise BatchedCallError(
-                        f"{key.label} returned {leaf.dtype} for a batch of {size} calls, "
-                        f"where each call run alone returns {spec.dtype}: its batching rule "
-                        "does not keep each example's type promotion. "
-                        f"{_rule_advice(key)}"
-                    )
-                # Under autocast, vmap runs some ops out of its reach (prelu): such a
-                # result gets the dtype the eager call has.
-                leaves[i] = leaf.to(spec.dtype)
-            if leaf.device != spec.device:
-                raise BatchedCallError(
-                    f"{key.label} returned a tensor on {leaf.device} for a batch of {size} "
-                    f"calls, where each call run alone returns one on {spec.device}: its "
-                    f"batching rule moves the results. {_rule_advice(key)}"
-                )
+        check_stacked(key, leaves, specs, size, autocast=step.key in graph.key_autocast)
         return leaves
 
     def _modes(
@@ -392,54 +351,14 @@ class Executor:
             flat.append(
                 _without_inert_views(leaves) if grad is False or grad is INFERENCE else leaves
             )
-        self._check_columns(key, step, flat)
+        graph = self.graph
+        check_columns(
+            key, step.nodes, flat, graph.node_spec, autocast=step.key in graph.key_autocast,
+            example_of=self._example,
+        )
         # The last column keeps each whole result: handles whose structure was unknown
         # before running refer to it as leaf -1.
         return [*(list(column) for column in zip(*flat)), list(out)]
-
-    def _check_columns(self, key: BatchKey, step: Step, flat: list[list[torch.Tensor]]) -> None:
-        """Each example's results of a ``combine="list"`` rule against the spec its
-        call was recorded with, as stacked results are checked in ``_run_step``.
-
-        Checked per example, not per batch: the examples of one list batch may have
-        shapes of their own (``PackedSequenceKey``'s lengths), so a rule that hands
-        them back in another order is caught too wherever their shapes differ.
-        Leaves are fixed up in place where autocast explains a dtype.
-        """
-        graph = self.graph
-        node_spec = graph.node_spec
-        autocast = step.key in graph.key_autocast
-        for row, (node, leaves) in enumerate(zip(step.nodes, flat)):
-            # A graph bound from a PortableBatch has no specs; an output whose
-            # structure was unknown when recorded (spec None) has nothing to check.
-            spec = node_spec[node] if node < len(node_spec) else None
-            if spec is None:
-                continue
-            specs = spec_leaves(spec)
-            example = self._example(node)
-            where = f"example {example}" if example is not None else f"node {node}"
-            if len(leaves) != len(specs):
-                raise BatchedCallError(
-                    f"{key.label} returned {len(leaves)} tensor(s) for {where} (row {row} "
-                    f"of a batch of {len(step.nodes)}), where its call run alone returns "
-                    f"{len(specs)}: its run() must return each example's result as the "
-                    "callable returns it."
-                )
-            for i, (leaf, leaf_spec) in enumerate(zip(leaves, specs)):
-                if not isinstance(leaf_spec, TensorSpec):
-                    continue
-                if leaf.shape != leaf_spec.shape or leaf.device != leaf_spec.device or (
-                        leaf.dtype != leaf_spec.dtype and not autocast):
-                    raise BatchedCallError(
-                        f"{key.label} returned a {tuple(leaf.shape)} {leaf.dtype} tensor on "
-                        f"{leaf.device} (output {i}) for {where} (row {row} of a batch of "
-                        f"{len(step.nodes)}), where its call run alone returns "
-                        f"{leaf_spec.describe()}: its batching rule "
-                        "does not keep each example's meaning (or returns the examples "
-                        f"in another order than it got them). {_rule_advice(key)}"
-                    )
-                if leaf.dtype != leaf_spec.dtype:  # under autocast, as in _run_step
-                    leaves[i] = leaf.to(leaf_spec.dtype)
 
     def _index_all(self, schedule: Schedule) -> None:
         # Every index list of the schedule becomes a slice of one tensor (one copy
@@ -529,15 +448,6 @@ class Executor:
 
     def _example(self, node: int) -> int | None:
         return self._example_of(node) if self._example_of is not None else None
-
-
-def _rule_advice(key: BatchKey) -> str:
-    """What to do about a rule whose batched results do not match its calls: the
-    general rule, or for vmap itself (an op it batches wrongly) one call at a time."""
-    other = "UnbatchedKey" if isinstance(key, VmapKey) else "VmapKey"
-    fn = key.fn
-    target = type(fn).__name__ if isinstance(fn, torch.nn.Module) else callable_name(fn)
-    return f"Register {other} for it: BatchingPolicy(rules={{{target}: bg.{other}}})."
 
 
 def _long_tensor(rows: array[int]) -> torch.Tensor:
