@@ -11,8 +11,9 @@ to equal the full-batch gradient, each microbatch's loss is weighted:
 * ``reduction="sum"``: weight 1.
 
 The reduction is read from the loss function's ``reduction`` attribute when it has one
-(every ``torch.nn`` loss does) and otherwise must be declared; a plain function is taken
-as ``"mean"`` (what ``torch.nn.functional`` losses do by default) unless told otherwise.
+(every ``torch.nn`` loss does; read again at each step, so a changed attribute counts) or
+a ``functools.partial``'s ``reduction=`` keyword, and otherwise must be declared; a plain
+function is taken as ``"mean"`` (what ``torch.nn.functional`` losses do by default) unless told otherwise.
 ``CrossEntropyLoss`` and ``NLLLoss`` with ``reduction="mean"`` and class-index targets
 divide by a count that depends on the data: the targets not equal to ``ignore_index``,
 each counted as its class ``weight``. Weighted by ``n_i / N``, microbatches with more
@@ -26,6 +27,7 @@ exactly: use ``reduction="sum"`` and divide by your own count.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -44,13 +46,33 @@ Output = Tensor | tuple[Tensor, ...]
 _REDUCTIONS: dict[str, Reduction] = {"mean": "mean", "batchmean": "batchmean", "sum": "sum"}
 
 
+def _declared(fn: Callable[..., object]) -> str:
+    """The reduction ``fn`` declares: its ``reduction`` attribute (``torch.nn`` losses), a
+    ``functools.partial``'s ``reduction=`` keyword, else ``"mean"`` (``torch.nn.functional``'s
+    default)."""
+    if isinstance(fn, functools.partial) and "reduction" in fn.keywords:
+        return str(fn.keywords["reduction"])
+    return str(getattr(fn, "reduction", "mean"))
+
+
+def _checked(reduction: str) -> Reduction:
+    if reduction not in _REDUCTIONS:
+        raise PipelineConfigError(
+            f"Loss reduction {reduction!r} is not supported: use 'mean', 'batchmean' or "
+            "'sum' (a pipeline needs a scalar loss per microbatch; for reduction='none', "
+            "reduce it yourself inside the loss function)"
+        )
+    return _REDUCTIONS[reduction]
+
+
 class Loss:
     """Wraps ``loss_fn(output, target) -> scalar`` for microbatched training.
 
     Args:
         fn: the loss function; it must return a scalar tensor.
         reduction: ``"mean"``, ``"batchmean"``, ``"sum"``, or ``"auto"`` (read
-            ``fn.reduction``; ``"mean"`` for a function without that attribute).
+            ``fn.reduction``, or the ``reduction=`` keyword of a ``functools.partial``,
+            again at each step; ``"mean"`` for a function without either).
 
     Raises:
         PipelineConfigError: if the reduction is not one of those (``"none"`` gives no
@@ -70,15 +92,8 @@ class Loss:
 
     def __init__(self, fn: Callable[[Output, Output], Tensor], reduction: str = "auto") -> None:
         self.fn = fn
-        if reduction == "auto":
-            reduction = str(getattr(fn, "reduction", "mean"))
-        if reduction not in _REDUCTIONS:
-            raise PipelineConfigError(
-                f"Loss reduction {reduction!r} is not supported: use 'mean', 'batchmean' or "
-                "'sum' (a pipeline needs a scalar loss per microbatch; for reduction='none', "
-                "reduce it yourself inside the loss function)"
-            )
-        self.reduction: Reduction = _REDUCTIONS[reduction]
+        self._auto = reduction == "auto"
+        self.reduction: Reduction = _checked(_declared(fn) if self._auto else reduction)
         # This step's count for a mean over counted targets (see begin_step), or None.
         self._count: float | None = None
 
@@ -100,6 +115,8 @@ class Loss:
         """
         self._count = None
         fn = self.fn
+        if self._auto:  # e.g. loss_fn.reduction = "sum" after the pipeline was built
+            self.reduction = _checked(_declared(fn))
         if (
             self.reduction != "mean"
             or type(fn) not in (nn.CrossEntropyLoss, nn.NLLLoss)
