@@ -27,6 +27,7 @@ import networkx as nx
 import torch
 from torch import Tensor, fx, nn
 
+from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.microbatch import Batch
 
@@ -98,7 +99,8 @@ def _param_cost(module: nn.Module) -> float:
 
 
 def _profile(layers: Sequence[nn.Module], sample: Batch, repeat: int) -> list[float]:
-    """Median forward+backward seconds per layer, leaving ``.grad`` and buffers untouched."""
+    """Median forward+backward seconds per layer, leaving ``.grad``, buffers and ``sample``
+    untouched."""
     params = list({id(p): p for layer in layers for p in layer.parameters()}.values())
     saved_grads = [p.grad for p in params]
     saved_buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
@@ -109,7 +111,11 @@ def _profile(layers: Sequence[nn.Module], sample: Batch, repeat: int) -> list[fl
             times: list[float] = []
             out: tuple[Tensor, ...] = ()
             for _ in range(repeat):
-                xs = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
+                # Copies, so an in-place layer changes neither the sample nor the next
+                # run's input, given as aliases of leaves that an in-place op may change
+                # (ReLU(inplace=True)), as a stage's inputs are.
+                leaves = [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values]
+                xs = tuple(_autograd.alias(v) if v.requires_grad else v for v in leaves)
                 start = time.perf_counter()
                 result = layer(*xs)
                 out = tuple(result) if isinstance(result, (tuple, list)) else (result,)

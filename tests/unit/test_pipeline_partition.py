@@ -72,6 +72,19 @@ def test_profile_restores_grads_and_buffers() -> None:
     torch.testing.assert_close(net[1].running_mean, stats)
 
 
+def test_profile_runs_in_place_layers_and_leaves_the_sample() -> None:
+    # ReLU(inplace=True) on a leaf that requires grad failed ("a leaf Variable that
+    # requires grad is being used in an in-place operation"); a first in-place layer
+    # would have changed the caller's sample.
+    net = [nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)]
+    sample = torch.randn(8, 4)
+    before = sample.clone()
+    costs = layer_costs(net, "profile", sample, repeat=2)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    torch.testing.assert_close(sample, before, rtol=0, atol=0)
+    assert [len(s) for s in partition_sequential(net, 2, cost="profile", sample=sample)]
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
