@@ -205,7 +205,9 @@ class Pipeline:
 
     With ``backend="threads"`` the stages use the original parameters: after
     :meth:`train_step`, ``.grad`` holds what ``loss_fn(module(inputs), targets).backward()``
-    gives on the whole batch (added to what was there, like ``backward``).
+    gives on the whole batch (added to what was there, like ``backward``). Layers that use
+    batch statistics (``BatchNorm`` in training mode) see one microbatch at a time: they
+    normalize per microbatch and update running statistics once per microbatch.
 
     Example:
         >>> import torch
