@@ -19,6 +19,7 @@ from functools import partial
 from queue import Empty
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,6 +27,16 @@ from torch import nn
 
 DIM = 6
 OUT = 3
+
+# The marks of every test module that launches gloo ranks: skipped where
+# torch.distributed or its gloo backend is missing.
+MULTIPROCESS = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    ),
+]
 
 
 def make_stage(index: int, num_stages: int) -> nn.Module:

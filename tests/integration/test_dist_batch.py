@@ -8,18 +8,11 @@ Launches are bounded (see :func:`tests.integration.dist_workers.launch`).
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from tests.integration import dist_batch_workers as BW
 from tests.integration import dist_workers as W
 
-pytestmark = [
-    pytest.mark.multiprocess,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(),
-        reason="needs torch.distributed with gloo",
-    ),
-]
+pytestmark = W.MULTIPROCESS
 
 TOL = 1e-10
 

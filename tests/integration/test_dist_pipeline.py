@@ -11,17 +11,10 @@ from functools import partial
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from tests.integration import dist_workers as W
 
-pytestmark = [
-    pytest.mark.multiprocess,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(),
-        reason="needs torch.distributed with gloo",
-    ),
-]
+pytestmark = W.MULTIPROCESS
 
 TOL = 1e-10
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
