@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from batchgraph.aliasing import shares_memory
+from batchgraph import handle_operators
 from batchgraph.errors import ConstantChangedError, NotComputedError
+from batchgraph.handle_operators import TensorOperators
 from batchgraph.specs import OutSpec, TensorSpec
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def _versions(value: Any) -> tuple[int, ...]:
                   if isinstance(t, torch.Tensor)])
 
 
-class ResultHandle:
+class ResultHandle(TensorOperators):
     """A recorded value: output ``leaf`` of ``node`` (the whole result if its structure
     was unknown before running).
 
@@ -377,203 +378,6 @@ class ResultHandle:
         setattr(ResultHandle, name, recorded)
         return recorded.__get__(self)
 
-    def __add__(self, other: Any) -> Any:
-        return _binary(torch.add, (self, other))
-
-    def __radd__(self, other: Any) -> Any:
-        return _binary(torch.add, (other, self))
-
-    def __sub__(self, other: Any) -> Any:
-        return _binary(torch.sub, (self, other))
-
-    def __rsub__(self, other: Any) -> Any:
-        return _binary(torch.sub, (other, self))
-
-    def __mul__(self, other: Any) -> Any:
-        return _binary(torch.mul, (self, other))
-
-    def __rmul__(self, other: Any) -> Any:
-        return _binary(torch.mul, (other, self))
-
-    def __truediv__(self, other: Any) -> Any:
-        return _binary(torch.div, (self, other))
-
-    def __rtruediv__(self, other: Any) -> Any:
-        return _binary(torch.div, (other, self))
-
-    def __pow__(self, other: Any) -> Any:
-        return _binary(torch.pow, (self, other))
-
-    def __rpow__(self, other: Any) -> Any:
-        return _binary(torch.pow, (other, self))
-
-    def __floordiv__(self, other: Any) -> Any:
-        return _binary(torch.floor_divide, (self, other))
-
-    def __rfloordiv__(self, other: Any) -> Any:
-        return _binary(torch.floor_divide, (other, self))
-
-    def __mod__(self, other: Any) -> Any:
-        return _binary(torch.remainder, (self, other))
-
-    def __rmod__(self, other: Any) -> Any:
-        return _binary(torch.remainder, (other, self))
-
-    # Masks: `(h > 0) & keep`, `~done`. Commutative, so the reflected forms record
-    # the same call (the torch functions want the tensor first).
-    def __and__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_and, (self, other))
-
-    __rand__ = __and__
-
-    def __or__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_or, (self, other))
-
-    __ror__ = __or__
-
-    def __xor__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_xor, (self, other))
-
-    __rxor__ = __xor__
-
-    def __invert__(self) -> Any:
-        return _record(torch.bitwise_not, (self,), {})
-
-    def __pos__(self) -> Any:
-        return _record(torch.positive, (self,), {})
-
-    def __lshift__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_left_shift, (self, other))
-
-    def __rlshift__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_left_shift, (other, self))
-
-    def __rshift__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_right_shift, (self, other))
-
-    def __rrshift__(self, other: Any) -> Any:
-        return _binary(torch.bitwise_right_shift, (other, self))
-
-    # Augmented assignment (`h += g`) changes a tensor in place: every name bound to it
-    # sees the change (`states.append(h); h += d` changes the state appended). The
-    # handle itself then stands for the new value, which gives exactly that; see
-    # ``_in_place``. (`@=` is not in place on tensors: it rebinds, as here.)
-    def __iadd__(self, other: Any) -> Any:
-        return _in_place(self, torch.add, other, "+=")
-
-    def __isub__(self, other: Any) -> Any:
-        return _in_place(self, torch.sub, other, "-=")
-
-    def __imul__(self, other: Any) -> Any:
-        return _in_place(self, torch.mul, other, "*=")
-
-    def __itruediv__(self, other: Any) -> Any:
-        return _in_place(self, torch.div, other, "/=")
-
-    def __ifloordiv__(self, other: Any) -> Any:
-        return _in_place(self, torch.floor_divide, other, "//=")
-
-    def __imod__(self, other: Any) -> Any:
-        return _in_place(self, torch.remainder, other, "%=")
-
-    def __ipow__(self, other: Any) -> Any:
-        return _in_place(self, torch.pow, other, "**=")
-
-    def __iand__(self, other: Any) -> Any:
-        return _in_place(self, torch.bitwise_and, other, "&=")
-
-    def __ior__(self, other: Any) -> Any:
-        return _in_place(self, torch.bitwise_or, other, "|=")
-
-    def __ixor__(self, other: Any) -> Any:
-        return _in_place(self, torch.bitwise_xor, other, "^=")
-
-    def __ilshift__(self, other: Any) -> Any:
-        return _in_place(self, torch.bitwise_left_shift, other, "<<=")
-
-    def __irshift__(self, other: Any) -> Any:
-        return _in_place(self, torch.bitwise_right_shift, other, ">>=")
-
-    def __matmul__(self, other: Any) -> Any:
-        return _binary(torch.matmul, (self, other))
-
-    def __rmatmul__(self, other: Any) -> Any:
-        return _binary(torch.matmul, (other, self))
-
-    # Comparisons record elementwise ops (masks), == and != included, as on tensors:
-    # `if h == eos:` must fail as `if h > 0:` does (its truth is not known yet), not
-    # quietly compare identities. Hashing stays by identity, as a tensor's does.
-    __hash__ = object.__hash__
-
-    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
-        return _binary(torch.eq, (self, other))
-
-    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
-        return _binary(torch.ne, (self, other))
-
-    def __lt__(self, other: Any) -> Any:
-        return _binary(torch.lt, (self, other))
-
-    def __le__(self, other: Any) -> Any:
-        return _binary(torch.le, (self, other))
-
-    def __gt__(self, other: Any) -> Any:
-        return _binary(torch.gt, (self, other))
-
-    def __ge__(self, other: Any) -> Any:
-        return _binary(torch.ge, (self, other))
-
-    def __neg__(self) -> Any:
-        return _record(torch.neg, (self,), {})
-
-    def __abs__(self) -> Any:
-        return _record(torch.abs, (self,), {})
-
-
-def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: str) -> Any:
-    """``handle {symbol} other``: record ``fn(handle, other)`` and make ``handle`` stand
-    for it, as an eager tensor changed in place stands for its new value.
-
-    Calls recorded on the handle before take the old value, as they did eagerly. As
-    eagerly, the result keeps the handle's shape and dtype (a broadcast that would
-    grow it, or a dtype it cannot be cast back to, fails). Refused where the change
-    would reach other tensors eagerly: the tensor given to ``bg.batched_value``, and
-    values sharing memory with the handle's (views; see ``batchgraph.aliasing``)."""
-    graph = handle._graph
-    constant = graph.constants.get(handle.node)
-    if isinstance(constant, torch.Tensor):
-        shared: str | None = (
-            "it is the tensor given to bg.batched_value, which eagerly returns that "
-            "tensor itself"
-        )
-    else:
-        shared = shares_memory(graph, handle.node, handle.leaf)
-    if shared is not None:
-        raise TypeError(
-            f"`{symbol}` on {handle!r} would change in place a value other tensors share "
-            f"memory with ({shared}): eagerly the change reaches them too, which cannot "
-            f"be recorded. Make a new value instead: h = h {symbol[:-1]} other."
-        )
-    result = _binary(fn, (handle, other))
-    if result is NotImplemented:
-        return NotImplemented
-    spec, new = handle.spec, result.spec
-    if type(spec) is TensorSpec and type(new) is TensorSpec:
-        if new.shape != spec.shape:
-            raise RuntimeError(
-                f"output with shape {list(spec.shape)} doesn't match the broadcast shape "
-                f"{list(new.shape)} (`{symbol}` on {handle!r} keeps its shape, as on a tensor)"
-            )
-        if new.dtype != spec.dtype:
-            if not torch.can_cast(new.dtype, spec.dtype):
-                raise RuntimeError(
-                    f"result type {new.dtype} can't be cast to the desired output type "
-                    f"{spec.dtype} (`{symbol}` on {handle!r} keeps its dtype, as on a tensor)"
-                )
-            result = result.to(spec.dtype)
-    handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
-    handle._gen, handle._out = result._gen, None
-    return handle
 
 
 # The opcodes of `x[i]`, `x[i] = v` and `del x[i]` (Python 3.14 makes the first a
@@ -594,16 +398,6 @@ def _in_subscript(frame: types.FrameType) -> bool:
     at = frame.f_lasti
     op = code[at]
     return op in _SUBSCRIPTS or (op == _BINARY_OP and code[at + 1] == _NB_SUBSCR)
-
-
-def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:
-    """An operator's call, recorded; NotImplemented for an operand it does not take,
-    as a tensor's operators answer (so ``h == None`` is False and ``h + "a"`` raises
-    Python's own TypeError)."""
-    try:
-        return _record(fn, args, {})
-    except TypeError:
-        return NotImplemented
 
 
 def _not_known(what: str) -> TypeError:
@@ -646,3 +440,5 @@ def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any
 
 
 from batchgraph.recording import record_function as _record  # noqa: E402  (cycle by design)
+
+handle_operators._record = _record
