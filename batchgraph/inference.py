@@ -7,8 +7,9 @@ are never merged) and the kind of sequence its result is (handles come back in i
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
+    unset_fake_temporarily,
 )
 from torch.overrides import TorchFunctionMode
 
@@ -27,7 +29,7 @@ from batchgraph.errors import NotATensorError, ShapeMismatchError
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import CallSignature, InputSlot, OutSpec, sequence_kind, spec_of, tuple_parts
 
-__all__ = ["fake_apply", "infer_spec"]
+__all__ = ["fake_apply", "infer_spec", "on_fake_tensors"]
 
 
 class _HostRead(RuntimeError):
@@ -58,9 +60,30 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
-            raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
+        if (func is _NUMPY or func is _ARRAY) and args:
+            if isinstance(args[0], FakeTensor):
+                raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
+            # A real tensor's values, read outside the fake mode: inside it, torch makes
+            # a fake of the tensor on the way and reads that fake's memory (a warning
+            # now, undefined behaviour by torch's own account).
+            with unset_fake_temporarily():
+                return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def on_fake_tensors() -> Iterator[None]:
+    """Where a call runs on fake tensors to learn its output: torch's fake mode (real
+    tensors the function holds allowed), no autocast cache, and host reads of fake
+    values raised as ``_HostRead`` (real tensors' values read as usual).
+
+    Example:
+        >>> with on_fake_tensors():
+        ...     torch.ones(2, 3).sum(0).shape
+        torch.Size([3])
+    """
+    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), _HostReads():
+        yield
 
 
 def infer_spec(
@@ -148,8 +171,7 @@ def _fake_apply(
 ) -> Any:
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead)."""
-    with (without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), draws,
-          draws.calls(), _HostReads()):
+    with on_fake_tensors(), draws, draws.calls():
         fakes = [
             0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
             for i, s in enumerate(call.input_specs)

@@ -361,12 +361,10 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
     """
     if not isinstance(key, VmapKey):
         return True
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from batchgraph.autocasting import without_autocast_cache
+    from batchgraph.inference import on_fake_tensors  # it imports this module
 
     try:
-        with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True):
+        with on_fake_tensors():
             inputs = [
                 torch.empty((2, *s.shape), dtype=s.dtype, device=s.device)
                 for s in key.call.input_specs

@@ -53,6 +53,10 @@ def test_host_reads_run_unbatched_with_eager_values_and_gradients(
     assert policy.stats is not None and policy.stats.unbatched_calls == 3
 
 
+# torch warns when the values read are a fake's memory ("Accessing the data pointer of
+# FakeTensor"): the real tensor must be read outside the fake mode, when the output
+# is inferred and when vmap is probed.
+@pytest.mark.filterwarnings("error::UserWarning")
 def test_a_held_real_tensor_read_on_the_host_still_batches() -> None:
     # Only the fake inputs' values are unknown: a constant the function holds is read.
     scale = torch.tensor([1.0, 2.0, 3.0])
