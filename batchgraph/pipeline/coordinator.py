@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from batchgraph import gcpause
-from batchgraph.autocasting import autocast_state
 from batchgraph.pipeline import rng
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import (
@@ -61,6 +60,7 @@ from batchgraph.pipeline.microbatch import (
 )
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.thread_state import ThreadState
 from batchgraph.pipeline.trace import TimelineEvent
 from batchgraph.threads import compute_pool
 
@@ -206,8 +206,10 @@ class Coordinator:
             targets: what the loss compares the last stage's output with, batch in dim 0.
 
         The stages run in the caller's ``torch.autocast`` state (forwards and the loss;
-        backwards follow autograd). Gradients are recorded whatever the grad mode, as the
-        step's name says; under ``torch.inference_mode()`` none can be, so it is refused.
+        backwards follow autograd) and saved-tensors hooks (see
+        :mod:`batchgraph.pipeline.thread_state`). Gradients are recorded whatever the grad
+        mode, as the step's name says; under ``torch.inference_mode()`` none can be, so
+        it is refused.
 
         Returns:
             The loss of the whole batch (detached), as ``loss_fn`` on the full batch gives.
@@ -300,19 +302,19 @@ class Coordinator:
         on_output: Callable[[int, tuple[Tensor, ...]], Payload | None],
     ) -> None:
         self._check_open()
-        inference = torch.is_inference_mode_enabled()
-        if train and inference:
+        # Autocast, inference mode and saved-tensors hooks are per thread: the device
+        # threads take the caller's, captured now (grad mode is the step's own:
+        # train_step records). See batchgraph.pipeline.thread_state.
+        state = ThreadState.capture()
+        if train and state.inference:
             raise PipelineConfigError(
                 "train_step was called under torch.inference_mode(), where no gradient can "
                 "be recorded; call it outside inference mode (pipe.forward runs in it)"
             )
         self._probe(mbs[0])
         self.reset()
-        # Autocast and inference mode are per thread: the device threads take the
-        # caller's, captured now (grad mode is the step's own: train_step records).
-        cast = autocast_state()
         for stage in self.stages:
-            stage.autocast = cast
+            stage.autocast = state.autocast
         randoms = [stage.random for stage in self.stages]
         rng_state = rng.begin_step(randoms, [stage.module for stage in self.stages], train)
         plan = self._plans[train]
@@ -346,7 +348,7 @@ class Coordinator:
         gcpause.enter()
         try:
             futures: list[Future[None]] = [
-                self._workers[d].submit(self._device_job, steps, train, inference, events[d])
+                self._workers[d].submit(self._device_job, steps, train, state, events[d])
                 for d, steps in plan.items()
             ]
             try:
@@ -385,11 +387,11 @@ class Coordinator:
         self._stats = PipelineStats.from_events(self._events, devices=self.schedule.devices)
 
     def _device_job(
-        self, steps: list[_Step], train: bool, inference: bool, events: list[_Record]
+        self, steps: list[_Step], train: bool, state: ThreadState, events: list[_Record]
     ) -> None:
         comm = self.comm
         record = events.append
-        with torch.set_grad_enabled(train), torch.inference_mode(inference):
+        with state.job(grad=train):
             for stage, action, recv_key, send_key in steps:
                 try:
                     start, end = stage.run_keyed(action, recv_key, send_key, comm, train)

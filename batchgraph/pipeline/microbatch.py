@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
+from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 
 __all__ = ["Batch", "batch_size", "check_stages_fit", "merge_microbatches", "split_microbatches"]
 
@@ -126,7 +127,10 @@ def check_stages_fit(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> 
             for name, t in [*module.named_parameters(), *module.named_buffers()]
         }
         try:
-            with torch.no_grad():
+            # No tensor is saved here, so the caller's disable_saved_tensors_hooks is
+            # lifted: a layer that enters hooks of its own is refused by the real run,
+            # with the stage named, not as a shape mismatch.
+            with torch.no_grad(), saved_tensors_hooks_enabled():
                 result = functional_call(module, state, values)
         except Exception as exc:
             text = str(exc)

@@ -209,6 +209,18 @@ class Pipeline:
     batch statistics (``BatchNorm`` in training mode) see one microbatch at a time: they
     normalize per microbatch and update running statistics once per microbatch.
 
+    The threads backend runs the stages on threads of its own, and carries the calling
+    thread's per-thread state to them at each step: its ``torch.autocast`` (forwards and
+    the loss), ``torch.inference_mode()`` (``forward``; ``train_step`` refuses it),
+    saved-tensors hooks (``torch.autograd.graph.save_on_cpu()``, any
+    ``saved_tensors_hooks(pack, unpack)``: the innermost pair; called from the stage
+    threads, several at once) and ``disable_saved_tensors_hooks``, and its
+    ``torch.set_num_threads``. Grad mode is the step's own (``train_step`` records
+    gradients whatever it is, ``forward`` none). Not carried: torch function and dispatch
+    modes (``with torch.device(...)``, ``FlopCounterMode``; a step run inside one warns),
+    the current CUDA stream and device. Anomaly detection, deterministic algorithms and
+    the default dtype are process-wide and need no carrying.
+
     Example:
         >>> import torch
         >>> from torch import nn
