@@ -93,7 +93,9 @@ def run_all(
             record CUDA tensors; on the CPU, inline or parallel as the first two steps
             measure). Ignored for one group.
         return_exceptions: put a failing example's exception in its result slot
-            instead of raising once the others have finished.
+            instead of raising once the others have finished. ``KeyboardInterrupt``
+            and ``SystemExit`` are not kept: they stop the run at once (the other
+            examples are closed), as they stop an asyncio event loop.
         max_steps: fail an example that awaits more often than this (a coroutine that
             never finishes) with ``DeadlockError``; ``None`` for no limit.
         make_policy: builds each lane's policy (for custom rules or a scheduler);

@@ -105,6 +105,11 @@ def _resume_modes(ex: Example) -> None:
         cast.__exit__(None, None, None)
 
 
+# Raised inside an example, these stop its driver (run_all raises them; an
+# AsyncBatcher's event loop stops), as they stop an asyncio event loop: the user asked
+# the program to end. Every other exception is the example's own error.
+_STOPS_THE_DRIVER = (KeyboardInterrupt, SystemExit)
+
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
 
 
@@ -254,8 +259,14 @@ class Lane:
                 _set_grad_enabled(outer)
                 self._finish(ex, stop.value)
                 return
-            except Exception as err:
+            except BaseException as err:
                 _set_grad_enabled(outer)
+                if isinstance(err, _STOPS_THE_DRIVER):
+                    raise
+                # Any other exception fails this example alone, BaseExceptions included
+                # (CancelledError, GeneratorExit, one of the user's own), as an asyncio
+                # Task keeps them: escaping the driver, they ended every example of a
+                # run_all, and left an AsyncBatcher's other callers waiting forever.
                 if isinstance(err, PolicyMismatchError):
                     err.add_note(_OWN_LANE)
                 ex.done, ex.error = True, err
