@@ -27,6 +27,7 @@ are stopped by :meth:`Coordinator.close`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -156,6 +157,7 @@ class Coordinator:
         self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
         self._closed = False
+        self._warned_scalar = False  # see train_step: warned once per pipeline
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -225,23 +227,26 @@ class Coordinator:
             raise PipelineConfigError("train_step needs a loss: pass loss_fn= to the pipeline")
         loss = self.loss
         m = self.schedule.microbatches
-        n = batch_size(inputs)
-        if batch_size(targets) != n:
+        n = batch_size(inputs, "inputs")
+        if batch_size(targets, "targets") != n:
             raise PipelineConfigError(
                 f"inputs have {n} samples but targets have {batch_size(targets)}"
             )
-        mbs = split_microbatches(inputs, m)
-        tgs = split_microbatches(targets, m)
+        mbs = split_microbatches(inputs, m, "inputs")
+        tgs = split_microbatches(targets, m, "targets")
         loss.begin_step(targets)
         values: list[tuple[Tensor, float]] = []
         last = self.stages[-1]
         # With the default gradient, the loss joins the last stage's backward (see
         # Stage.attached_outputs): one autograd pass fewer per microbatch.
         fused = type(loss).compute_gradient is Loss.compute_gradient
+        scalars: list[int] = []  # microbatches whose output has a 0-d tensor (see below)
 
         def on_output(mb: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
             # Runs on the critical path (the last stage's B waits for it): weighting the
             # values for the batch loss waits until the step is over.
+            if m > 1 and not scalars and any([o.dim() == 0 for o in outputs]):
+                scalars.append(mb)
             tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
             weight = loss.weight(mbs[mb][0].shape[0], n)
             attached = last.attached_outputs(mb) if fused else None
@@ -263,6 +268,19 @@ class Coordinator:
             return grads
 
         self._run(mbs, train=True, on_output=on_output)
+        if scalars and not self._warned_scalar:
+            self._warned_scalar = True
+            warnings.warn(
+                f"the last stage (stage {last.index}, {type(last.module).__name__}) returned "
+                "a 0-d tensor: it has no batch dimension, so loss_fn saw one value per "
+                f"microbatch ({m} of them), not one per sample, and the loss and gradients "
+                "are not one device's unless loss_fn takes that value as the microbatch's "
+                "own loss (weighted per reduction=). A model that reduces over the batch (a "
+                "final .sum() or .mean()) should return per-sample outputs and leave the "
+                "reduction to the loss (loss_fn=, with reduction='sum' for a sum)",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of Pipeline.train_step
+            )
         return torch.stack([value * weight for value, weight in values]).sum()
 
     def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
@@ -278,9 +296,15 @@ class Coordinator:
             outputs[mb] = out
 
         self._run(
-            split_microbatches(inputs, self.schedule.microbatches), train=False, on_output=on_output
+            split_microbatches(inputs, self.schedule.microbatches, "inputs"),
+            train=False,
+            on_output=on_output,
         )
-        return merge_microbatches([outputs[i] for i in range(len(outputs))])
+        last = self.stages[-1]
+        return merge_microbatches(
+            [outputs[i] for i in range(len(outputs))],
+            f"the last stage (stage {last.index}, {type(last.module).__name__})",
+        )
 
     # -- internals ------------------------------------------------------------------------
 

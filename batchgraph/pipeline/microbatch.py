@@ -31,28 +31,49 @@ def _as_tuple(batch: Batch) -> tuple[Tensor, ...]:
     return items
 
 
-def batch_size(batch: Batch) -> int:
+def batch_size(batch: Batch, what: str = "the batch") -> int:
     """The size of dimension 0, checked equal across the batch's tensors.
+
+    Args:
+        batch: a tensor or a tuple of tensors.
+        what: how errors name it (``"inputs"``, ``"targets"``).
 
     Raises:
         PipelineConfigError: if the tensors disagree or a tensor has no dimension 0.
+
+    Example:
+        >>> batch_size(torch.zeros(()), "targets")
+        Traceback (most recent call last):
+        ...
+        batchgraph.pipeline.errors.PipelineConfigError: targets: item 0 is a 0-d tensor (shape ()), which has no batch dimension to split into microbatches; give the batch in dimension 0 (one value per sample: shape (N,))
     """
     items = _as_tuple(batch)
-    sizes = {t.shape[0] if t.dim() > 0 else -1 for t in items}
-    if len(sizes) != 1 or -1 in sizes:
+    for i, t in enumerate(items):
+        if t.dim() == 0:
+            raise PipelineConfigError(
+                f"{what}: item {i} is a 0-d tensor (shape ()), which has no batch dimension "
+                "to split into microbatches; give the batch in dimension 0 (one value per "
+                "sample: shape (N,))"
+            )
+    sizes = {t.shape[0] for t in items}
+    if len(sizes) != 1:
         shapes = [tuple(t.shape) for t in items]
         raise PipelineConfigError(
-            f"every tensor of a batch needs the same size in dimension 0, got shapes {shapes}"
+            f"every tensor of {what} needs the same size in dimension 0 (the batch), got "
+            f"shapes {shapes}"
         )
     return sizes.pop()
 
 
-def split_microbatches(batch: Batch, microbatches: int) -> list[tuple[Tensor, ...]]:
+def split_microbatches(
+    batch: Batch, microbatches: int, what: str = "the batch"
+) -> list[tuple[Tensor, ...]]:
     """Split ``batch`` into ``microbatches`` parts along dimension 0.
 
     Args:
         batch: a tensor or a tuple of tensors with equal dimension 0.
         microbatches: how many parts, 1 <= microbatches <= batch size.
+        what: how errors name the batch (``"inputs"``, ``"targets"``).
 
     Returns:
         One tuple of tensors (views) per microbatch.
@@ -65,7 +86,7 @@ def split_microbatches(batch: Batch, microbatches: int) -> list[tuple[Tensor, ..
         >>> [mb[0].shape[0] for mb in split_microbatches(torch.zeros(10, 2), 4)]
         [3, 3, 2, 2]
     """
-    n = batch_size(batch)
+    n = batch_size(batch, what)
     if not 1 <= microbatches <= n:
         raise PipelineConfigError(
             f"microbatches={microbatches} does not fit a batch of {n} samples: use 1 <= "
@@ -75,8 +96,20 @@ def split_microbatches(batch: Batch, microbatches: int) -> list[tuple[Tensor, ..
     return [tuple(p[i] for p in parts) for i in range(microbatches)]
 
 
-def merge_microbatches(outputs: Sequence[tuple[Tensor, ...]]) -> Tensor | tuple[Tensor, ...]:
+def merge_microbatches(
+    outputs: Sequence[tuple[Tensor, ...]], source: str = "the last stage"
+) -> Tensor | tuple[Tensor, ...]:
     """Concatenate per-microbatch outputs along dimension 0 (a tensor if there is one output).
+
+    One microbatch's outputs are returned as they are (nothing to concatenate).
+
+    Args:
+        outputs: per microbatch, the outputs of the last stage.
+        source: how errors name what made them (``"stage 3 (Sequential)"``).
+
+    Raises:
+        PipelineConfigError: if an output is 0-d (and there are several microbatches):
+            it has no batch dimension to concatenate along.
 
     Example:
         >>> import torch
@@ -84,6 +117,20 @@ def merge_microbatches(outputs: Sequence[tuple[Tensor, ...]]) -> Tensor | tuple[
         >>> merge_microbatches(parts)
         tensor([0., 1., 2., 3., 4.])
     """
+    if len(outputs) == 1:
+        return outputs[0][0] if len(outputs[0]) == 1 else outputs[0]
+    for mb, parts in enumerate(outputs):
+        for i, t in enumerate(parts):
+            if t.dim() == 0:
+                raise PipelineConfigError(
+                    f"{source} returned a 0-d tensor as output {i} of microbatch {mb}: it has "
+                    f"no batch dimension, so the {len(outputs)} microbatches' outputs cannot "
+                    "be merged along dimension 0. The model reduces over the batch (a "
+                    "final .sum() or .mean()?), which a pipeline cannot split into "
+                    "microbatches: return per-sample outputs (batch in dimension 0) and "
+                    "move the reduction into the loss (loss_fn=, with reduction='sum' for "
+                    "a sum), or use microbatches=1"
+                )
     merged = tuple(torch.cat(list(parts), dim=0) for parts in zip(*outputs))
     return merged[0] if len(merged) == 1 else merged
 

@@ -33,11 +33,25 @@ from batchgraph.pipeline.microbatch import Batch
 
 __all__ = [
     "COST_METHODS",
+    "TooFewLayersError",
     "balanced_partition",
     "layer_costs",
     "partition_graph",
     "partition_sequential",
 ]
+
+class TooFewLayersError(PipelineConfigError):
+    """More parts were asked for than there are layers (or operations) to split.
+
+    ``layers`` and ``parts`` keep the numbers, so a caller that knows how the parts were
+    counted (``Pipeline``: stages x chunks) can say it in its own terms.
+    """
+
+    def __init__(self, message: str, *, layers: int, parts: int) -> None:
+        super().__init__(message)
+        self.layers = layers
+        self.parts = parts
+
 
 #: The ``cost=`` values :func:`layer_costs` accepts.
 COST_METHODS = ("profile", "params", "uniform")
@@ -65,9 +79,11 @@ def balanced_partition(costs: Sequence[float], parts: int) -> list[tuple[int, in
     """
     n = len(costs)
     if not 1 <= parts <= n:
-        raise PipelineConfigError(
+        raise TooFewLayersError(
             f"cannot split {n} layers into {parts} stages: need 1 <= stages <= {n} "
-            "(every stage needs at least one layer)"
+            "(every stage needs at least one layer)",
+            layers=n,
+            parts=parts,
         )
     if not all(math.isfinite(c) and c >= 0 for c in costs):  # `nan < 0` is False
         raise PipelineConfigError(f"costs must be finite and >= 0, got {list(costs)}")

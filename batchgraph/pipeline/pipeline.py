@@ -25,7 +25,7 @@ from batchgraph.pipeline.coordinator import Coordinator
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
-from batchgraph.pipeline.partition import partition_graph, partition_sequential
+from batchgraph.pipeline.partition import TooFewLayersError, partition_graph, partition_sequential
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
@@ -139,14 +139,62 @@ def _threads_backend(request: BackendRequest) -> Coordinator:
 register_backend("threads", _threads_backend)
 
 
+def _too_few_layers(
+    exc: TooFewLayersError, stages: int, chunks: int, schedule: str, what: str
+) -> PipelineConfigError:
+    """The partitioner's refusal in the Pipeline's terms: stages x chunks, what to change."""
+    n = exc.layers
+    cut = (
+        "an nn.Sequential or a list is cut only between its items"
+        if what == "layers"
+        else "a traced graph is cut only between its operations"
+    )
+    if chunks == 1:
+        return PipelineConfigError(
+            f"cannot split {n} {what} into {stages} stages (stages={stages}): each stage "
+            f"needs at least one; use stages <= {n}, or a model with more {what} ({cut})"
+        )
+    fixes = [
+        f"{name} <= {most} with {other}"
+        for name, most, other in (
+            ("chunks", n // stages, f"stages={stages}"),
+            ("stages", n // chunks, f"chunks={chunks}"),
+        )
+        if most >= 2
+    ]
+    fixes.append(f"chunks=1 with stages <= {n} (schedule '1f1b' instead of {schedule!r})")
+    return PipelineConfigError(
+        f"cannot split {n} {what} into {stages} stages x {chunks} chunks per stage = "
+        f"{stages * chunks} virtual stages: each needs at least one of the {what}. Use "
+        f"{', or '.join(fixes)}, or a model with at least {stages * chunks} {what} ({cut})"
+    )
+
+
 def _stage_modules(
     module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
     stages: int | None,
     chunks: int,
     cost: str,
     sample: Batch | None,
+    schedule: str = "interleaved-1f1b",
 ) -> list[nn.Module]:
     """One module per schedule stage (``stages * chunks`` of them)."""
+    try:
+        return _split_modules(module, stages, chunks, cost, sample)
+    except TooFewLayersError as exc:
+        if stages is None:
+            raise
+        what = "layers" if isinstance(module, (list, tuple, nn.Sequential)) else "operations"
+        raise _too_few_layers(exc, stages, chunks, schedule, what) from None
+
+
+def _split_modules(
+    module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
+    stages: int | None,
+    chunks: int,
+    cost: str,
+    sample: Batch | None,
+) -> list[nn.Module]:
     if isinstance(module, (list, tuple)):
         items = [s.module if isinstance(s, Stage) else s for s in module]
         for i, item in enumerate(items):
@@ -260,7 +308,18 @@ class Pipeline:
             raise PipelineConfigError(f"chunks must be an int >= 1, got {chunks!r}")
         if stages is not None and (not isinstance(stages, int) or stages < 1):
             raise PipelineConfigError(f"stages must be an int >= 1, got {stages!r}")
-        modules = _stage_modules(module, stages, chunks, cost, sample)
+        early = None
+        if stages is not None and not isinstance(schedule, PipelineSchedule):
+            # The schedule's own refusals (chunks > 1 with '1f1b', too few microbatches)
+            # before the model is split: they are the first thing to fix.
+            try:
+                early = make_schedule(
+                    schedule, stages=stages, microbatches=microbatches, chunks=chunks
+                )
+            except ValueError as exc:
+                raise PipelineConfigError(str(exc)) from exc
+        name = schedule.name if isinstance(schedule, PipelineSchedule) else schedule
+        modules = _stage_modules(module, stages, chunks, cost, sample, name)
         if len(modules) % chunks:
             raise PipelineConfigError(
                 f"{len(modules)} stage modules cannot be dealt to devices with chunks={chunks}: "
@@ -276,6 +335,8 @@ class Pipeline:
                 )
             validate_schedule(schedule)
             plan = schedule
+        elif early is not None and early.stages == len(modules):
+            plan = early
         else:
             try:
                 plan = make_schedule(schedule, stages=p, microbatches=microbatches, chunks=chunks)
