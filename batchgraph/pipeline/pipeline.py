@@ -30,6 +30,7 @@ from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
+from batchgraph.pipeline.traced_modes import ModeParts, partition_graph_by_mode
 from batchgraph.pipeline.validate import validate_schedule
 
 __all__ = [
@@ -221,7 +222,10 @@ def _split_modules(
             "cost='profile' needs an nn.Sequential or a list of layers; a traced graph "
             "is split with cost 'uniform' or 'params'"
         )
-    return list(partition_graph(module, stages * chunks, cost=cost))
+    # Stages that follow model.train()/eval() where the model's Python reads the mode.
+    return partition_graph_by_mode(
+        module, stages * chunks, lambda m, n: partition_graph(m, n, cost=cost)
+    )
 
 
 class Pipeline:
@@ -231,7 +235,9 @@ class Pipeline:
         module: an ``nn.Sequential`` or a list of layers (split into ``stages * chunks``
             balanced stages), a list of stage modules or :class:`Stage` objects (one per
             stage; ``stages`` is then inferred), or any ``torch.fx``-traceable module
-            (its graph is split).
+            (its graph is split; where its Python reads ``self.training``, each stage
+            runs the graph traced in the model's current mode, see
+            :mod:`batchgraph.pipeline.traced_modes`).
         stages: the number of pipeline devices p (each runs ``chunks`` stages).
         microbatches: the number of microbatches m per batch (at most the batch size).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``,
@@ -384,6 +390,7 @@ class Pipeline:
             StageMismatchError: if the stages do not fit together (checked before any work).
             StageError: if a stage's task fails (names stage, action and microbatch).
         """
+        self._check_modes()
         # A process backend takes None where a rank owns neither end; the threads backend
         # rejects None with its own error, so the casts only widen what reaches it.
         return self._runtime.train_step(cast(Batch, inputs), cast(Batch, targets))
@@ -394,7 +401,14 @@ class Pipeline:
         With ``backend="torch.distributed"`` the first rank passes the inputs (others
         ``None``) and only the last rank gets the outputs.
         """
+        self._check_modes()
         return self._runtime.forward(cast(Batch, inputs))
+
+    def _check_modes(self) -> None:
+        """Refuse, before any work, a mode a graph-split stage was not traced in."""
+        for module in self.stage_modules:
+            if isinstance(module, ModeParts):
+                module.select()
 
     @property
     def stats(self) -> PipelineStats:
