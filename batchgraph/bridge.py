@@ -41,6 +41,10 @@ Rules that keep it correct:
   autograd graph, whatever mode the loop thread is in); with ``grad=True``, as with
   grad on and outside inference mode. An example's own ``with torch.no_grad():`` or
   ``torch.inference_mode()`` blocks hold within it, as eagerly.
+* A batcher serves one event loop at a time. When its loop ends (``asyncio.run``
+  returns) with examples unfinished, their callers fail and the examples are closed
+  (their ``finally`` blocks run); a later loop's first ``run`` starts the batcher
+  afresh there. A loop still running elsewhere keeps it: another loop is refused.
 * Memory stays bounded: each step releases the values nothing can read any more
   (``batchgraph.releasing``); an empty lane is dropped, and a lane whose graph (its
   per-node bookkeeping) grows past ``max_graph_nodes`` takes no new examples and is
@@ -86,6 +90,8 @@ class _LaneState:
         self.calls: dict[int, _Call] = {}  # by example id
         self.computing = False
         self.sealed = False
+        self.abandoned = False  # its worker stopped: nothing resumes its examples
+        self.step: asyncio.Future[None] | None = None  # while computing
 
 
 class AsyncBatcher:
@@ -171,7 +177,11 @@ class AsyncBatcher:
         if self._closing:
             coro.close()
             raise RuntimeError("this AsyncBatcher is closed; create a new one")
-        self._ensure_worker()
+        try:
+            self._ensure_worker()
+        except RuntimeError:
+            coro.close()  # it never runs: no "never awaited" warning
+            raise
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call = _Call(Example(self._count, coro), future)
         self._count += 1
@@ -183,10 +193,12 @@ class AsyncBatcher:
     async def aclose(self) -> None:
         """Finish every example already submitted, then stop the worker and its thread."""
         self._closing = True
-        if self._worker is not None:
+        worker = self._worker
+        if worker is not None and not worker.done():
+            self._check_loop(worker)
             self._poke()
-            await self._worker
-            self._worker = None
+            await worker
+        self._worker = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -200,20 +212,37 @@ class AsyncBatcher:
 
     # -- worker (event loop thread) --------------------------------------------------
     def _ensure_worker(self) -> None:
-        if self._worker is None:
+        worker = self._worker
+        if worker is not None and not worker.done() and worker.get_loop().is_closed():
+            # Its loop was closed without cancelling it (run_until_complete, close).
+            self._abandon(RuntimeError("the event loop was closed"))
+            worker = None
+        if worker is not None and not worker.done():
+            self._check_loop(worker)
+        else:  # never started, or stopped with its event loop: start one in this loop
             self._wakeup = asyncio.Event()
             self._pool = compute_pool("batchgraph-async")
             self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    @staticmethod
+    def _check_loop(worker: asyncio.Task[None]) -> None:
+        if worker.get_loop() is not asyncio.get_running_loop():
+            raise RuntimeError(
+                "this AsyncBatcher is running in another event loop, which has not "
+                "finished; its examples and steps belong to that loop. Create one "
+                "AsyncBatcher per event loop (or close it with aclose() there first)"
+            )
 
     def _poke(self, *_: object) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
 
     async def _work(self) -> None:
-        assert self._wakeup is not None
+        wakeup = self._wakeup  # this worker's own: a later worker makes a new one
+        assert wakeup is not None
         try:
             while True:
-                self._wakeup.clear()
+                wakeup.clear()
                 with _driving(self._mode[0]):  # examples record here (start, close)
                     self._reap()
                     self._admit()
@@ -221,16 +250,43 @@ class AsyncBatcher:
                 if self._closing and not self._arrivals and not self._lanes:
                     return
                 with contextlib.suppress(asyncio.TimeoutError):  # a deadline passed
-                    await asyncio.wait_for(self._wakeup.wait(), delay)
+                    await asyncio.wait_for(wakeup.wait(), delay)
         except BaseException as err:  # a bug or loop shutdown: no caller may hang
-            for call in self._arrivals:
-                call.example.close()  # never started: close it quietly
-            for call in [*self._arrivals, *(c for s in self._lanes for c in s.calls.values())]:
-                if not call.future.done():
-                    call.future.set_exception(
-                        err if isinstance(err, Exception) else RuntimeError("batcher stopped")
-                    )
+            if self._wakeup is not wakeup or isinstance(err, GeneratorExit):
+                # A worker left pending in a closed loop, garbage now: the batcher's
+                # state is a later worker's (or was abandoned when it started).
+                raise
+            steps = [s.step for s in self._lanes if s.step is not None]
+            self._abandon(err)
+            # Steps still computing close their examples when they end (finish): wait
+            # for them, so that a loop shutting down runs the examples' finally blocks.
+            await asyncio.gather(*steps, return_exceptions=True)
             raise
+
+    def _abandon(self, err: BaseException) -> None:
+        """The worker stops (its event loop shuts down, or a bug): fail every caller,
+        close their examples and forget the lanes and the thread, so that a later
+        ``run`` (in this event loop or the next ``asyncio.run``'s) starts afresh."""
+        arrivals, self._arrivals = self._arrivals, []
+        lanes, self._lanes = self._lanes, []
+        calls = [*arrivals, *(c for s in lanes for c in s.calls.values())]
+        for call in arrivals:
+            call.example.close()  # never started: close it quietly
+        with _driving(self._mode[0]):  # finally blocks in the examples may record
+            for state in lanes:
+                state.abandoned = True
+                if not state.computing:  # else the step's end closes them (finish)
+                    state.lane.close([c.example for c in state.calls.values()])
+        stopped = err if isinstance(err, Exception) else RuntimeError(
+            f"the AsyncBatcher stopped ({type(err).__name__}: its event loop shut down or "
+            "its worker task was cancelled) before this example finished"
+        )
+        for call in calls:
+            if not call.future.done() and not call.future.get_loop().is_closed():
+                call.future.set_exception(stopped)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # a step still running finishes on its own
+            self._pool = None
 
     def _reap(self) -> None:
         """Drop cancelled calls, resolve finished ones, and retire empty lanes."""
@@ -321,14 +377,19 @@ class AsyncBatcher:
         examples = [c.example for c in batch]
         self.batch_sizes[len(examples)] += 1
         loop = asyncio.get_running_loop()
-        step = loop.run_in_executor(self._pool, state.lane.compute, examples, self._mode)
+        step = state.step = loop.run_in_executor(
+            self._pool, state.lane.compute, examples, self._mode
+        )
 
         def done(step: asyncio.Future[None]) -> None:
             with _driving(self._mode[0]):  # examples resume and record here
                 finish(step)
 
         def finish(step: asyncio.Future[None]) -> None:
-            state.computing = False
+            state.computing, state.step = False, None
+            if state.abandoned:  # the worker stopped while this step ran
+                state.lane.close(examples)
+                return
             error = step.exception() if not step.cancelled() else None
             if error is not None:  # only a bug gets here: per-example errors are kept
                 for ex in examples:

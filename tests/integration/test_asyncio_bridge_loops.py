@@ -1,0 +1,116 @@
+"""AsyncBatcher across event loops: one asyncio.run after another, a loop shutting
+down with examples pending, a worker cancelled from outside, and a second loop
+running at the same time (refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import batchgraph as bg
+
+square = bg.batched_func(torch.square)
+add = bg.batched_func(torch.add)
+
+
+async def _powers(x: float, steps: int) -> float:
+    """Squares ``x`` ``steps`` times, one batched step per await."""
+    y = torch.tensor(x, dtype=torch.float64)
+    for _ in range(steps):
+        y = await bg.value(square(y))
+    return float(y)
+
+
+async def _count(x: float, closed: list[float] | None = None,
+                 stepped: threading.Event | None = None) -> None:
+    """Counts up from ``x`` forever, one batched step per await (each value is new, so
+    no call merges with an earlier, computed one)."""
+    try:
+        y = torch.tensor(x, dtype=torch.float64)
+        while True:
+            y = await bg.value(add(y, 1.0))
+            if stepped is not None:
+                stepped.set()
+    finally:
+        if closed is not None:
+            closed.append(x)
+
+
+async def _run(batcher: bg.AsyncBatcher, x: float, steps: int = 1) -> float:
+    result: float = await asyncio.wait_for(batcher.run(_powers(x, steps)), timeout=10)
+    return result
+
+
+def test_a_batcher_serves_one_asyncio_run_after_another() -> None:
+    # The worker task of the first loop was kept: the second loop's calls were queued
+    # for it and waited forever.
+    batcher = bg.AsyncBatcher(max_latency=0.01)
+    assert asyncio.run(_run(batcher, 2.0)) == 4.0
+    assert asyncio.run(_run(batcher, 3.0, steps=2)) == 81.0
+    asyncio.run(batcher.aclose())
+
+
+def test_a_loop_closed_without_shutdown_does_not_keep_the_batcher() -> None:
+    batcher = bg.AsyncBatcher(max_latency=0.01)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(_run(batcher, 2.0)) == 4.0
+    finally:
+        loop.close()  # the worker task is left pending in the closed loop
+    assert asyncio.run(_run(batcher, 3.0)) == 9.0
+    asyncio.run(batcher.aclose())
+
+
+def test_a_loop_ending_with_examples_pending_closes_them_and_the_next_loop_works() -> None:
+    batcher = bg.AsyncBatcher(max_latency=0.0)
+    closed: list[float] = []
+
+    async def leave_one_running() -> asyncio.Future[None]:
+        task = asyncio.ensure_future(batcher.run(_count(1.0, closed)))
+        await asyncio.sleep(0.2)  # it is still decoding when asyncio.run ends
+        return task
+
+    asyncio.run(leave_one_running())
+    assert closed == [1.0]  # its finally block ran as the loop shut down
+    assert asyncio.run(_run(batcher, 3.0)) == 9.0
+    asyncio.run(batcher.aclose())
+
+
+def test_a_worker_cancelled_from_outside_is_restarted_by_the_next_call() -> None:
+    async def main() -> tuple[float, float]:
+        batcher = bg.AsyncBatcher(max_latency=0.01)
+        first = await _run(batcher, 2.0)
+        for task in asyncio.all_tasks():  # a shutdown routine cancelling everything
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.sleep(0.01)
+        second = await _run(batcher, 3.0)
+        await batcher.aclose()
+        return first, second
+
+    assert asyncio.run(main()) == (4.0, 9.0)
+
+
+def test_a_second_loop_running_at_the_same_time_is_refused() -> None:
+    batcher = bg.AsyncBatcher(max_latency=0.0)
+    running, release = threading.Event(), threading.Event()
+
+    async def other_loop() -> None:
+        task = asyncio.ensure_future(batcher.run(_count(1.0, stepped=running)))
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        task.cancel()
+        await batcher.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(other_loop(),))
+    thread.start()
+    try:
+        assert running.wait(10)
+        with pytest.raises(RuntimeError, match="running in another event loop"):
+            asyncio.run(_run(batcher, 3.0))
+    finally:
+        release.set()
+        thread.join(10)
+    assert not thread.is_alive()
