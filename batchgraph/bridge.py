@@ -278,8 +278,8 @@ class AsyncBatcher:
                 if not state.computing:  # else the step's end closes them (finish)
                     state.lane.close([c.example for c in state.calls.values()])
         stopped = err if isinstance(err, Exception) else RuntimeError(
-            f"the AsyncBatcher stopped ({type(err).__name__}: its event loop shut down or "
-            "its worker task was cancelled) before this example finished"
+            f"the AsyncBatcher's worker stopped ({type(err).__name__}) before this "
+            "example finished: its event loop shut down, or the worker task was cancelled"
         )
         for call in calls:
             if not call.future.done() and not call.future.get_loop().is_closed():

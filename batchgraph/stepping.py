@@ -154,8 +154,10 @@ class Example:
             _resume_modes(self)
             try:
                 self.coro.close()
-            except Exception as err:  # a finally block that raised: that is its error
-                self.error = err
+            except BaseException as err:  # a finally block that raised: its error
+                if isinstance(err, _STOPS_THE_DRIVER):
+                    raise
+                self.error = err  # (a BaseException too: it must not stop the driver)
             finally:
                 _set_grad_enabled(grad)
 

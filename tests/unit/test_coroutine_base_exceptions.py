@@ -80,3 +80,29 @@ def test_a_base_exception_fails_only_its_async_batcher_caller(
     got, later = asyncio.run(main())
     assert type(got[1]) is raised
     assert [got[0], got[2], got[3], later] == [want[0], want[2], want[3], want[0]]
+
+
+def test_a_cancelled_example_whose_finally_raises_a_base_exception_stops_nothing_else() -> None:
+    # Closing the cancelled example let the exception out of the batcher's worker:
+    # every other caller failed with it.
+    model = make_decoder(23)
+    want = [run_eagerly(model.greedy(h, -1, 3)) for h in STATES]
+
+    async def endless() -> None:
+        try:
+            await model.greedy(STATES[0], -1, 1_000_000)
+        finally:
+            raise _Abort("from finally")
+
+    async def main() -> list[Any]:
+        async with bg.AsyncBatcher(max_latency=0.0) as batcher:
+            victim = asyncio.ensure_future(batcher.run(endless()))
+            others = [asyncio.ensure_future(batcher.run(model.greedy(h, -1, 3)))
+                      for h in STATES]
+            await asyncio.sleep(0.05)
+            victim.cancel()
+            got = await asyncio.wait_for(asyncio.gather(*others), timeout=30)
+            got.append(await asyncio.wait_for(batcher.run(model.greedy(STATES[1], -1, 3)), 30))
+        return list(got)
+
+    assert asyncio.run(main()) == [*want, want[1]]
