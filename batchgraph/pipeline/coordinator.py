@@ -234,6 +234,17 @@ class Coordinator:
             )
         mbs = split_microbatches(inputs, m, "inputs")
         tgs = split_microbatches(targets, m, "targets")
+        if not any([t.requires_grad for t in mbs[0]]) and not any(
+            p.requires_grad for stage in self.stages for p in stage.module.parameters()
+        ):
+            # Stops at the first trainable parameter: costs nothing in the usual case.
+            raise PipelineConfigError(
+                "train_step has nothing to compute gradients for: no parameter of any "
+                "stage requires grad (all frozen) and neither do the inputs. On one device, "
+                "loss.backward() raises 'element 0 of tensors does not require grad and "
+                "does not have a grad_fn'. Unfreeze parameters (p.requires_grad_(True)) or "
+                "use pipe.forward"
+            )
         loss.begin_step(targets)
         values: list[tuple[Tensor, float]] = []
         last = self.stages[-1]
@@ -241,6 +252,7 @@ class Coordinator:
         # Stage.attached_outputs): one autograd pass fewer per microbatch.
         fused = type(loss).compute_gradient is Loss.compute_gradient
         scalars: list[int] = []  # microbatches whose output has a 0-d tensor (see below)
+        graphs: list[bool] = []  # per microbatch: whether its loss has a backward
 
         def on_output(mb: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
             # Runs on the critical path (the last stage's B waits for it): weighting the
@@ -255,9 +267,11 @@ class Coordinator:
                 # the weight: the gradients of weight * loss, as below.
                 with torch.enable_grad():
                     value = loss.compute_loss(attached[0] if len(attached) == 1 else attached, tgt)
+                graphs.append(value.requires_grad)
                 last.start_backward_at(mb, (value,))
                 values.append((value.detach(), weight))
                 return (torch.full_like(value, weight),)
+            graphs.append(last.has_graph(mb))
             # Detached, so no microbatch's output is kept alive through its loss graph.
             leaves = tuple([o.detach().requires_grad_(o.is_floating_point()) for o in outputs])
             out = leaves[0] if len(leaves) == 1 else leaves
@@ -268,6 +282,16 @@ class Coordinator:
             return grads
 
         self._run(mbs, train=True, on_output=on_output)
+        if not any(graphs):
+            raise PipelineConfigError(
+                "train_step computed no gradient: the loss depends on nothing that requires "
+                f"grad (the last stage, stage {last.index} ({type(last.module).__name__}), "
+                "returned outputs without an autograd graph, made by a non-differentiable "
+                "op such as argmax, an integer op or .detach(); or loss_fn ignores its "
+                "output). On one device, loss.backward() raises 'element 0 of tensors does "
+                "not require grad and does not have a grad_fn'. Compute the loss from a "
+                "differentiable output"
+            )
         if scalars and not self._warned_scalar:
             self._warned_scalar = True
             warnings.warn(

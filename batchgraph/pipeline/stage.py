@@ -234,6 +234,11 @@ class Stage:
             return None
         return saved.outputs
 
+    def has_graph(self, microbatch: int) -> bool:
+        """Whether an output ``microbatch``'s forward kept requires grad (has a backward)."""
+        saved = self._saved.get(microbatch)
+        return saved is not None and any(o.requires_grad for o in saved.outputs)
+
     def start_backward_at(self, microbatch: int, roots: tuple[Tensor, ...]) -> None:
         """Run ``microbatch``'s backward from ``roots`` (computed from
         :meth:`attached_outputs`, e.g. its loss) instead of its outputs: the gradient its

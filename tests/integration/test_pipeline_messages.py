@@ -141,3 +141,40 @@ def test_train_step_on_a_batchless_output_warns_once() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             pipe.train_step(x, y)  # once per pipeline
+
+
+class _Argmax(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.argmax(-1)
+
+
+def test_train_step_without_any_gradient_is_refused_as_backward_is() -> None:
+    """One device's loss.backward() raises here; the step silently computed nothing."""
+    x, y = torch.randn(4, 3), torch.randn(4)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), _Argmax())
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        return (out.float() - target).square().mean()
+
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss_fn(model(x), y).backward()
+    for schedule in ["1f1b", "zb-h1"]:
+        with (
+            Pipeline(model, stages=2, microbatches=2, schedule=schedule, loss_fn=loss_fn,
+                     timeout=30) as pipe,
+            pytest.raises(
+                PipelineConfigError,
+                match=r"computed no gradient: .*the last stage, stage 1 \(Sequential\), "
+                r"returned outputs without an autograd graph",
+            ),
+        ):  # fmt: skip
+            pipe.train_step(x, y)
+    # Every parameter frozen: refused before any work.
+    frozen = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).requires_grad_(False)
+    with Pipeline(frozen, stages=2, microbatches=2, loss_fn=nn.MSELoss(), timeout=30) as pipe:
+        with pytest.raises(PipelineConfigError, match=r"nothing to compute gradients for"):
+            pipe.train_step(x, y[:, None])
+        # Inputs that require grad (an adversarial example's gradient) are something.
+        xs = x.clone().requires_grad_(True)
+        pipe.train_step(xs, y[:, None])
+        assert xs.grad is not None
