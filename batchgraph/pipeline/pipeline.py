@@ -25,12 +25,12 @@ from batchgraph.pipeline.coordinator import Coordinator
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
-from batchgraph.pipeline.partition import TooFewLayersError, partition_graph, partition_sequential
 from batchgraph.pipeline.schedules import make_schedule
+from batchgraph.pipeline.splitting import stage_modules
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.trace import TimelineEvent
-from batchgraph.pipeline.traced_modes import ModeParts, partition_graph_by_mode
+from batchgraph.pipeline.traced_modes import ModeParts
 from batchgraph.pipeline.validate import validate_schedule
 
 __all__ = [
@@ -140,94 +140,6 @@ def _threads_backend(request: BackendRequest) -> Coordinator:
 register_backend("threads", _threads_backend)
 
 
-def _too_few_layers(
-    exc: TooFewLayersError, stages: int, chunks: int, schedule: str, what: str
-) -> PipelineConfigError:
-    """The partitioner's refusal in the Pipeline's terms: stages x chunks, what to change."""
-    n = exc.layers
-    cut = (
-        "an nn.Sequential or a list is cut only between its items"
-        if what == "layers"
-        else "a traced graph is cut only between its operations"
-    )
-    if chunks == 1:
-        return PipelineConfigError(
-            f"cannot split {n} {what} into {stages} stages (stages={stages}): each stage "
-            f"needs at least one; use stages <= {n}, or a model with more {what} ({cut})"
-        )
-    fixes = [
-        f"{name} <= {most} with {other}"
-        for name, most, other in (
-            ("chunks", n // stages, f"stages={stages}"),
-            ("stages", n // chunks, f"chunks={chunks}"),
-        )
-        if most >= 2
-    ]
-    fixes.append(f"chunks=1 with stages <= {n} (schedule '1f1b' instead of {schedule!r})")
-    return PipelineConfigError(
-        f"cannot split {n} {what} into {stages} stages x {chunks} chunks per stage = "
-        f"{stages * chunks} virtual stages: each needs at least one of the {what}. Use "
-        f"{', or '.join(fixes)}, or a model with at least {stages * chunks} {what} ({cut})"
-    )
-
-
-def _stage_modules(
-    module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
-    stages: int | None,
-    chunks: int,
-    cost: str,
-    sample: Batch | None,
-    schedule: str = "interleaved-1f1b",
-) -> list[nn.Module]:
-    """One module per schedule stage (``stages * chunks`` of them)."""
-    try:
-        return _split_modules(module, stages, chunks, cost, sample)
-    except TooFewLayersError as exc:
-        if stages is None:
-            raise
-        what = "layers" if isinstance(module, (list, tuple, nn.Sequential)) else "operations"
-        raise _too_few_layers(exc, stages, chunks, schedule, what) from None
-
-
-def _split_modules(
-    module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
-    stages: int | None,
-    chunks: int,
-    cost: str,
-    sample: Batch | None,
-) -> list[nn.Module]:
-    if isinstance(module, (list, tuple)):
-        items = [s.module if isinstance(s, Stage) else s for s in module]
-        for i, item in enumerate(items):
-            if not isinstance(item, nn.Module):
-                raise PipelineConfigError(
-                    f"module[{i}] is a {type(item).__name__}; give nn.Modules or Stages"
-                )
-        if stages is None or len(items) == stages * chunks:
-            return items
-        return list(partition_sequential(items, stages * chunks, cost=cost, sample=sample))
-    if not isinstance(module, nn.Module):
-        raise PipelineConfigError(
-            f"module must be an nn.Module or a list of modules, got {type(module).__name__}"
-        )
-    if stages is None:
-        raise PipelineConfigError(
-            f"pass stages= to split a {type(module).__name__} (or pass a list with one "
-            "module per stage)"
-        )
-    if isinstance(module, nn.Sequential):
-        return list(partition_sequential(module, stages * chunks, cost=cost, sample=sample))
-    if cost == "profile":
-        raise PipelineConfigError(
-            "cost='profile' needs an nn.Sequential or a list of layers; a traced graph "
-            "is split with cost 'uniform' or 'params'"
-        )
-    # Stages that follow model.train()/eval() where the model's Python reads the mode.
-    return partition_graph_by_mode(
-        module, stages * chunks, lambda m, n: partition_graph(m, n, cost=cost)
-    )
-
-
 class Pipeline:
     """Pipeline-parallel training of a model split into stages.
 
@@ -325,7 +237,7 @@ class Pipeline:
             except ValueError as exc:
                 raise PipelineConfigError(str(exc)) from exc
         name = schedule.name if isinstance(schedule, PipelineSchedule) else schedule
-        modules = _stage_modules(module, stages, chunks, cost, sample, name)
+        modules = stage_modules(module, stages, chunks, cost, sample, name)
         if len(modules) % chunks:
             raise PipelineConfigError(
                 f"{len(modules)} stage modules cannot be dealt to devices with chunks={chunks}: "

@@ -1,0 +1,121 @@
+"""How ``Pipeline`` turns the model it is given into one module per schedule stage.
+
+A list is taken as one module per stage (or split like an ``nn.Sequential``); an
+``nn.Sequential`` is cut between its layers (:func:`partition_sequential`); any other
+module is split by tracing it with ``torch.fx`` (:func:`partition_graph`, through
+:func:`~batchgraph.pipeline.traced_modes.partition_graph_by_mode`). Refusals are worded
+in the ``Pipeline``'s terms (stages, chunks, the schedule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.microbatch import Batch
+from batchgraph.pipeline.partition import (
+    TooFewLayersError,
+    partition_graph,
+    partition_sequential,
+)
+from batchgraph.pipeline.stage import Stage
+from batchgraph.pipeline.traced_modes import partition_graph_by_mode
+
+__all__ = ["stage_modules"]
+
+
+def _too_few_layers(
+    exc: TooFewLayersError, stages: int, chunks: int, schedule: str, what: str
+) -> PipelineConfigError:
+    """The partitioner's refusal in the Pipeline's terms: stages x chunks, what to change."""
+    n = exc.layers
+    cut = (
+        "an nn.Sequential or a list is cut only between its items"
+        if what == "layers"
+        else "a traced graph is cut only between its operations"
+    )
+    if chunks == 1:
+        return PipelineConfigError(
+            f"cannot split {n} {what} into {stages} stages (stages={stages}): each stage "
+            f"needs at least one; use stages <= {n}, or a model with more {what} ({cut})"
+        )
+    fixes = [
+        f"{name} <= {most} with {other}"
+        for name, most, other in (
+            ("chunks", n // stages, f"stages={stages}"),
+            ("stages", n // chunks, f"chunks={chunks}"),
+        )
+        if most >= 2
+    ]
+    fixes.append(f"chunks=1 with stages <= {n} (schedule '1f1b' instead of {schedule!r})")
+    return PipelineConfigError(
+        f"cannot split {n} {what} into {stages} stages x {chunks} chunks per stage = "
+        f"{stages * chunks} virtual stages: each needs at least one of the {what}. Use "
+        f"{', or '.join(fixes)}, or a model with at least {stages * chunks} {what} ({cut})"
+    )
+
+
+def stage_modules(
+    module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
+    stages: int | None,
+    chunks: int,
+    cost: str,
+    sample: Batch | None,
+    schedule: str = "interleaved-1f1b",
+) -> list[nn.Module]:
+    """One module per schedule stage (``stages * chunks`` of them), from what was given
+    to ``Pipeline``: a list is used as it is (one module per stage) or split like an
+    ``nn.Sequential``; any other module is split by tracing it (see
+    :mod:`batchgraph.pipeline.traced_modes`).
+
+    Raises:
+        PipelineConfigError: for what cannot be split (the message says what to change).
+    """
+    try:
+        return _split_modules(module, stages, chunks, cost, sample)
+    except TooFewLayersError as exc:
+        if stages is None:
+            raise
+        what = "layers" if isinstance(module, (list, tuple, nn.Sequential)) else "operations"
+        raise _too_few_layers(exc, stages, chunks, schedule, what) from None
+
+
+def _split_modules(
+    module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
+    stages: int | None,
+    chunks: int,
+    cost: str,
+    sample: Batch | None,
+) -> list[nn.Module]:
+    if isinstance(module, (list, tuple)):
+        items = [s.module if isinstance(s, Stage) else s for s in module]
+        for i, item in enumerate(items):
+            if not isinstance(item, nn.Module):
+                raise PipelineConfigError(
+                    f"module[{i}] is a {type(item).__name__}; give nn.Modules or Stages"
+                )
+        if stages is None or len(items) == stages * chunks:
+            return items
+        return list(partition_sequential(items, stages * chunks, cost=cost, sample=sample))
+    if not isinstance(module, nn.Module):
+        raise PipelineConfigError(
+            f"module must be an nn.Module or a list of modules, got {type(module).__name__}"
+        )
+    if stages is None:
+        raise PipelineConfigError(
+            f"pass stages= to split a {type(module).__name__} (or pass a list with one "
+            "module per stage)"
+        )
+    if isinstance(module, nn.Sequential):
+        return list(partition_sequential(module, stages * chunks, cost=cost, sample=sample))
+    if cost == "profile":
+        raise PipelineConfigError(
+            "cost='profile' needs an nn.Sequential or a list of layers; a traced graph "
+            "is split with cost 'uniform' or 'params'"
+        )
+    # Stages that follow model.train()/eval() where the model's Python reads the mode.
+    return partition_graph_by_mode(
+        module, stages * chunks, lambda m, n: partition_graph(m, n, cost=cost)
+    )
