@@ -9,6 +9,7 @@ in the ``Pipeline``'s terms (stages, chunks, the schedule).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from torch import nn
@@ -108,6 +109,16 @@ def _split_modules(
             f"pass stages= to split a {type(module).__name__} (or pass a list with one "
             "module per stage)"
         )
+    original = getattr(module, "_orig_mod", None)
+    if isinstance(original, nn.Module):  # torch.compile(model): an OptimizedModule
+        raise PipelineConfigError(
+            f"the model is torch.compile'd ({type(module).__name__} of "
+            f"{type(original).__name__}): the pipeline splits a model into stages, which a "
+            "compiled whole cannot be; pass the model itself (model._orig_mod) and compile "
+            "its layers (a list of torch.compile(layer), or nn.Sequential of them) or the "
+            "stage modules"
+        )
+    _warn_whole_model_hooks(module)
     if isinstance(module, nn.Sequential):
         return list(partition_sequential(module, stages * chunks, cost=cost, sample=sample))
     if cost == "profile":
@@ -119,3 +130,26 @@ def _split_modules(
     return partition_graph_by_mode(
         module, stages * chunks, lambda m, n: partition_graph(m, n, cost=cost)
     )
+
+
+_HOOKS = (
+    ("_forward_pre_hooks", "forward pre-hook"),
+    ("_forward_hooks", "forward hook"),
+    ("_backward_pre_hooks", "backward pre-hook"),
+    ("_backward_hooks", "backward hook"),
+)
+
+
+def _warn_whole_model_hooks(module: nn.Module) -> None:
+    """Hooks on the model being split never run: the stages call its parts, never it."""
+    kinds = [f"{word}s" for attr, word in _HOOKS if getattr(module, attr, None)]
+    if kinds:
+        listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
+        warnings.warn(
+            f"the {type(module).__name__} being split has {listed} "
+            "registered on it, which will not run: the pipeline calls its stages "
+            "(pipe.stage_modules), never the whole model. Register them on its layers, "
+            "or on the first or last stage module (they see one microbatch per call)",
+            RuntimeWarning,
+            stacklevel=5,  # the caller of Pipeline(...)
+        )

@@ -178,3 +178,34 @@ def test_train_step_without_any_gradient_is_refused_as_backward_is() -> None:
         xs = x.clone().requires_grad_(True)
         pipe.train_step(xs, y[:, None])
         assert xs.grad is not None
+
+
+def test_hooks_on_the_whole_model_warn_that_they_will_not_run() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model.register_forward_hook(lambda mod, args, out: None)
+    model.register_full_backward_hook(lambda mod, gin, gout: None)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"the Sequential being split has forward hooks and backward hooks registered "
+        r"on it, which will not run",
+    ) as record:
+        Pipeline(model, stages=2, microbatches=2).close()
+    assert record[0].filename == __file__
+    # Hooks on layers run (the stages call them), and a list has no whole model.
+    layers = [nn.Linear(3, 3), nn.Linear(3, 1)]
+    layers[0].register_forward_hook(lambda mod, args, out: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Pipeline(layers, stages=2, microbatches=2).close()
+
+
+def test_a_compiled_model_is_refused_with_what_to_do() -> None:
+    """It failed with torch's 'Module [OptimizedModule] is missing the required "forward"
+    function' from tracing."""
+    compiled = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), backend="eager")
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"the model is torch\.compile'd \(OptimizedModule of Sequential\).*"
+        r"model\._orig_mod.*compile its layers",
+    ):
+        Pipeline(compiled, stages=2, microbatches=2)
