@@ -20,6 +20,7 @@ from batchgraph.epochs import EpochStream
 from batchgraph.errors import (
     BatchedCallError,
     BatchgraphError,
+    BufferChangedError,
     ConstantChangedError,
     ModuleModeChangedError,
     NotATensorError,
@@ -64,6 +65,7 @@ __all__ = [
     "BatchingPolicy",
     "Binder",
     "BucketBatchSampler",
+    "BufferChangedError",
     "ConstantChangedError",
     "CoroutineExampleError",
     "DeadlockError",

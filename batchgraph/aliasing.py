@@ -19,6 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
+from batchgraph.buffers import computing, watches_read_by
+
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
     from batchgraph.keys import BatchKey
@@ -68,7 +70,8 @@ def _run_and_see(key: BatchKey) -> bool:
     if call is None or any(s is None for s in call.input_specs):
         return False  # inputs of unknown structure: cannot be run on fakes
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # (Buffers it updates with constants change for real: batchgraph's doing.)
+        with computing(watches_read_by(key.fn)), FakeTensorMode(allow_non_fake_inputs=True):
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
                      for s in call.input_specs]
             out = call.apply(key.fn, fakes)

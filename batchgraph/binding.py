@@ -35,6 +35,7 @@ from torch import nn
 
 from batchgraph import gcpause
 from batchgraph.autocasting import autocast_enabled
+from batchgraph.buffers import Watch, computing, watches_read_by
 from batchgraph.errors import BatchgraphError, ShapeMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import Graph, RecordedGrad
@@ -103,6 +104,12 @@ class Binder:
         self.rules: dict[Any, KeyFactory] = dict(rules or {})
         self.stats = BindStats()
         self._checked: dict[PortableKey, BatchKey] = {}
+        # The buffers each key's calls read (batchgraph.buffers): a batch's run is a
+        # computation, so the running statistics it updates are not a change from
+        # outside for calls of the same modules recorded in this process and pending.
+        self._buffers: weakref.WeakKeyDictionary[BatchKey, tuple[Watch, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def keys(self, batch: PortableBatch) -> list[BatchKey]:
         """Resolve and check every key of ``batch`` (see the module docstring).
@@ -192,7 +199,8 @@ class Binder:
         graph.node_loc = [-1] * batch.num_nodes
         checked = time.perf_counter()
         executor = Executor(graph, example_of=_ExampleOf(batch))
-        executor.run(batch.schedule, locate=not stack)
+        with computing(self._watched(graph.keys)):
+            executor.run(batch.schedule, locate=not stack)
         if stack:
             assert batch.output_plan is not None
             # The executor's own gather: a view when outputs are contiguous and in order.
@@ -208,6 +216,17 @@ class Binder:
         stats.bind_seconds += checked - start
         stats.execute_seconds += done - checked
         return result
+
+    def _watched(self, keys: list[BatchKey]) -> list[Watch]:
+        watched: dict[int, Watch] = {}
+        known = self._buffers
+        for key in keys:
+            found = known.get(key)
+            if found is None:
+                found = known[key] = watches_read_by(key.fn)
+            for w in found:
+                watched[id(w)] = w
+        return list(watched.values())
 
     def _model_tensors(self, batch: PortableBatch, graph: Graph) -> dict[int, Any]:
         """The batch's constants with the model's own tensors read from the live model.
@@ -306,7 +325,9 @@ class Binder:
         # The recording path's own inference: the call on fake tensors, no real compute.
         site = CallSite(fn)
         try:
-            spec, _, _ = site._infer_spec(pk.call)
+            # (Buffers it updates with constants change for real: batchgraph's doing.)
+            with computing(watches_read_by(fn)):
+                spec, _, _ = site._infer_spec(pk.call)
         except (ShapeMismatchError, TypeError, RuntimeError) as err:
             raise ScheduleMismatchError(
                 f"{pk.describe()} does not accept the recorded per-example inputs in the live "

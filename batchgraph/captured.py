@@ -7,6 +7,9 @@ same for plain functions: tensors and modules' parameters the function closes ov
 names as globals, holds as a bound method's object or as ``functools.partial``
 arguments, and the same for the functions it names in turn (a few levels deep).
 
+The buffers of the modules found so are listed apart (``captured_buffers``): they are
+watched as buffers are (batchgraph.buffers), since a computation may change them itself.
+
 It is a look at the function's code and cells, not a trace: a tensor reached through
 an attribute of a plain object (``self.cache.w``) or computed anew is not found.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["captured_tensors"]
+__all__ = ["captured_buffers", "captured_parts", "captured_tensors"]
 
 # How far to follow functions named by functions, and how many items of a list,
 # tuple or dict in a cell to look at: enough for helpers and weight lists, and a
@@ -45,7 +48,34 @@ def captured_tensors(fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
     return tuple(found.values())
 
 
-def _visit(obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
+def captured_parts(
+    fn: Callable[..., Any],
+) -> tuple[tuple[torch.Tensor, ...], list[tuple[str, torch.Tensor]]]:
+    """``captured_tensors(fn)`` and ``captured_buffers(fn)`` from one look."""
+    found: dict[int, torch.Tensor] = {}
+    buffers: dict[int, tuple[str, torch.Tensor]] = {}
+    _visit(fn, found, set(), 0, buffers)
+    return tuple(found.values()), [named for key, named in buffers.items() if key not in found]
+
+
+def captured_buffers(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of the modules ``fn`` reads, found as ``captured_tensors`` finds
+    their parameters, each named ``Class.name`` (``BatchNorm1d.running_mean``); a
+    tensor also found as a captured tensor itself is left to ``captured_tensors``.
+
+    Example:
+        >>> import torch
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> [name for name, _ in captured_buffers(lambda x: norm(x))]
+        ['BatchNorm1d.running_mean', 'BatchNorm1d.running_var', 'BatchNorm1d.num_batches_tracked']
+    """
+    return captured_parts(fn)[1]
+
+
+def _visit(
+    obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int,
+    buffers: dict[int, tuple[str, torch.Tensor]] | None = None,
+) -> None:
     if id(obj) in seen or depth > _MAX_DEPTH:
         return
     seen.add(id(obj))
@@ -56,10 +86,14 @@ def _visit(obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int)
     elif isinstance(obj, torch.nn.Module):
         for p in obj.parameters():
             found.setdefault(id(p), p)
+        if buffers is not None:
+            owner = type(obj).__name__
+            for name, b in obj.named_buffers():
+                buffers.setdefault(id(b), (f"{owner}.{name}", b))
     elif isinstance(obj, functools.partial):
-        _visit_all((obj.func, *obj.args, *obj.keywords.values()), found, seen, depth + 1)
+        _visit_all((obj.func, *obj.args, *obj.keywords.values()), found, seen, depth + 1, buffers)
     elif isinstance(obj, types.MethodType):
-        _visit_all((obj.__self__, obj.__func__), found, seen, depth + 1)
+        _visit_all((obj.__self__, obj.__func__), found, seen, depth + 1, buffers)
     elif isinstance(obj, types.FunctionType):
         cells = []
         for cell in obj.__closure__ or ():
@@ -70,16 +104,19 @@ def _visit(obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int)
         names = obj.__globals__
         named = [names[n] for n in _names(obj.__code__) if n in names]
         defaults = (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values())
-        _visit_all((*cells, *named, *defaults), found, seen, depth + 1)
+        _visit_all((*cells, *named, *defaults), found, seen, depth + 1, buffers)
     elif isinstance(obj, (list, tuple)):
-        _visit_all(obj[:_MAX_ITEMS], found, seen, depth + 1)
+        _visit_all(obj[:_MAX_ITEMS], found, seen, depth + 1, buffers)
     elif isinstance(obj, dict):
-        _visit_all(list(obj.values())[:_MAX_ITEMS], found, seen, depth + 1)
+        _visit_all(list(obj.values())[:_MAX_ITEMS], found, seen, depth + 1, buffers)
 
 
-def _visit_all(objs: Iterable[Any], found: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
+def _visit_all(
+    objs: Iterable[Any], found: dict[int, torch.Tensor], seen: set[int], depth: int,
+    buffers: dict[int, tuple[str, torch.Tensor]] | None = None,
+) -> None:
     for obj in objs:
-        _visit(obj, found, seen, depth)
+        _visit(obj, found, seen, depth, buffers)
 
 
 def _names(code: types.CodeType) -> list[str]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from batchgraph.buffers import computing, watches_read_by
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import CallSignature
 
@@ -154,7 +155,8 @@ def _fake_run_requires_grad(fn: Any, call: CallSignature) -> bool:
     from batchgraph.inference import fake_apply  # inference imports much; only here
 
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        # (Buffers it updates with constants change for real: batchgraph's doing.)
+        with torch.inference_mode(False), torch.enable_grad(), computing(watches_read_by(fn)):
             out = fake_apply(fn, call)
     except Exception:
         return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BatchedCallError",
     "BatchgraphError",
+    "BufferChangedError",
     "ConstantChangedError",
     "ModuleModeChangedError",
     "NotATensorError",
@@ -66,3 +67,13 @@ class ParameterChangedError(BatchgraphError, RuntimeError):
     arguments (closed over, global, bound), changed in place (``optimizer.step()``)
     after calls of it were recorded and before they were computed: the batched run
     would read the new values where the eager run read the old ones."""
+
+
+class BufferChangedError(ParameterChangedError):
+    """A module's buffer (``running_mean``, a counter) was changed in place by code
+    other than the batched computation (new statistics loaded, an EMA update, an eager
+    call of the module) after calls of it were recorded and before they were computed:
+    the batched run would read the new values where the eager run read the old ones.
+    Changes the computation makes itself (a ``BatchNorm`` in training mode updating
+    its running statistics) are not reported. A ``ParameterChangedError``, so an
+    ``except`` for parameter changes catches it too."""

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import autocast_state, in_autocast_state
+from batchgraph.buffers import Watch, computing
 from batchgraph.errors import (
     BatchedCallError,
+    BufferChangedError,
     ConstantChangedError,
     ModuleModeChangedError,
     NotATensorError,
@@ -45,6 +47,7 @@ __all__ = ["Executor"]
 ExampleOf = Callable[[int], "int | None"]
 
 _CPU = torch.device("cpu")
+_NOTHING_WATCHED = contextlib.nullcontext()
 
 
 class Executor:
@@ -97,6 +100,11 @@ class Executor:
             self._check_modes(schedule)
         if graph.key_versions:
             self._check_parameters(schedule)
+        # Buffers the steps may change themselves (running statistics) are marked as
+        # the computation's while it runs (batchgraph.buffers), after the check that
+        # nothing else changed them since their calls were recorded.
+        watching = (computing(self._check_buffers(schedule)) if graph.key_buffers
+                    else _NOTHING_WATCHED)
         added = 0
         guard, wanted, constants_outside = self._modes(schedule)
         # Likewise each call runs in the autocast state it was recorded in (mostly
@@ -105,7 +113,7 @@ class Executor:
         ambient_cast = autocast_state()
         keys = graph.keys
         try:
-            with guard, not_recording():  # a batched call computes, even inside `with`
+            with guard, not_recording(), watching:  # a batched call computes, even inside `with`
                 # Index tensors too are made here: in inference mode they would be
                 # inference tensors, which a gather with grad cannot save.
                 self._index_all(schedule)
@@ -315,6 +323,40 @@ class Executor:
                     "(loss.backward() and optimizer.step() after bg.compute), or record "
                     "the calls again."
                 )
+
+    def _check_buffers(self, schedule: Schedule) -> list[Watch]:
+        """Refuse, before any step runs, a step whose module's buffers were changed
+        in place from outside batchgraph since its calls were recorded; return the
+        watches of every buffer the steps read."""
+        graph = self.graph
+        noted = graph.key_buffers
+        watched: dict[int, Watch] = {}
+        done: set[int] = set()
+        for step in schedule.steps:
+            kid = step.key
+            if kid not in noted or kid in done:
+                continue
+            done.add(kid)
+            changed = graph.changed_buffers(kid)
+            if changed:
+                key = graph.keys[kid]
+                whose = "" if isinstance(key.fn, torch.nn.Module) else " (of modules it reads)"
+                shown = ", ".join(repr(name) for name in changed[:5])
+                raise BufferChangedError(
+                    f"buffer(s) {shown}{whose} of {key.label} in {graph.name!r} changed in "
+                    f"place after its calls in this batch ({len(step.nodes)}) were recorded "
+                    "and before they were computed (new statistics loaded, an EMA update, "
+                    "an eager call of the module, load_state_dict). A batched call reads the "
+                    "buffers when it runs, so those calls would use the new values where "
+                    "eager calls used the old ones. Compute what you recorded before "
+                    "changing the buffers (bg.compute, or read a value), or record the "
+                    "calls again after the change. (Changes the batched calls make "
+                    "themselves, such as a BatchNorm's running statistics in training "
+                    "mode, are not refused.)"
+                )
+            for w in graph.watched_buffers(kid):
+                watched[id(w)] = w
+        return list(watched.values())
 
     def _check_unchanged(self, nodes: list[int]) -> None:
         graph = self.graph

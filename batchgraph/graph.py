@@ -28,7 +28,8 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from batchgraph.autocasting import AutocastState
-from batchgraph.captured import captured_tensors
+from batchgraph.buffers import Watch, epochs, watches_of
+from batchgraph.captured import captured_parts
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import ShapeMismatchError
 from batchgraph.keys import BatchKey, ConstantKey
@@ -109,6 +110,12 @@ class Graph:
         # And their dtypes and devices (layout_of), per key id with versions: a
         # module converted (model.double()) before its calls computed is refused.
         self.key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]] = {}
+        # A module's buffers (running statistics, a counter; for a function, those
+        # of the modules it reads) are read when its calls compute too, but the
+        # computation may change them itself: their epochs (batchgraph.buffers), which
+        # only changes made outside batchgraph move, are noted with the parameters'
+        # versions, as part of the key's identity, per key id.
+        self.key_buffers: dict[int, tuple[int, ...]] = {}
         # Likewise the train/eval modes of a module's submodules (its own mode is
         # ``key_training``, noted per call): part of the key's identity, per key id.
         self.key_submodes: dict[int, tuple[bool, ...]] = {}
@@ -190,13 +197,20 @@ class Graph:
         and, for a module's calls, with the module in training mode or not (None: not
         a module). Calls of one key recorded in different modes get different ids, so
         they never run as one call."""
-        versions = submodes = None
+        versions = submodes = buffers = None
         parts = self._parts_of(key.fn)
         if parts.params:
             versions = tuple([p._version for p in parts.params])
         if parts.submodules:
             submodes = tuple([m.training for m in parts.submodules])
-        ident = (key, grad, autocast, training, versions, submodes)
+        if parts.buffers:
+            buffers = epochs(parts.buffers)
+            if buffers is None:
+                # A buffer was replaced (model.double() makes new buffer tensors,
+                # where parameters stay): list the module's parts anew.
+                self.forget_parts(key.fn)
+                buffers = epochs(self._parts_of(key.fn).buffers)
+        ident = (key, grad, autocast, training, versions, submodes, buffers)
         kid = self.key_ids.get(ident)
         if kid is not None and self.keys[kid] is not key:
             _check_stackable(self.keys[kid], key)
@@ -216,6 +230,8 @@ class Graph:
                 _watch_optimizer_steps(self)
             if submodes is not None:
                 self.key_submodes[kid] = submodes
+            if buffers is not None:
+                self.key_buffers[kid] = buffers
         return kid
 
     def _parts_of(self, module: Any) -> _ModuleParts:
@@ -223,6 +239,11 @@ class Graph:
         if found is None:
             found = self._module_parts[id(module)] = _ModuleParts(module)
         return found
+
+    def forget_parts(self, fn: Any) -> None:
+        """List ``fn``'s parts anew at their next use (its buffers were replaced:
+        ``model.double()`` makes new buffer tensors, where parameters stay)."""
+        self._module_parts.pop(id(fn), None)
 
     def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
         """The dtype and device of each tensor ``fn`` reads besides its arguments: a
@@ -257,6 +278,32 @@ class Graph:
             return False
         params = self._module_parts[id(self.keys[kid].fn)].params
         return tuple([p._version for p in params]) != noted
+
+    def watched_buffers(self, kid: int) -> tuple[Watch, ...]:
+        """The watches of the buffers key ``kid``'s calls read (noted or not)."""
+        return self._parts_of(self.keys[kid].fn).buffers
+
+    def watched_buffers_of(self, fn: Any) -> tuple[Watch, ...]:
+        """The watches of the buffers calls of ``fn`` read (batchgraph.buffers)."""
+        return self._parts_of(fn).buffers
+
+    def changed_buffers(self, kid: int) -> list[str]:
+        """The buffers of key ``kid`` (named as in ``named_buffers``; for a function,
+        ``Class.name``) changed in place by code other than batchgraph's since its
+        calls were recorded: changes its computations made (a ``BatchNorm``'s
+        running statistics in training mode) do not count.
+
+        Exact where the change came between computes; one made between two calls
+        recorded with no compute in between counts for both."""
+        noted = self.key_buffers.get(kid)
+        if noted is None:
+            return []
+        parts = self._parts_of(self.keys[kid].fn)
+        now = epochs(parts.buffers)
+        if now is None:
+            # Replaced since (model.double(): refused as a conversion).
+            return []
+        return [name for name, then, at in zip(parts.buffer_names, noted, now) if then != at]
 
     def parameters_converted(self, kid: int) -> bool:
         """Whether the parameters of key ``kid`` changed dtype or device (``.to()``,
@@ -463,20 +510,24 @@ def _describe(spec: TensorSpec | None) -> str:
 
 
 class _ModuleParts:
-    """A module's parameters and submodules (with their names), listed once; for a
-    function, the tensors it reads besides its arguments (``captured_tensors``)."""
+    """A module's parameters, buffers (watched: batchgraph.buffers) and submodules
+    (with their names), listed once; for a function, the tensors it reads besides its
+    arguments, and the buffers of the modules it reads (``captured_parts``)."""
 
-    __slots__ = ("names", "params", "submodules")
+    __slots__ = ("buffer_names", "buffers", "names", "params", "submodules")
 
     def __init__(self, module: Any) -> None:
         self.params: tuple[torch.Tensor, ...]
         if isinstance(module, torch.nn.Module):
             self.params = tuple(module.parameters())
             named = [(name, m) for name, m in module.named_modules() if m is not module]
+            named_buffers: list[tuple[str, torch.Tensor]] = list(module.named_buffers())
         else:
-            self.params, named = captured_tensors(module), []
+            self.params, named_buffers = captured_parts(module)
+            named = []
         self.names = [name for name, _ in named]
         self.submodules = tuple(m for _, m in named)
+        self.buffer_names, self.buffers = watches_of(named_buffers)
 
 
 # Graphs that noted modules' parameters' versions: after an optimizer step, their

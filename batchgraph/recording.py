@@ -23,6 +23,7 @@ from batchgraph.autocasting import (
     autocast_enabled,
     autocast_state,
 )
+from batchgraph.buffers import computing
 from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.inference import infer_spec
@@ -261,6 +262,9 @@ class CallSite:
                 # compute, not per call, and not for callables that read no tensors
                 # (operators, most functions); the signatures are resolved anew.
                 self._forget()
+                # A conversion keeps the parameters' objects but replaces the buffers:
+                # the graph lists them anew, so the new ones are watched.
+                graph.forget_parts(self.fn)
                 return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training)
             entry.memo = (graph.stamp, kid, grad, training)
@@ -368,11 +372,16 @@ class CallSite:
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
         if isinstance(self.fn, torch.nn.Module):
             _materialize_lazy(self.fn, call)
-        with not_recording():
+        # The runs below are real calls on fake inputs: a buffer the callable updates
+        # with a constant (BatchNorm's num_batches_tracked += 1, a counter) changes for
+        # real. Those changes are batchgraph's own, not a change between recording and
+        # compute (batchgraph.buffers).
+        watched = policy.graph.watched_buffers_of(self.fn)
+        with not_recording(), computing(watched):
             spec, draws_random, kind = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
         if key.batchable and spec is not None:
-            with not_recording():
+            with not_recording(), computing(watched):
                 batches = probe_vmap(key, spec)
             if not batches:
                 key = UnbatchedKey(self.fn, call)
