@@ -20,8 +20,8 @@ once without yielding, so the very same coroutine also runs eagerly
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -38,10 +38,21 @@ __all__ = [
     "value",
 ]
 
-# True while a batchgraph driver steps coroutines in this context. Awaiting an
-# uncomputed handle without one would hand our Wait to asyncio ("bad yield") or hang;
-# with this flag the await itself raises a clear error instead.
-DRIVING: ContextVar[bool] = ContextVar("batchgraph_driving", default=False)
+
+class _Driving(threading.local):
+    """``active``: a batchgraph driver is stepping its examples on this thread now.
+
+    Awaiting an uncomputed handle without one would hand our Wait to asyncio ("Task
+    got bad yield") or hang; with this flag the await itself raises a clear error
+    instead. Per thread, and not a ContextVar: a task that an example starts
+    (``asyncio.create_task``, ``gather``, ``wait_for``) copies the example's context,
+    but runs later, on its own, outside the driver.
+    """
+
+    active = False
+
+
+DRIVING = _Driving()
 
 
 class CoroutineExampleError(BatchgraphError, RuntimeError):
@@ -87,12 +98,13 @@ class Wait:
     def __await__(self) -> Generator[Wait, Any, Any]:
         if not self.pending:
             return resolve(self.obj)
-        if not DRIVING.get():
+        if not DRIVING.active:
             raise NotComputedError(
                 f"awaiting {self.pending[0]!r}, which is not computed, outside a batchgraph "
                 "driver: nothing would ever compute it. Run the coroutine with "
                 "bg.run_all([...]) or AsyncBatcher.run(...), or compute it first "
-                "(bg.compute)."
+                "(bg.compute). A task started inside an example (asyncio.create_task, "
+                "gather, wait_for) runs outside the driver: await the coroutine itself."
             )
         # The driver sends the resolved structure back (or throws the example's error).
         return (yield self)

@@ -105,6 +105,15 @@ def _resume_modes(ex: Example) -> None:
         cast.__exit__(None, None, None)
 
 
+# Added to the error of a run_all example that awaited asyncio work (asyncio.sleep,
+# an Event, a lock): asyncio itself raises, with no word of why there is no loop.
+_NO_LOOP = (
+    "Example {} used asyncio, but run_all steps its examples without an event loop, "
+    "and a batched example can only await bg.value(...) or handles anyway. Do the "
+    "asyncio work before or after run_all, or, inside a running event loop, hand each "
+    "example to a bg.AsyncBatcher and do that work around batcher.run(...)."
+)
+
 # Raised inside an example, these stop its driver (run_all raises them; an
 # AsyncBatcher's event loop stops), as they stop an asyncio event loop: the user asked
 # the program to end. Every other exception is the example's own error.
@@ -214,7 +223,7 @@ class Lane:
 
     def _with_policy(self, examples: list[Example], initial: bool) -> None:
         token = _ACTIVE.set(self.policy)
-        driving = DRIVING.set(True)
+        driving, DRIVING.active = DRIVING.active, True
         try:
             for ex in examples:
                 if ex.done:
@@ -224,7 +233,7 @@ class Lane:
                 else:
                     self._wake(ex)
         finally:
-            DRIVING.reset(driving)
+            DRIVING.active = driving
             _ACTIVE.reset(token)
             unpin_stubs()
         self.live = [ex for ex in self.live if not ex.done]
@@ -271,6 +280,8 @@ class Lane:
                 # run_all, and left an AsyncBatcher's other callers waiting forever.
                 if isinstance(err, PolicyMismatchError):
                     err.add_note(_OWN_LANE)
+                elif isinstance(err, RuntimeError) and str(err) == "no running event loop":
+                    err.add_note(_NO_LOOP.format(ex.index))
                 ex.done, ex.error = True, err
                 return
             if (_grad_enabled() is not outer or ex.grad is not None
