@@ -16,10 +16,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
-
-from batchgraph.buffers import computing, watches_read_by
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
@@ -69,9 +66,10 @@ def _run_and_see(key: BatchKey) -> bool:
     call = getattr(key, "call", None)
     if call is None or any(s is None for s in call.input_specs):
         return False  # inputs of unknown structure: cannot be run on fakes
+    from batchgraph.inference import on_fake_tensors  # it imports much of the package
+
     try:
-        # (Buffers it updates with constants change for real: batchgraph's doing.)
-        with computing(watches_read_by(key.fn)), FakeTensorMode(allow_non_fake_inputs=True):
+        with on_fake_tensors():
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
                      for s in call.input_specs]
             out = call.apply(key.fn, fakes)

@@ -325,9 +325,7 @@ class Binder:
         # The recording path's own inference: the call on fake tensors, no real compute.
         site = CallSite(fn)
         try:
-            # (Buffers it updates with constants change for real: batchgraph's doing.)
-            with computing(watches_read_by(fn)):
-                spec, _, _ = site._infer_spec(pk.call)
+            spec, _, _ = site._infer_spec(pk.call)
         except (ShapeMismatchError, TypeError, RuntimeError) as err:
             raise ScheduleMismatchError(
                 f"{pk.describe()} does not accept the recorded per-example inputs in the live "

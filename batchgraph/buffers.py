@@ -8,8 +8,8 @@ buffers cannot be watched so simply: computations change them themselves (a
 ``BatchNorm`` in training mode counts its batches in ``num_batches_tracked``, once per
 batched step; a module may count its calls in a buffer), a batch may hold several
 steps of one module, and a later compute may run calls recorded before an earlier
-one; so do batchgraph's own runs on fake tensors (a new signature's shape inference
-runs ``num_batches_tracked += 1`` on the real buffer).
+one. (batchgraph's runs on fake tensors, a new signature's shape inference, leave real
+buffers as they are: ``inference.on_fake_tensors``.)
 
 So each buffer gets one ``Watch``, shared by every graph and thread, that tells the
 changes batchgraph made from the others::
@@ -19,7 +19,7 @@ changes batchgraph made from the others::
     epoch:     5             5                          5                 9
 
 ``seen`` is the version batchgraph last saw the buffer at. While batchgraph runs code
-that may change it (``computing``: a compute's steps, a run on fake tensors) the watch
+that may change it (``computing``: a compute's steps) the watch
 is *busy*, and afterwards ``seen`` moves to the version then: those changes are the
 computation's own. Whenever batchgraph looks at a buffer that is not busy and finds
 another version than ``seen``, something else changed it: ``epoch`` becomes that
@@ -141,7 +141,7 @@ def epochs(watches: Sequence[Watch]) -> tuple[int, ...] | None:
 @contextlib.contextmanager
 def computing(watches: Sequence[Watch]) -> Iterator[None]:
     """Around batchgraph running code that may change these buffers (a compute's
-    steps, a call run on fake tensors): their changes meanwhile are its own."""
+    steps): their changes meanwhile are its own."""
     if not watches:
         yield
         return

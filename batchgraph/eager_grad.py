@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from batchgraph.buffers import computing, watches_read_by
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import CallSignature
 
@@ -155,8 +154,7 @@ def _fake_run_requires_grad(fn: Any, call: CallSignature) -> bool:
     from batchgraph.inference import fake_apply  # inference imports much; only here
 
     try:
-        # (Buffers it updates with constants change for real: batchgraph's doing.)
-        with torch.inference_mode(False), torch.enable_grad(), computing(watches_read_by(fn)):
+        with torch.inference_mode(False), torch.enable_grad():
             out = fake_apply(fn, call)
     except Exception:
         return True

@@ -283,10 +283,6 @@ class Graph:
         """The watches of the buffers key ``kid``'s calls read (noted or not)."""
         return self._parts_of(self.keys[kid].fn).buffers
 
-    def watched_buffers_of(self, fn: Any) -> tuple[Watch, ...]:
-        """The watches of the buffers calls of ``fn`` read (batchgraph.buffers)."""
-        return self._parts_of(fn).buffers
-
     def changed_buffers(self, kid: int) -> list[str]:
         """The buffers of key ``kid`` (named as in ``named_buffers``; for a function,
         ``Class.name``) changed in place by code other than batchgraph's since its

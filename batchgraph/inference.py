@@ -54,35 +54,60 @@ _UNKNOWABLE = (
 _NUMPY, _ARRAY = torch.Tensor.numpy, torch.Tensor.__array__
 
 
-class _HostReads(TorchFunctionMode):
-    """Raises ``_HostRead`` where the fake run reads a fake tensor's values; a real
-    tensor the function holds (a captured constant) is read as usual."""
+# Python's in-place operators on tensors, besides the methods whose names end in "_".
+_IN_PLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__setitem__",
+})
+
+
+class _FakeRunGuard(TorchFunctionMode):
+    """What a run on fake tensors must not do to the real tensors a function holds.
+
+    * Host reads of a fake tensor's values raise ``_HostRead``; a real tensor (a
+      captured constant) is read as usual, outside the fake mode: inside it, torch
+      makes a fake of the tensor on the way and reads that fake's memory (a warning
+      now, undefined behaviour by torch's own account).
+    * In-place changes of a real tensor are skipped: with no fake operand torch runs
+      them for real, so a new call signature's shape inference counted a batch in a
+      ``BatchNorm``'s ``num_batches_tracked`` (which, with ``momentum=None``, weighs
+      its running statistics) or a module's call counter. A run on fakes only learns
+      shapes, which an in-place change keeps.
+    """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if (func is _NUMPY or func is _ARRAY) and args:
-            if isinstance(args[0], FakeTensor):
-                raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
-            # A real tensor's values, read outside the fake mode: inside it, torch makes
-            # a fake of the tensor on the way and reads that fake's memory (a warning
-            # now, undefined behaviour by torch's own account).
-            with unset_fake_temporarily():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], FakeTensor):
+            if func is _NUMPY or func is _ARRAY:
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            name = getattr(func, "__name__", "")
+            if name in _IN_PLACE_DUNDERS:
+                return None if name == "__setitem__" else args[0]
+            if name.endswith("_") and not name.endswith("__"):
+                return args[0]  # an in-place method returns the tensor it changed
+        elif (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
+            raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and not isinstance(out, FakeTensor):
+            return out
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def on_fake_tensors() -> Iterator[None]:
     """Where a call runs on fake tensors to learn its output: torch's fake mode (real
-    tensors the function holds allowed), no autocast cache, and host reads of fake
-    values raised as ``_HostRead`` (real tensors' values read as usual).
+    tensors the function holds allowed), no autocast cache, host reads of fake values
+    raised as ``_HostRead``, and real tensors kept as they are (``_FakeRunGuard``).
 
     Example:
         >>> with on_fake_tensors():
         ...     torch.ones(2, 3).sum(0).shape
         torch.Size([3])
     """
-    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), _HostReads():
+    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), _FakeRunGuard():
         yield
 
 

@@ -23,7 +23,6 @@ from batchgraph.autocasting import (
     autocast_enabled,
     autocast_state,
 )
-from batchgraph.buffers import computing
 from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.inference import infer_spec
@@ -372,16 +371,11 @@ class CallSite:
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
         if isinstance(self.fn, torch.nn.Module):
             _materialize_lazy(self.fn, call)
-        # The runs below are real calls on fake inputs: a buffer the callable updates
-        # with a constant (BatchNorm's num_batches_tracked += 1, a counter) changes for
-        # real. Those changes are batchgraph's own, not a change between recording and
-        # compute (batchgraph.buffers).
-        watched = policy.graph.watched_buffers_of(self.fn)
-        with not_recording(), computing(watched):
+        with not_recording():
             spec, draws_random, kind = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
         if key.batchable and spec is not None:
-            with not_recording(), computing(watched):
+            with not_recording():
                 batches = probe_vmap(key, spec)
             if not batches:
                 key = UnbatchedKey(self.fn, call)
