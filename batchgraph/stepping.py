@@ -357,9 +357,14 @@ class Lane:
         policy = self.policy
         waits = [ex.wait.obj for ex in examples if ex.wait is not None]
         assert len(waits) == len(examples), "only waiting examples are computed"
+        # A BaseException from a recorded function (one of the user's own) is as
+        # much that example's error as an Exception: only those that stop the
+        # driver are let out, else every example of the step would get it.
         try:
             values = policy.compute(waits)
-        except Exception:
+        except BaseException as err:
+            if isinstance(err, _STOPS_THE_DRIVER):
+                raise
             values = None  # find out whose calls fail: one compute per example, below
         if values is not None:
             for ex, v in zip(examples, values):
@@ -371,7 +376,9 @@ class Lane:
                 # this compute of one example, they would blame "example 0" (or 1, ...:
                 # the example's own awaited handles), whichever example failed.
                 ex.ready = policy._compute_example(obj, ex.index)
-            except Exception as err:
+            except BaseException as err:
+                if isinstance(err, _STOPS_THE_DRIVER):
+                    raise
                 if hasattr(err, "add_note"):
                     err.add_note(f"(raised while computing example {ex.index}'s awaited values)")
                 ex.throw = err

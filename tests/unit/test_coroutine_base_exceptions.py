@@ -106,3 +106,30 @@ def test_a_cancelled_example_whose_finally_raises_a_base_exception_stops_nothing
         return list(got)
 
     assert asyncio.run(main()) == [*want, want[1]]
+
+
+def _refuse_negative(x: torch.Tensor) -> torch.Tensor:
+    if (x < 0).any():  # value-dependent Python: each call runs on its own
+        raise _Abort("negative")
+    return x * 2
+
+
+async def _doubled(value: float) -> float:
+    return float(await bg.value(bg.batched_func(_refuse_negative)(torch.tensor(value))))
+
+
+def test_a_base_exception_from_a_recorded_function_fails_only_its_example() -> None:
+    # It escaped the step: run_all raised it, and every example of an AsyncBatcher's
+    # step got it.
+    values = [1.0, -1.0, 2.0]
+    got = bg.run_all([_doubled(v) for v in values], return_exceptions=True)
+    assert got[0] == 2.0 and got[2] == 4.0 and isinstance(got[1], _Abort)
+
+    async def main() -> list[Any]:
+        async with bg.AsyncBatcher(max_latency=0.01) as batcher:
+            return list(await asyncio.wait_for(asyncio.gather(
+                *(batcher.run(_doubled(v)) for v in values), return_exceptions=True
+            ), timeout=30))
+
+    got = asyncio.run(main())
+    assert got[0] == 2.0 and got[2] == 4.0 and isinstance(got[1], _Abort)
