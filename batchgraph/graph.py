@@ -28,10 +28,9 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from batchgraph.autocasting import AutocastState
-from batchgraph.buffers import Watch, epochs, watches_of
-from batchgraph.captured import captured_parts
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import ShapeMismatchError
+from batchgraph.key_reads import KeyReads, ModuleParts
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.placeholders import is_placeholder
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
@@ -73,7 +72,7 @@ def scalar_spec(kind: type) -> TensorSpec:
     return spec
 
 
-class Graph:
+class Graph(KeyReads):
     """Nodes recorded by one ``BatchingPolicy``; see the module docstring."""
 
     def __init__(self, name: str = "graph") -> None:
@@ -119,7 +118,7 @@ class Graph:
         # Likewise the train/eval modes of a module's submodules (its own mode is
         # ``key_training``, noted per call): part of the key's identity, per key id.
         self.key_submodes: dict[int, tuple[bool, ...]] = {}
-        self._module_parts: dict[int, _ModuleParts] = {}
+        self._module_parts: dict[int, ModuleParts] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
         self.node_depth: list[int] = []
@@ -197,19 +196,7 @@ class Graph:
         and, for a module's calls, with the module in training mode or not (None: not
         a module). Calls of one key recorded in different modes get different ids, so
         they never run as one call."""
-        versions = submodes = buffers = None
-        parts = self._parts_of(key.fn)
-        if parts.params:
-            versions = tuple([p._version for p in parts.params])
-        if parts.submodules:
-            submodes = tuple([m.training for m in parts.submodules])
-        if parts.buffers:
-            buffers = epochs(parts.buffers)
-            if buffers is None:
-                # A buffer was replaced (model.double() makes new buffer tensors,
-                # where parameters stay): list the module's parts anew.
-                self.forget_parts(key.fn)
-                buffers = epochs(self._parts_of(key.fn).buffers)
+        versions, submodes, buffers = self.reads_now(key.fn)
         ident = (key, grad, autocast, training, versions, submodes, buffers)
         kid = self.key_ids.get(ident)
         if kid is not None and self.keys[kid] is not key:
@@ -224,89 +211,8 @@ class Graph:
                 self.key_autocast[kid] = autocast
             if training is not None:
                 self.key_training[kid] = training
-            if versions is not None:
-                self.key_versions[kid] = versions
-                self.key_layouts[kid] = self.layout_of(key.fn)
-                _watch_optimizer_steps(self)
-            if submodes is not None:
-                self.key_submodes[kid] = submodes
-            if buffers is not None:
-                self.key_buffers[kid] = buffers
+            self.note_reads(kid, key.fn, versions, submodes, buffers)
         return kid
-
-    def _parts_of(self, module: Any) -> _ModuleParts:
-        found = self._module_parts.get(id(module))  # the key holds the module: id stays
-        if found is None:
-            found = self._module_parts[id(module)] = _ModuleParts(module)
-        return found
-
-    def forget_parts(self, fn: Any) -> None:
-        """List ``fn``'s parts anew at their next use (its buffers were replaced:
-        ``model.double()`` makes new buffer tensors, where parameters stay)."""
-        self._module_parts.pop(id(fn), None)
-
-    def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
-        """The dtype and device of each tensor ``fn`` reads besides its arguments: a
-        module's parameters, a function's captured tensors (listed once per graph).
-
-        A call's output spec may depend on them (an embedding's dtype is its
-        weight's), so a call site's cached signatures hold only while they stay."""
-        return tuple([(p.dtype, p.device) for p in self._parts_of(fn).params])
-
-    def switched_submodules(self, kid: int) -> list[str]:
-        """The submodules of module key ``kid`` switched between train and eval mode
-        since its calls were recorded (named as in ``named_modules``).
-
-        Exact where the switch came between computes; a switch between two calls
-        recorded with no compute in between counts for both."""
-        noted = self.key_submodes.get(kid)
-        if noted is None:
-            return []
-        parts = self._module_parts[id(self.keys[kid].fn)]
-        return [name for name, m, then in zip(parts.names, parts.submodules, noted)
-                if m.training != then]
-
-    def parameters_changed(self, kid: int) -> bool:
-        """Whether the parameters of module key ``kid`` changed in place since its
-        calls were recorded.
-
-        Exact where the change came between computes or from an optimizer step (the
-        calls after it get a new key id); a change made otherwise (``p.mul_(...)``)
-        between two calls recorded with no compute in between counts for both."""
-        noted = self.key_versions.get(kid)
-        if noted is None:
-            return False
-        params = self._module_parts[id(self.keys[kid].fn)].params
-        return tuple([p._version for p in params]) != noted
-
-    def watched_buffers(self, kid: int) -> tuple[Watch, ...]:
-        """The watches of the buffers key ``kid``'s calls read (noted or not)."""
-        return self._parts_of(self.keys[kid].fn).buffers
-
-    def changed_buffers(self, kid: int) -> list[str]:
-        """The buffers of key ``kid`` (named as in ``named_buffers``; for a function,
-        ``Class.name``) changed in place by code other than batchgraph's since its
-        calls were recorded: changes its computations made (a ``BatchNorm``'s
-        running statistics in training mode) do not count.
-
-        Exact where the change came between computes; one made between two calls
-        recorded with no compute in between counts for both."""
-        noted = self.key_buffers.get(kid)
-        if noted is None:
-            return []
-        parts = self._parts_of(self.keys[kid].fn)
-        now = epochs(parts.buffers)
-        if now is None:
-            # Replaced since (model.double(): refused as a conversion).
-            return []
-        return [name for name, then, at in zip(parts.buffer_names, noted, now) if then != at]
-
-    def parameters_converted(self, kid: int) -> bool:
-        """Whether the parameters of key ``kid`` changed dtype or device (``.to()``,
-        ``.double()``: not in place, so their versions stay) since its calls were
-        recorded."""
-        noted = self.key_layouts.get(kid)
-        return noted is not None and self.layout_of(self.keys[kid].fn) != noted
 
     def new_stamp(self) -> None:
         """A compute ran (or an optimizer stepped): each key's next call goes through
@@ -503,49 +409,6 @@ def _check_stackable(first: BatchKey, other: BatchKey) -> None:
 
 def _describe(spec: TensorSpec | None) -> str:
     return "of unknown structure" if spec is None else spec.describe()
-
-
-class _ModuleParts:
-    """A module's parameters, buffers (watched: batchgraph.buffers) and submodules
-    (with their names), listed once; for a function, the tensors it reads besides its
-    arguments, and the buffers of the modules it reads (``captured_parts``)."""
-
-    __slots__ = ("buffer_names", "buffers", "names", "params", "submodules")
-
-    def __init__(self, module: Any) -> None:
-        self.params: tuple[torch.Tensor, ...]
-        if isinstance(module, torch.nn.Module):
-            self.params = tuple(module.parameters())
-            named = [(name, m) for name, m in module.named_modules() if m is not module]
-            named_buffers: list[tuple[str, torch.Tensor]] = list(module.named_buffers())
-        else:
-            self.params, named_buffers = captured_parts(module)
-            named = []
-        self.names = [name for name, _ in named]
-        self.submodules = tuple(m for _, m in named)
-        self.buffer_names, self.buffers = watches_of(named_buffers)
-
-
-# Graphs that noted modules' parameters' versions: after an optimizer step, their
-# next calls note them anew (a new stamp), so calls recorded after the step get key
-# ids of their own, apart from those recorded before it.
-_WATCHED: weakref.WeakSet[Graph] = weakref.WeakSet()
-_hook_registered = False
-
-
-def _watch_optimizer_steps(graph: Graph) -> None:
-    global _hook_registered
-    _WATCHED.add(graph)
-    if not _hook_registered:
-        _hook_registered = True
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        register_optimizer_step_post_hook(_after_optimizer_step)
-
-
-def _after_optimizer_step(*_: Any) -> None:
-    for graph in list(_WATCHED):
-        graph.new_stamp()
 
 
 # Constants up to this many elements are merged by value; larger ones never.

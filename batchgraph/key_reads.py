@@ -1,0 +1,207 @@
+"""What a key's callable reads besides its arguments, and whether that changed.
+
+A batched call reads its module's parameters, buffers and submodules' modes (for a
+function, the tensors and modules it closes over: ``batchgraph.captured``) when it
+computes, not when it was recorded. ``Graph.key_id`` notes them, as part of a key's
+identity, at a key's first call after each compute and each optimizer step, so calls
+recorded before and after a change never batch together; the executor asks, before
+a compute runs, whether they changed since (``ParameterChangedError``,
+``BufferChangedError``, ``ModuleModeChangedError``). Kept apart from
+``batchgraph.graph``, whose ``Graph`` takes these methods as a mixin.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgraph.buffers import Watch, epochs, watches_of
+from batchgraph.captured import captured_parts
+from batchgraph.keys import BatchKey
+
+__all__ = ["KeyReads", "ModuleParts"]
+
+Versions = tuple[int, ...]
+
+
+class KeyReads:
+    """What each key id's calls read, noted per key id (a mixin of ``Graph``, which
+    makes the dictionaries).
+
+    Example:
+        >>> from batchgraph.graph import Graph
+        >>> from batchgraph.keys import StackKey
+        >>> from batchgraph.specs import CallSignature, InputSlot, TensorSpec
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> spec = TensorSpec((2,), torch.float32, torch.device("cpu"))
+        >>> graph = Graph()
+        >>> kid = graph.key_id(StackKey(lin, CallSignature((InputSlot(0),), (), (spec,), None)))
+        >>> graph.parameters_changed(kid)
+        False
+        >>> with torch.no_grad():
+        ...     _ = lin.weight.mul_(2)
+        >>> graph.parameters_changed(kid)
+        True
+    """
+
+    keys: list[BatchKey]
+    key_versions: dict[int, Versions]
+    key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]]
+    key_buffers: dict[int, Versions]
+    key_submodes: dict[int, tuple[bool, ...]]
+    _module_parts: dict[int, ModuleParts]
+
+    if TYPE_CHECKING:
+        def new_stamp(self) -> None: ...  # Graph's: the next calls note anew
+
+    def reads_now(self, fn: Any) -> tuple[Versions | None, tuple[bool, ...] | None,
+                                          Versions | None]:
+        """What calls of ``fn`` would read now, as part of their key's identity: its
+        parameters' versions, its submodules' train/eval modes and its buffers'
+        epochs (each None where it has none)."""
+        versions = submodes = buffers = None
+        parts = self._parts_of(fn)
+        if parts.params:
+            versions = tuple([p._version for p in parts.params])
+        if parts.submodules:
+            submodes = tuple([m.training for m in parts.submodules])
+        if parts.buffers:
+            buffers = epochs(parts.buffers)
+            if buffers is None:
+                # A buffer was replaced (model.double() makes new buffer tensors,
+                # where parameters stay): list the module's parts anew.
+                self.forget_parts(fn)
+                buffers = epochs(self._parts_of(fn).buffers)
+        return versions, submodes, buffers
+
+    def note_reads(self, kid: int, fn: Any, versions: Versions | None,
+                   submodes: tuple[bool, ...] | None, buffers: Versions | None) -> None:
+        """Note for the new key id ``kid`` what ``reads_now`` gave, for the checks
+        at compute."""
+        if versions is not None:
+            self.key_versions[kid] = versions
+            self.key_layouts[kid] = self.layout_of(fn)
+            _watch_optimizer_steps(self)
+        if submodes is not None:
+            self.key_submodes[kid] = submodes
+        if buffers is not None:
+            self.key_buffers[kid] = buffers
+
+    def _parts_of(self, module: Any) -> ModuleParts:
+        found = self._module_parts.get(id(module))  # the key holds the module: id stays
+        if found is None:
+            found = self._module_parts[id(module)] = ModuleParts(module)
+        return found
+
+    def forget_parts(self, fn: Any) -> None:
+        """List ``fn``'s parts anew at their next use (its buffers were replaced:
+        ``model.double()`` makes new buffer tensors, where parameters stay)."""
+        self._module_parts.pop(id(fn), None)
+
+    def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
+        """The dtype and device of each tensor ``fn`` reads besides its arguments: a
+        module's parameters, a function's captured tensors (listed once per graph).
+
+        A call's output spec may depend on them (an embedding's dtype is its
+        weight's), so a call site's cached signatures hold only while they stay."""
+        return tuple([(p.dtype, p.device) for p in self._parts_of(fn).params])
+
+    def switched_submodules(self, kid: int) -> list[str]:
+        """The submodules of module key ``kid`` switched between train and eval mode
+        since its calls were recorded (named as in ``named_modules``).
+
+        Exact where the switch came between computes; a switch between two calls
+        recorded with no compute in between counts for both."""
+        noted = self.key_submodes.get(kid)
+        if noted is None:
+            return []
+        parts = self._module_parts[id(self.keys[kid].fn)]
+        return [name for name, m, then in zip(parts.names, parts.submodules, noted)
+                if m.training != then]
+
+    def parameters_changed(self, kid: int) -> bool:
+        """Whether the parameters of module key ``kid`` changed in place since its
+        calls were recorded.
+
+        Exact where the change came between computes or from an optimizer step (the
+        calls after it get a new key id); a change made otherwise (``p.mul_(...)``)
+        between two calls recorded with no compute in between counts for both."""
+        noted = self.key_versions.get(kid)
+        if noted is None:
+            return False
+        params = self._module_parts[id(self.keys[kid].fn)].params
+        return tuple([p._version for p in params]) != noted
+
+    def watched_buffers(self, kid: int) -> tuple[Watch, ...]:
+        """The watches of the buffers key ``kid``'s calls read (noted or not)."""
+        return self._parts_of(self.keys[kid].fn).buffers
+
+    def changed_buffers(self, kid: int) -> list[str]:
+        """The buffers of key ``kid`` (named as in ``named_buffers``; for a function,
+        ``Class.name``) changed in place by code other than batchgraph's since its
+        calls were recorded: changes its computations made (a ``BatchNorm``'s
+        running statistics in training mode) do not count.
+
+        Exact where the change came between computes; one made between two calls
+        recorded with no compute in between counts for both."""
+        noted = self.key_buffers.get(kid)
+        if noted is None:
+            return []
+        parts = self._parts_of(self.keys[kid].fn)
+        now = epochs(parts.buffers)
+        if now is None:
+            # Replaced since (model.double(): refused as a conversion).
+            return []
+        return [name for name, then, at in zip(parts.buffer_names, noted, now) if then != at]
+
+    def parameters_converted(self, kid: int) -> bool:
+        """Whether the parameters of key ``kid`` changed dtype or device (``.to()``,
+        ``.double()``: not in place, so their versions stay) since its calls were
+        recorded."""
+        noted = self.key_layouts.get(kid)
+        return noted is not None and self.layout_of(self.keys[kid].fn) != noted
+
+
+class ModuleParts:
+    """A module's parameters, buffers (watched: batchgraph.buffers) and submodules
+    (with their names), listed once; for a function, the tensors it reads besides its
+    arguments, and the buffers of the modules it reads (``captured_parts``)."""
+
+    __slots__ = ("buffer_names", "buffers", "names", "params", "submodules")
+
+    def __init__(self, module: Any) -> None:
+        self.params: tuple[torch.Tensor, ...]
+        if isinstance(module, torch.nn.Module):
+            self.params = tuple(module.parameters())
+            named = [(name, m) for name, m in module.named_modules() if m is not module]
+            named_buffers: list[tuple[str, torch.Tensor]] = list(module.named_buffers())
+        else:
+            self.params, named_buffers = captured_parts(module)
+            named = []
+        self.names = [name for name, _ in named]
+        self.submodules = tuple(m for _, m in named)
+        self.buffer_names, self.buffers = watches_of(named_buffers)
+
+
+# Graphs that noted modules' parameters' versions: after an optimizer step, their
+# next calls note them anew (a new stamp), so calls recorded after the step get key
+# ids of their own, apart from those recorded before it.
+_WATCHED: weakref.WeakSet[KeyReads] = weakref.WeakSet()
+_hook_registered = False
+
+
+def _watch_optimizer_steps(graph: KeyReads) -> None:
+    global _hook_registered
+    _WATCHED.add(graph)
+    if not _hook_registered:
+        _hook_registered = True
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_optimizer_step(*_: Any) -> None:
+    for graph in list(_WATCHED):
+        graph.new_stamp()
