@@ -21,6 +21,7 @@ to be a ``BatchedModule`` runs its real forward instead of recording).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Coroutine
 from typing import Any
 
@@ -229,6 +230,15 @@ class Lane:
                 if ex.done:
                     continue
                 if initial:
+                    if inspect.getcoroutinestate(ex.coro) != inspect.CORO_CREATED:
+                        # Sending it None would resume it where it waits, with None
+                        # as the value it awaited.
+                        ex.done, ex.error = True, TypeError(
+                            f"example {ex.index}'s coroutine was already started (it is "
+                            "given twice, or was awaited elsewhere): pass a new coroutine "
+                            "object per example, as [example(x) for x in batch] does"
+                        )
+                        continue
                     self._advance(ex, None, None)
                 else:
                     self._wake(ex)
