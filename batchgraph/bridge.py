@@ -39,8 +39,9 @@ Rules that keep it correct:
   awaiting inside ``torch.no_grad()``) would otherwise reach the recording. With
   ``grad=False`` examples record as under ``torch.no_grad()`` (their calls build no
   autograd graph, whatever mode the loop thread is in); with ``grad=True``, as with
-  grad on and outside inference mode. An example's own ``with torch.no_grad():`` or
-  ``torch.inference_mode()`` blocks hold within it, as eagerly.
+  grad on and outside inference mode. Likewise, they run outside autocast. An
+  example's own ``with torch.no_grad():``, ``torch.inference_mode()`` or
+  ``torch.autocast(...)`` blocks hold within it, as eagerly.
 * A batcher serves one event loop at a time. When its loop ends (``asyncio.run``
   returns) with examples unfinished, their callers fail and the examples are closed
   (their ``finally`` blocks run); a later loop's first ``run`` starts the batcher
@@ -64,6 +65,7 @@ from typing import Any
 
 import torch
 
+from batchgraph.autocasting import in_autocast_state
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
 from batchgraph.threads import compute_pool
@@ -417,5 +419,8 @@ def _driving(grad: bool) -> Iterator[None]:
     """
     # inference_mode(False) first: it turns grad on, and it leaves a loop thread's
     # inference mode (which would make every call give inference tensors) outside.
-    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+    # Autocast is per thread too: a task awaiting inside torch.autocast(...) left it
+    # on, and the examples recorded their calls in its low precision.
+    with (torch.inference_mode(False), torch.set_grad_enabled(grad),
+          in_autocast_state(None)):
         yield

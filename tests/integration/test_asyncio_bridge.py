@@ -232,3 +232,40 @@ def test_an_examples_own_grad_mode_holds_inside_the_batcher() -> None:
 
     assert [v.requires_grad for v in asyncio.run(main(False))] == [True, False, False]
     assert [v.requires_grad for v in asyncio.run(main(True))] == [True, False, True]
+
+
+def test_examples_run_outside_autocast_another_task_left_on_and_keep_their_own() -> None:
+    # Autocast is per thread, as grad mode is: a task awaiting inside torch.autocast
+    # left it on for the batcher, whose examples then computed in bfloat16.
+    lin = torch.nn.Linear(6, 6)
+    step = bg.batched_func(lin)
+    x = torch.randn(6)
+
+    async def example(own_autocast: bool) -> torch.Tensor:
+        if own_autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                value: torch.Tensor = await bg.value(step(x))
+                return value
+        value = await bg.value(step(x))
+        return value
+
+    async def main() -> list[torch.Tensor]:
+        async with bg.AsyncBatcher(max_latency=0.01) as batcher:
+            release = asyncio.Event()
+
+            async def other_request() -> None:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    await release.wait()
+
+            other = asyncio.ensure_future(other_request())
+            await asyncio.sleep(0)  # it enters autocast and waits
+            got = await asyncio.wait_for(asyncio.gather(
+                batcher.run(example(False)), batcher.run(example(True))), timeout=30)
+            release.set()
+            await other
+        return list(got)
+
+    plain, cast = asyncio.run(main())
+    assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(plain, lin(x))
