@@ -101,7 +101,9 @@ class AsyncBatcher:
 
     Args:
         max_batch: most examples in one batched step.
-        max_latency: seconds a new example may wait for others before its first step.
+        max_latency: seconds a new example may wait for others before its first step,
+            counted from its ``run`` call (time spent waiting for a lane's step to end
+            counts: it then starts with the lane's next step).
         groups: lanes that take turns: one computes while another records.
         grad: build autograd graphs (default False: serving needs none). With False,
             every example runs as if wrapped in ``torch.no_grad()``: values come back
@@ -344,10 +346,12 @@ class AsyncBatcher:
         else:
             return  # every lane computes: the arrivals join when one is done
         arrivals, self._arrivals = self._arrivals, []
+        # Each call's wait for company counts from its arrival (call.since), not from
+        # here: one that waited for a lane's step to end has waited already, and
+        # every call that arrived meanwhile is admitted with it.
         for call in arrivals:
             call.lane = state
             state.calls[id(call.example)] = call
-            call.since = time.monotonic()
         state.lane.start([c.example for c in arrivals])
         self._reap()  # examples that finished without awaiting anything
 

@@ -4,6 +4,7 @@ error isolation, identical results with several lanes."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -72,6 +73,39 @@ def test_a_lone_request_completes_within_max_latency_plus_slack() -> None:
     # Only the first step waits for company; the 7 later steps run at once.
     assert elapsed < max_latency + 1.0, elapsed
     assert elapsed >= max_latency * 0.9, elapsed
+
+
+def test_waiting_for_a_lanes_step_counts_toward_max_latency() -> None:
+    # A call arriving while the lane computed waited for the step to end, and then
+    # again max_latency from its admission: 2 s + 1.5 s here instead of 2 s.
+    sleeps: list[float] = []
+
+    def slow_double(x: torch.Tensor) -> torch.Tensor:
+        if sleeps and threading.current_thread() is not threading.main_thread():
+            time.sleep(sleeps.pop())  # the step on the batcher's thread
+        return x * 2
+
+    double = bg.batched_func(slow_double)
+
+    async def example(v: float) -> float:
+        return float(await bg.value(double(torch.tensor(v))))
+
+    async def main() -> float:
+        async with bg.AsyncBatcher(max_batch=2, max_latency=1.5) as batcher:
+            # Warm the signature caches (a full batch: no wait for company).
+            await asyncio.gather(batcher.run(example(0.0)), batcher.run(example(0.5)))
+            sleeps.append(2.0)
+            first = asyncio.ensure_future(  # a full batch: its step starts at once
+                asyncio.gather(batcher.run(example(1.0)), batcher.run(example(2.0))))
+            await asyncio.sleep(0.1)
+            start = time.monotonic()
+            assert await asyncio.wait_for(batcher.run(example(3.0)), 30) == 6.0
+            elapsed = time.monotonic() - start
+            assert await first == [2.0, 4.0]
+            return elapsed
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 2.0 + 0.9, elapsed  # the step's end (about 1.9 s), not 3.4 s
 
 
 def test_cancelling_a_task_leaves_the_others_correct() -> None:
