@@ -28,7 +28,7 @@ import torch
 
 from batchgraph.errors import BatchgraphError, NotComputedError
 from batchgraph.handle import ResultHandle
-from batchgraph.specs import rebuild_sequence
+from batchgraph.specs import rebuild_mapping, rebuild_sequence
 
 __all__ = [
     "CoroutineExampleError",
@@ -184,5 +184,5 @@ def resolve(obj: Any) -> Any:
         values = [resolve(x) for x in obj]
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
-        return type(obj)((k, resolve(v)) for k, v in obj.items())
+        return rebuild_mapping(obj, ((k, resolve(v)) for k, v in obj.items()))
     return obj

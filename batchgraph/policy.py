@@ -35,7 +35,7 @@ from batchgraph.scheduling import (
     ScheduleStats,
     build_schedule,
 )
-from batchgraph.specs import TensorSpec, rebuild_sequence
+from batchgraph.specs import TensorSpec, rebuild_mapping, rebuild_sequence
 
 __all__ = ["BatchingPolicy"]
 
@@ -323,7 +323,7 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
         values = [_rebuild(x, views) for x in obj]
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
-        return type(obj)((k, _rebuild(v, views)) for k, v in obj.items())
+        return rebuild_mapping(obj, ((k, _rebuild(v, views)) for k, v in obj.items()))
     return obj
 
 

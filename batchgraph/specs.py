@@ -12,7 +12,8 @@ be known before running the call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union, cast
 
@@ -26,6 +27,7 @@ __all__ = [
     "TensorSpec",
     "count_leaves",
     "intern_spec",
+    "rebuild_mapping",
     "rebuild_sequence",
     "sequence_kind",
     "spec_leaves",
@@ -162,6 +164,29 @@ def rebuild_sequence(kind: type, values: list[Any]) -> Any:
     if hasattr(kind, "n_fields") or issubclass(kind, list):
         return kind(values)
     return tuple(values)
+
+
+def rebuild_mapping(obj: dict[Any, Any], items: Iterable[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A mapping of ``obj``'s kind holding ``items`` (its keys, with new values).
+
+    A dict subclass is copied, then given the new values, rather than called with
+    the items: ``defaultdict(items)`` would take them for its ``default_factory``
+    ("first argument must be callable or None"), and a subclass's own ``__init__``
+    may take other arguments. The copy keeps what the mapping holds besides its
+    items (a default_factory, attributes).
+
+    Example:
+        >>> from collections import defaultdict
+        >>> d = rebuild_mapping(defaultdict(list, a=1), [("a", 2)])
+        >>> d["a"], d["b"]
+        (2, [])
+    """
+    if type(obj) is dict:
+        return dict(items)
+    out = copy.copy(obj)
+    for key, value in items:
+        out[key] = value
+    return out
 
 
 def flatten_output(value: Any, out: list[torch.Tensor]) -> None:
