@@ -301,8 +301,11 @@ class Lane:
                 _keep_autocast(ex, outer_cast)
             throw = None
             if type(yielded) is not Wait:
+                # A bare None is what asyncio.sleep(0) yields: name it, "None" says little.
+                what = ("None (asyncio.sleep(0) yields it)" if yielded is None
+                        else f"{yielded!r:.80} ({type(yielded).__name__})")
                 throw = UnsupportedAwaitError(
-                    f"example {ex.index} awaited {yielded!r:.80} ({type(yielded).__name__}), "
+                    f"example {ex.index} awaited {what}, "
                     "which a batchgraph driver cannot resolve: every other example would "
                     "wait for it forever. Inside a batched example await only bg.value(...) "
                     "or handles; do other asynchronous work outside it (with AsyncBatcher, "

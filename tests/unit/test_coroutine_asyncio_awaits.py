@@ -57,3 +57,17 @@ def test_asyncio_work_inside_a_run_all_example_says_why_it_fails() -> None:
     assert isinstance(cause, RuntimeError) and str(cause) == "no running event loop"
     assert any("run_all steps its examples without an event loop" in note
                for note in getattr(cause, "__notes__", []))
+
+
+def test_asyncio_sleep_0_inside_an_example_is_named() -> None:
+    # It yields a bare None: the error said only "awaited None (NoneType)".
+    step = _step()
+
+    async def example(x: torch.Tensor) -> torch.Tensor:
+        value: torch.Tensor = await bg.value(step(x))
+        await asyncio.sleep(0)
+        return value
+
+    (error,) = bg.run_all([example(STATES[0])], return_exceptions=True)
+    assert isinstance(error, bg.UnsupportedAwaitError)
+    assert "example 0 awaited None (asyncio.sleep(0) yields it)" in str(error)
