@@ -136,10 +136,14 @@ class AsyncBatcher:
         max_graph_nodes: int = 200_000,
         make_policy: Callable[[], BatchingPolicy] | None = None,
     ) -> None:
-        if max_batch < 1 or groups < 1 or max_latency < 0:
+        # `not max_latency >= 0` also refuses NaN, with which no step ever came due
+        # (the first call waited forever); a float max_batch failed in the worker.
+        if (not isinstance(max_batch, int) or not isinstance(groups, int)
+                or max_batch < 1 or groups < 1 or not max_latency >= 0):
             raise ValueError(
-                f"need max_batch >= 1, groups >= 1 and max_latency >= 0; got "
-                f"max_batch={max_batch}, groups={groups}, max_latency={max_latency}"
+                f"need integers max_batch >= 1 and groups >= 1, and max_latency >= 0 "
+                f"seconds; got max_batch={max_batch!r}, groups={groups!r}, "
+                f"max_latency={max_latency!r}"
             )
         self.max_batch = max_batch
         self.max_latency = max_latency

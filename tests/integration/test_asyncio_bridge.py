@@ -177,6 +177,15 @@ def test_closed_batcher_refuses_new_work() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("bad", [{"max_latency": float("nan")}, {"max_batch": 2.5},
+                                 {"max_latency": -1.0}, {"groups": 0}])
+def test_bad_settings_are_refused_when_the_batcher_is_made(bad: dict[str, Any]) -> None:
+    # max_latency=nan was accepted and no step ever came due: the first call hung.
+    # max_batch=2.5 failed in the worker ("slice indices must be integers").
+    with pytest.raises(ValueError, match="need integers max_batch >= 1"):
+        bg.AsyncBatcher(**bad)
+
+
 async def run_none() -> None:
     return None
 
