@@ -398,7 +398,8 @@ class AsyncBatcher:
         def finish(step: asyncio.Future[None]) -> None:
             state.computing, state.step = False, None
             if state.abandoned:  # the worker stopped while this step ran
-                state.lane.close(examples)
+                # All of the lane's examples, also those waiting outside this step.
+                state.lane.close([c.example for c in state.calls.values()])
                 return
             error = step.exception() if not step.cancelled() else None
             if error is not None:  # only a bug gets here: per-example errors are kept

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +116,31 @@ def test_a_second_loop_running_at_the_same_time_is_refused() -> None:
         release.set()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_loop_ending_during_a_step_closes_the_examples_not_in_it_too() -> None:
+    batcher = bg.AsyncBatcher(max_batch=1, max_latency=0.0)  # one example per step
+    closed: list[float] = []
+
+    def slow_add(x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)  # the loop ends while a step computes
+        return x + 1
+
+    slow = bg.batched_func(slow_add)
+
+    async def count(x: float) -> None:
+        try:
+            y = torch.tensor(x, dtype=torch.float64)
+            while True:
+                y = await bg.value(slow(y))
+        finally:
+            closed.append(x)
+
+    async def leave_two_running() -> list[asyncio.Task[Any]]:
+        tasks = [asyncio.ensure_future(batcher.run(count(x))) for x in (1.0, 2.0)]
+        await asyncio.sleep(0.3)
+        return tasks
+
+    asyncio.run(leave_two_running())
+    assert sorted(closed) == [1.0, 2.0]
