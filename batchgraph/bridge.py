@@ -212,6 +212,8 @@ class AsyncBatcher:
             self._pool = None
 
     async def __aenter__(self) -> AsyncBatcher:
+        if self._closing:  # every run() in the block would be refused
+            raise RuntimeError("this AsyncBatcher is closed; create a new one")
         self._ensure_worker()
         return self
 

@@ -173,6 +173,9 @@ def test_closed_batcher_refuses_new_work() -> None:
         await batcher.aclose()
         with pytest.raises(RuntimeError, match="closed"):
             await batcher.run(run_none())
+        with pytest.raises(RuntimeError, match="closed"):  # it used to enter
+            async with batcher:
+                pass
 
     asyncio.run(main())
 
