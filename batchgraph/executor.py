@@ -471,7 +471,9 @@ class Executor:
         examples = sorted({e for e in map(self._example, step.nodes) if e is not None})
         failing = ""
         for i, n in enumerate(step.nodes):
-            one = [x[i] if key.combine == "list" else x[i : i + 1] for x in inputs]
+            # A batch of one, in the form the rule takes a batch: a list of one value
+            # per input (combine="list") or a stacked row.
+            one = [x[i : i + 1] for x in inputs]
             try:
                 key.run(key.fn, one, 1)
             except Exception as single:

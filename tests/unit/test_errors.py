@@ -76,6 +76,30 @@ def test_exception_inside_a_batched_call_names_key_and_example() -> None:
         bg.compute(hs)
 
 
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_a_call_run_one_at_a_time_names_the_example_that_fails(shape: tuple[int, ...]) -> None:
+    # combine="list" rules (UnbatchedKey) take a list per input: the diagnosis ran
+    # each example with its bare value, so a 0-d one failed with "invalid index of a
+    # 0-dim tensor" blamed on example 0, and a (3,) one ran on its first element.
+    def checked(x: torch.Tensor) -> torch.Tensor:
+        if x.shape != shape:
+            raise RuntimeError(f"got shape {tuple(x.shape)}")
+        if float(x.sum()) > 10:
+            raise ValueError("too big")
+        return x * 2
+
+    site = bg.batched_func(checked)
+    values = [torch.full(shape, v) for v in (1.0, 20.0, 0.5)]
+    with bg.BatchingPolicy(rules={checked: bg.UnbatchedKey}):
+        hs = [site(bg.batched_value(v)) for v in values]
+    with pytest.raises(
+        bg.BatchedCallError,
+        match=r"ValueError: too big\. Run alone, the call of example 1 \(row 1\) fails too: "
+        r"ValueError: too big$",
+    ):
+        bg.compute(hs)
+
+
 def test_non_tensor_result_is_refused() -> None:
     count = bg.batched_func(lambda t: t.shape[0])
     with bg.BatchingPolicy(), pytest.raises(
