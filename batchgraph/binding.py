@@ -45,7 +45,7 @@ from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
 from batchgraph.recording import CallSite
 from batchgraph.rules import KeyFactory, choose_key
-from batchgraph.specs import NO_TENSOR, TensorSpec, rebuild_sequence
+from batchgraph.specs import NO_TENSOR, TensorSpec, rebuild_mapping, rebuild_sequence
 
 __all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
 
@@ -377,7 +377,7 @@ def _values(obj: Any, graph: Graph) -> Any:
         values = [_values(x, graph) for x in obj]
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
-        return type(obj)((k, _values(v, graph)) for k, v in obj.items())
+        return rebuild_mapping(obj, [(k, _values(v, graph)) for k, v in obj.items()])
     return obj
 
 

@@ -48,7 +48,7 @@ from batchgraph.placeholders import is_placeholder
 from batchgraph.policy import BatchingPolicy
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, build_schedule
-from batchgraph.specs import CallSignature, OutSpec, TensorSpec, rebuild_sequence
+from batchgraph.specs import CallSignature, OutSpec, TensorSpec, rebuild_mapping, rebuild_sequence
 
 __all__ = [
     "Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export",
@@ -392,7 +392,7 @@ def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
         values = [_encode_outputs(x, graph, roots) for x in obj]
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
-        return type(obj)((k, _encode_outputs(v, graph, roots)) for k, v in obj.items())
+        return rebuild_mapping(obj, [(k, _encode_outputs(v, graph, roots)) for k, v in obj.items()])
     return obj
 
 

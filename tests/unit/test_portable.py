@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -86,6 +87,28 @@ def test_tuple_outputs_keep_their_structure() -> None:
     batch = bg.GraphCollate(model, "encode")([(1, 2), 3])
     (h, c), _ = bg.bind(batch, model)
     assert h.shape == c.shape == (6,)
+
+
+def _encoded_as_defaultdict(model: Any, item: Any) -> Any:
+    h, c = model.encode(item)
+    out: defaultdict[str, Any] = defaultdict(list)
+    out["h"], out["c"] = h, c
+    return out
+
+
+def test_dict_subclass_outputs_keep_their_kind() -> None:
+    # A defaultdict was rebuilt by calling it with the items, which it takes for its
+    # default_factory: "first argument must be callable or None" at export and bind.
+    model = TreeModel()
+    batch = bg.GraphCollate(model, _encoded_as_defaultdict)([(1, 2), 3])
+    got = bg.bind(batch, model)
+    with bg.BatchingPolicy() as policy:
+        handles = [_encoded_as_defaultdict(model, item) for item in [(1, 2), 3]]
+    want = policy.compute(handles)
+    assert [type(g) for g in got] == [defaultdict, defaultdict]
+    for g, w in zip(got, want, strict=True):
+        assert g.default_factory is list and sorted(g) == ["c", "h"]
+        assert torch.equal(g["h"], w["h"]) and torch.equal(g["c"], w["c"])
 
 
 def test_nothing_in_a_batch_requires_grad_or_holds_a_module() -> None:
