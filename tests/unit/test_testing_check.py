@@ -19,6 +19,9 @@ class Model(bg.BatchedModule):
     def good(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.lin(x))
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
 
 class WrongKey(bg.StackKey):
     """A broken rule: reverses the batch, so example i gets example B-1-i's result."""
@@ -121,3 +124,37 @@ def test_a_function_that_records_nothing_warns() -> None:
     xs = [torch.randn(3) for _ in range(3)]
     with pytest.warns(UserWarning, match=r"recorded no call under the BatchingPolicy"):
         assert_batched_matches_eager(torch.tanh, xs)
+
+
+class SwappedGradientKey(bg.StackKey):
+    """A broken rule: right values, but example i's gradient goes to example B-1-i's row."""
+
+    def run(self, fn, inputs, size):  # type: ignore[no-untyped-def]
+        out = super().run(fn, inputs, size)
+        return out.detach() + out.flip(0) - out.flip(0).detach()
+
+
+def test_gradients_sent_to_another_examples_rows_fail() -> None:
+    # The rule's output is the function's output: under a plain sum loss every row
+    # would weigh 1, and swapping which row a gradient reaches would leave the
+    # parameter gradients as they were. The check's pseudo-random weights tell them apart.
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with pytest.raises(AssertionError, match=r"gradient of parameter lin.weight differs"):
+        assert_batched_matches_eager(model.linear, xs, rules={nn.Linear: SwappedGradientKey})
+
+
+class InputDetachingKey(bg.StackKey):
+    """A broken rule: right values and parameter gradients, none for the inputs."""
+
+    def run(self, fn, inputs, size):  # type: ignore[no-untyped-def]
+        return super().run(fn, [x.detach() for x in inputs], size)
+
+
+def test_a_gradient_missing_on_one_side_fails() -> None:
+    model = Model().double()
+    xs = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    with pytest.raises(
+        AssertionError, match=r"gradient of example 0: input: eager set, batched none"
+    ):
+        assert_batched_matches_eager(model.good, xs, rules={nn.Linear: InputDetachingKey})
