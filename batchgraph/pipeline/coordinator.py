@@ -61,6 +61,12 @@ from batchgraph.pipeline.microbatch import (
 )
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.step_checks import (
+    inference_mode_error,
+    no_gradient_error,
+    nothing_to_train_error,
+    scalar_output_warning,
+)
 from batchgraph.pipeline.thread_state import ThreadState
 from batchgraph.pipeline.trace import TimelineEvent
 from batchgraph.threads import compute_pool
@@ -238,13 +244,7 @@ class Coordinator:
             p.requires_grad for stage in self.stages for p in stage.module.parameters()
         ):
             # Stops at the first trainable parameter: costs nothing in the usual case.
-            raise PipelineConfigError(
-                "train_step has nothing to compute gradients for: no parameter of any "
-                "stage requires grad (all frozen) and neither do the inputs. On one device, "
-                "loss.backward() raises 'element 0 of tensors does not require grad and "
-                "does not have a grad_fn'. Unfreeze parameters (p.requires_grad_(True)) or "
-                "use pipe.forward"
-            )
+            raise nothing_to_train_error()
         loss.begin_step(targets)
         values: list[tuple[Tensor, float]] = []
         last = self.stages[-1]
@@ -283,25 +283,11 @@ class Coordinator:
 
         self._run(mbs, train=True, on_output=on_output)
         if not any(graphs):
-            raise PipelineConfigError(
-                "train_step computed no gradient: the loss depends on nothing that requires "
-                f"grad (the last stage, stage {last.index} ({type(last.module).__name__}), "
-                "returned outputs without an autograd graph, made by a non-differentiable "
-                "op such as argmax, an integer op or .detach(); or loss_fn ignores its "
-                "output). On one device, loss.backward() raises 'element 0 of tensors does "
-                "not require grad and does not have a grad_fn'. Compute the loss from a "
-                "differentiable output"
-            )
+            raise no_gradient_error(last.index, type(last.module).__name__)
         if scalars and not self._warned_scalar:
             self._warned_scalar = True
             warnings.warn(
-                f"the last stage (stage {last.index}, {type(last.module).__name__}) returned "
-                "a 0-d tensor: it has no batch dimension, so loss_fn saw one value per "
-                f"microbatch ({m} of them), not one per sample, and the loss and gradients "
-                "are not one device's unless loss_fn takes that value as the microbatch's "
-                "own loss (weighted per reduction=). A model that reduces over the batch (a "
-                "final .sum() or .mean()) should return per-sample outputs and leave the "
-                "reduction to the loss (loss_fn=, with reduction='sum' for a sum)",
+                scalar_output_warning(last.index, type(last.module).__name__, m),
                 RuntimeWarning,
                 stacklevel=3,  # the caller of Pipeline.train_step
             )
@@ -355,10 +341,7 @@ class Coordinator:
         # train_step records). See batchgraph.pipeline.thread_state.
         state = ThreadState.capture()
         if train and state.inference:
-            raise PipelineConfigError(
-                "train_step was called under torch.inference_mode(), where no gradient can "
-                "be recorded; call it outside inference mode (pipe.forward runs in it)"
-            )
+            raise inference_mode_error()
         self._probe(mbs[0])
         self.reset()
         for stage in self.stages:

@@ -6,7 +6,10 @@ all-gathers the sample counts it holds (one small collective over the control gr
 and reaches the same verdict from the same numbers: a mismatch raises the same
 :class:`PipelineConfigError` on every rank, before any message is sent, so no rank is
 left waiting for one and the pipeline stays usable. The counts also give the global
-batch size (every replica's targets) that the loss weights divide by::
+batch size (every replica's targets) that the loss weights divide by. With them goes what
+refuses a step as the threads backend refuses it but no rank can tell alone: more
+microbatches than a replica's samples, every parameter of every rank frozen with inputs
+that do not require grad, ``torch.inference_mode()`` on some rank::
 
     rank 0 (stage 0)      rank 1 (last stage)
     (inputs 8, -)         (-, targets 4)
@@ -24,7 +27,8 @@ import torch.distributed as dist
 
 from batchgraph.pipeline.dist_topology import Topology
 from batchgraph.pipeline.errors import PipelineConfigError
-from batchgraph.pipeline.microbatch import Batch, batch_size
+from batchgraph.pipeline.microbatch import Batch, batch_size, microbatch_fit_error
+from batchgraph.pipeline.step_checks import inference_mode_error, nothing_to_train_error
 
 __all__ = ["BatchCounts", "check_batches", "gather_counts", "local_counts"]
 
@@ -33,8 +37,12 @@ NOT_HERE = -1  # it does not run the stage that takes this batch
 MISSING = -2  # it does, but got None
 INVALID = -3  # it got something that is not a batch (that rank raises its own error)
 
-#: Per rank, (inputs, targets): a sample count or one of the codes above.
-BatchCounts = Sequence[tuple[int, int]]
+#: Bits of a rank's third number: what it knows of the step besides its batches.
+TRAINABLE = 1  # a parameter of its stages requires grad, or its inputs do
+INFERENCE = 2  # it was called under torch.inference_mode(): no gradient can be recorded
+
+#: Per rank, (inputs, targets, flags): a sample count or one of the codes above, and bits.
+BatchCounts = Sequence[tuple[int, int, int]]
 
 
 def _count(batch: Batch | None, held: bool) -> tuple[int, BaseException | None]:
@@ -48,40 +56,65 @@ def _count(batch: Batch | None, held: bool) -> tuple[int, BaseException | None]:
         return INVALID, exc
 
 
+def _requires_grad(batch: Batch | None) -> bool:
+    items = batch if isinstance(batch, tuple | list) else (batch,)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in items)
+
+
 def local_counts(
-    inputs: Batch | None, targets: Batch | None, *, first: bool, last: bool
-) -> tuple[tuple[int, int], BaseException | None]:
-    """This rank's (inputs, targets) counts, and its own error for a batch that is not one.
+    inputs: Batch | None,
+    targets: Batch | None,
+    *,
+    first: bool,
+    last: bool,
+    trainable: bool = True,
+) -> tuple[tuple[int, int, int], BaseException | None]:
+    """This rank's (inputs, targets, flags) counts, and its own error for a batch that is
+    not one. ``trainable``: whether a parameter of this rank's stages requires grad.
 
     Never raises: a rank that failed here before the gather would leave the others
     waiting in it.
     """
     n_in, err_in = _count(inputs, first)
     n_tg, err_tg = _count(targets, last)
-    return (n_in, n_tg), err_in or err_tg
+    flags = TRAINABLE if trainable or (first and _requires_grad(inputs)) else 0
+    if torch.is_inference_mode_enabled():
+        flags |= INFERENCE
+    return (n_in, n_tg, flags), err_in or err_tg
 
 
 def gather_counts(
-    group: Any, counts: tuple[int, int], device: torch.device
-) -> list[tuple[int, int]]:
+    group: Any, counts: tuple[int, int, int], device: torch.device
+) -> list[tuple[int, int, int]]:
     """Every rank's counts (all-gather over ``group``, which holds all ranks)."""
-    mine = torch.tensor(counts, dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return [(int(a), int(b)) for a, b in torch.stack(every).tolist()]
+    # Outside inference mode: a collective cannot write into inference tensors.
+    with torch.inference_mode(False):
+        mine = torch.tensor(counts, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+    return [(int(a), int(b), int(c)) for a, b, c in torch.stack(every).tolist()]
 
 
 def check_batches(
-    counts: BatchCounts, topology: Topology, first_device: int, last_device: int
+    counts: BatchCounts,
+    topology: Topology,
+    first_device: int,
+    last_device: int,
+    microbatches: int = 1,
 ) -> tuple[int, PipelineConfigError | None]:
     """The global batch size (over the replicas), or the error every rank raises.
 
     Args:
-        counts: every rank's (inputs, targets) counts, by global rank.
+        counts: every rank's (inputs, targets, flags) counts, by global rank.
         topology: the ranks' grid.
         first_device, last_device: the devices (positions in a pipeline) of stage 0 and
             of the last stage.
+        microbatches: microbatches per replica's batch.
     """
+    inference = [r for r, (_, _, flags) in enumerate(counts) if flags & INFERENCE]
+    if inference:
+        ranks = ", ".join(map(str, inference))
+        return 0, inference_mode_error(f" on rank{'s' if len(inference) > 1 else ''} {ranks}")
     total = 0
     for j in range(topology.replicas):
         f, last = topology.rank_of(first_device, j), topology.rank_of(last_device, j)
@@ -101,5 +134,10 @@ def check_batches(
                 f"{where}inputs have {n_in} samples but targets have {n_tg} (inputs on rank "
                 f"{f}, targets on rank {last}); pass the targets of exactly the inputs' samples"
             )
+        error = microbatch_fit_error(microbatches, n_in)
+        if error is not None:
+            return 0, error
         total += n_tg
+    if not any(flags & TRAINABLE for _, _, flags in counts):
+        return 0, nothing_to_train_error(" on any rank")
     return total, None

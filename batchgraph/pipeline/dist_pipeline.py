@@ -23,6 +23,7 @@ gradient of a mean (or sum) loss.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_c
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, stage_specs
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
+from batchgraph.pipeline.dist_loss import StepLoss
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
@@ -56,6 +58,7 @@ from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import Batch, merge_microbatches, split_microbatches
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.step_checks import scalar_output_warning
 from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = ["DistributedPipeline", "StageSpec"]
@@ -196,6 +199,7 @@ class DistributedPipeline:
         self._stats = PipelineStats()
         self._closed = False
         self._failed: BaseException | None = None
+        self._warned_scalar = False  # a 0-d output warns once per pipeline
 
     # -- construction ---------------------------------------------------------------------
 
@@ -336,6 +340,13 @@ class DistributedPipeline:
             self._record(events, train)
         except BaseException as exc:
             raise self._fail(exc) from exc.__cause__ if isinstance(exc, StageError) else exc
+        if not train and result is not None:
+            # After the step: outputs that cannot be merged (0-d) are refused on this rank
+            # alone, as the threads backend refuses them, and the pipeline stays usable.
+            last = self.stages[self.schedule.stages - 1]
+            result = merge_microbatches(
+                result, f"the last stage (stage {last.index}, {type(last.module).__name__})"
+            )
         return result
 
     def _fail(self, exc: BaseException) -> BaseException:
@@ -360,15 +371,18 @@ class DistributedPipeline:
         Before the step begins (no message sent, no gradient stashed), so a refused
         batch leaves the pipeline usable, as in the threads backend.
         """
+        # Stops at the first trainable parameter: costs nothing in the usual case.
+        params = (p for s in self.stages.values() for p in s.module.parameters())
+        trainable = any(p.requires_grad for p in params)
         counts, own_error = local_counts(
-            inputs, targets, first=self._has_first, last=self._has_last
+            inputs, targets, first=self._has_first, last=self._has_last, trainable=trainable
         )
         try:
             every = gather_counts(self.groups.control, counts, self.comm.device)
         except BaseException as exc:  # a peer is gone or stuck: the pipeline cannot go on
             raise self._fail(exc) from exc
         first, last = self.schedule.device_of(0), self.schedule.device_of(self.schedule.stages - 1)
-        total, error = check_batches(every, self.topology, first, last)
+        total, error = check_batches(every, self.topology, first, last, self.schedule.microbatches)
         if own_error is not None:
             raise own_error  # this rank's own words for its batch; the others name it
         if error is not None:
@@ -387,27 +401,18 @@ class DistributedPipeline:
                 )
             for mb, xs in enumerate(split_microbatches(inputs, m)):
                 self.comm.send(MessageKey(_ACT, COORDINATOR, 0, mb), xs)
-        tgs: list[tuple[Tensor, ...]] = []
+        collected: StepLoss | None = None
         if self._has_last and train:
-            assert targets is not None  # see _check_batches
-            tgs = split_microbatches(targets, m)
-            assert self.loss is not None
+            assert targets is not None and self.loss is not None  # see _check_batches
             self.loss.begin_step(targets)
-        losses: list[Tensor] = []
-        weights: list[float] = []
+            last = self.stages[self.schedule.stages - 1]
+            tgs = split_microbatches(targets, m)
+            collected = StepLoss(self.loss, last, self.comm, tgs, total_n, self._fused_loss)
         outputs: dict[int, tuple[Tensor, ...]] = {}
 
         def take_output(key: MessageKey, payload: Payload) -> None:
-            # The last stage's send of its output: the loss and its gradient run right
-            # here, inside that send (no mailbox, no second lookup), so the gradient is
-            # waiting when the stage's B asks for it.
-            outs = tuple(t for t in payload if t is not None)
-            if train:
-                value, weight = self._loss(key.src, key.microbatch, outs, tgs, total_n)
-                losses.append(value)
-                weights.append(weight)
-            else:
-                outputs[key.microbatch] = outs
+            # The last stage's send of its output (forward only; see StepLoss for train).
+            outputs[key.microbatch] = tuple(t for t in payload if t is not None)
 
         events: list[tuple[float, float]] = []
         # Receives are posted ahead, each once: by plan two actions ahead, and the rest
@@ -418,7 +423,7 @@ class DistributedPipeline:
         fill = FillPosts(comm, steps, on_idle=gather.post_receives if gather else None)
         fill_wait = steps.fill_wait
         if self._has_last:
-            comm.set_handler(COORDINATOR, take_output)
+            comm.set_handler(COORDINATOR, collected.take if collected else take_output)
         try:
             comm.prefetch(steps.first, payload=True)
             with torch.set_grad_enabled(train):
@@ -434,60 +439,18 @@ class DistributedPipeline:
         comm.wait_sends()
         if not self._has_last:
             return None, events
-        if train:
-            # Weighted after the step, off the critical path.
-            return torch.stack([v * w for v, w in zip(losses, weights)]).sum(), events
-        return merge_microbatches([outputs[i] for i in range(m)]), events
-
-    def _loss(
-        self,
-        stage: int,
-        mb: int,
-        outs: tuple[Tensor, ...],
-        tgs: list[tuple[Tensor, ...]],
-        total_n: int,
-    ) -> tuple[Tensor, float]:
-        """Microbatch ``mb``'s loss (detached) and weight; sends the gradient that starts
-        the backward of ``stage`` (the last) for it.
-
-        With the default :meth:`Loss.compute_gradient` and a one-pass backward on the
-        last stage (see :meth:`Stage.attached_outputs`), the loss is computed on the
-        stage's own outputs and the stage's B starts from it, seeded with the weight:
-        the same gradients as computing dL/d(outputs) on detached copies and
-        backpropagating those, with one autograd pass fewer per microbatch on the
-        pipeline's busiest rank (1F1B's critical path). Otherwise (a split backward, or
-        a ``Loss`` that overrides ``compute_gradient``) it sends dL/d(outputs).
-        """
-        assert self.loss is not None
-        last = self.stages[stage]
-        attached = last.attached_outputs(mb) if self._fused_loss else None
-        try:
-            tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
-            # The microbatch's samples, as the threads backend counts them (its inputs'
-            # dim 0; the targets split alike): the output's dim 0 need not be the batch,
-            # e.g. (B*T, V) logits of B sequences.
-            weight = self.loss.weight(tgs[mb][0].shape[0], total_n)
-            if attached is not None:
-                with torch.enable_grad():
-                    value = self.loss.compute_loss(
-                        attached[0] if len(attached) == 1 else attached, tgt
-                    )
-                last.start_backward_at(mb, (value,))
-                grads: tuple[Tensor | None, ...] = (torch.full_like(value, weight),)
-            else:
-                leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
-                out = leaves[0] if len(leaves) == 1 else leaves
-                with torch.enable_grad():
-                    value = self.loss.compute_loss(out, tgt)
-                    grads = self.loss.compute_gradient(value, out, weight=weight)
-        except Exception as exc:
-            raise StageError(
-                f"the loss failed on microbatch {mb} (after stage {stage}): "
-                f"{type(exc).__name__}: {exc}",
-                stage=stage, action="loss", microbatch=mb,
-            ) from exc  # fmt: skip
-        self.comm.send(MessageKey(_GRAD, COORDINATOR, stage, mb), grads)
-        return value.detach(), weight
+        if collected is not None:
+            if collected.scalar and not self._warned_scalar:
+                self._warned_scalar = True
+                last = self.stages[self.schedule.stages - 1]
+                warnings.warn(
+                    scalar_output_warning(last.index, type(last.module).__name__, m),
+                    RuntimeWarning,
+                    stacklevel=4,  # the caller of train_step
+                )
+            return collected.total(), events
+        # Merged by the caller once the step is over on every rank (see _step_guarded).
+        return [outputs[i] for i in range(m)], events
 
     def _steps(self, train: bool) -> StepPlan:
         """This rank's actions in a training (or forward-only) step, with their message

@@ -16,7 +16,14 @@ from torch.func import functional_call
 from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 
-__all__ = ["Batch", "batch_size", "check_stages_fit", "merge_microbatches", "split_microbatches"]
+__all__ = [
+    "Batch",
+    "batch_size",
+    "check_stages_fit",
+    "merge_microbatches",
+    "microbatch_fit_error",
+    "split_microbatches",
+]
 
 Batch = Tensor | tuple[Tensor, ...] | list[Tensor]
 
@@ -65,6 +72,21 @@ def batch_size(batch: Batch, what: str = "the batch") -> int:
     return sizes.pop()
 
 
+def microbatch_fit_error(microbatches: int, n: int) -> PipelineConfigError | None:
+    """The error for ``microbatches`` parts of a batch of ``n`` samples, if they do not fit.
+
+    Example:
+        >>> print(microbatch_fit_error(4, 3))
+        microbatches=4 does not fit a batch of 3 samples: use 1 <= microbatches <= 3 (every microbatch needs at least one sample)
+    """
+    if 1 <= microbatches <= n:
+        return None
+    return PipelineConfigError(
+        f"microbatches={microbatches} does not fit a batch of {n} samples: use 1 <= "
+        f"microbatches <= {n} (every microbatch needs at least one sample)"
+    )
+
+
 def split_microbatches(
     batch: Batch, microbatches: int, what: str = "the batch"
 ) -> list[tuple[Tensor, ...]]:
@@ -87,11 +109,9 @@ def split_microbatches(
         [3, 3, 2, 2]
     """
     n = batch_size(batch, what)
-    if not 1 <= microbatches <= n:
-        raise PipelineConfigError(
-            f"microbatches={microbatches} does not fit a batch of {n} samples: use 1 <= "
-            f"microbatches <= {n} (every microbatch needs at least one sample)"
-        )
+    error = microbatch_fit_error(microbatches, n)
+    if error is not None:
+        raise error
     parts = [torch.tensor_split(t, microbatches, dim=0) for t in _as_tuple(batch)]
     return [tuple(p[i] for p in parts) for i in range(microbatches)]
 

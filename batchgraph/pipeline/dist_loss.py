@@ -1,0 +1,132 @@
+"""The last rank's loss over one training step of a :class:`DistributedPipeline`.
+
+The last stage's send of its output for microbatch ``i`` is handed to
+:meth:`StepLoss.take` (no mailbox): the loss and its gradient are computed right there,
+so the gradient is waiting when the stage's backward asks for it::
+
+    last stage: F(i) ──send(output)──► StepLoss.take ──► loss_i, weight_i
+                B(i) ◄──────────────── gradient (or the loss itself, fused)
+
+It checks what the threads backend's coordinator checks (with the same words, from
+:mod:`batchgraph.pipeline.step_checks`): a step whose loss has no backward on any
+microbatch fails at the last microbatch's loss (so every rank stops, naming it), and a
+0-d output (no batch dimension) is noted for a warning after the step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
+from batchgraph.pipeline.errors import StageError
+from batchgraph.pipeline.loss import Loss
+from batchgraph.pipeline.stage import Stage
+from batchgraph.pipeline.step_checks import no_gradient_error
+
+__all__ = ["StepLoss"]
+
+
+class StepLoss:
+    """Microbatch losses of one step, computed as the last stage's outputs arrive.
+
+    Args:
+        loss: the pipeline's loss (``begin_step`` already called with the targets).
+        last: the last stage (on this rank).
+        comm: where the gradient that starts the last stage's backward is sent.
+        targets: the targets, one tuple of tensors per microbatch.
+        total_n: the global batch size (over replicas) the loss weights divide by.
+        fused: start the last stage's backward from the loss itself (see :meth:`take`).
+
+    Example (what :class:`DistributedPipeline` does on the last rank)::
+
+        collected = StepLoss(loss, stages[last], comm, split_microbatches(y, m), n, True)
+        comm.set_handler(COORDINATOR, collected.take)
+        ...  # run the step's actions
+        batch_loss = collected.total()
+    """
+
+    def __init__(
+        self,
+        loss: Loss,
+        last: Stage,
+        comm: Communicator,
+        targets: list[tuple[Tensor, ...]],
+        total_n: int,
+        fused: bool,
+    ) -> None:
+        self.loss = loss
+        self.last = last
+        self.comm = comm
+        self.targets = targets
+        self.total_n = total_n
+        self.fused = fused
+        self.values: list[Tensor] = []
+        self.weights: list[float] = []
+        self.graphs: list[bool] = []  # per microbatch: whether its loss has a backward
+        #: Whether an output was 0-d (no batch dimension) with more than one microbatch.
+        self.scalar = False
+
+    def take(self, key: MessageKey, payload: Payload) -> None:
+        """The last stage's output for ``key.microbatch``: its loss, weight and gradient."""
+        outs = tuple(t for t in payload if t is not None)
+        mb = key.microbatch
+        if len(self.targets) > 1 and any(o.dim() == 0 for o in outs):
+            self.scalar = True
+        value, weight, graph = self._loss(key.src, mb, outs)
+        self.values.append(value)
+        self.weights.append(weight)
+        self.graphs.append(graph)
+        if len(self.graphs) == len(self.targets) and not any(self.graphs):
+            # The step can compute no gradient: stop every rank now, as one device's
+            # loss.backward() would raise, rather than leave every .grad untouched.
+            error = no_gradient_error(self.last.index, type(self.last.module).__name__)
+            raise StageError(str(error), stage=key.src, action="loss", microbatch=mb) from error
+
+    def total(self) -> Tensor:
+        """The batch loss: the microbatches' losses weighted (off the critical path)."""
+        return torch.stack([v * w for v, w in zip(self.values, self.weights)]).sum()
+
+    def _loss(self, stage: int, mb: int, outs: tuple[Tensor, ...]) -> tuple[Tensor, float, bool]:
+        """Microbatch ``mb``'s loss (detached), weight and whether it has a backward;
+        sends the gradient that starts the backward of ``stage`` (the last) for it.
+
+        With the default :meth:`Loss.compute_gradient` and a one-pass backward on the
+        last stage (see :meth:`Stage.attached_outputs`), the loss is computed on the
+        stage's own outputs and the stage's B starts from it, seeded with the weight:
+        the same gradients as computing dL/d(outputs) on detached copies and
+        backpropagating those, with one autograd pass fewer per microbatch on the
+        pipeline's busiest rank (1F1B's critical path). Otherwise (a split backward, or
+        a ``Loss`` that overrides ``compute_gradient``) it sends dL/d(outputs).
+        """
+        last, tgs = self.last, self.targets
+        attached = last.attached_outputs(mb) if self.fused else None
+        try:
+            tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
+            # The microbatch's samples, as the threads backend counts them (its inputs'
+            # dim 0; the targets split alike): the output's dim 0 need not be the batch,
+            # e.g. (B*T, V) logits of B sequences.
+            weight = self.loss.weight(tgs[mb][0].shape[0], self.total_n)
+            if attached is not None:
+                with torch.enable_grad():
+                    value = self.loss.compute_loss(
+                        attached[0] if len(attached) == 1 else attached, tgt
+                    )
+                graph = value.requires_grad
+                last.start_backward_at(mb, (value,))
+                grads: tuple[Tensor | None, ...] = (torch.full_like(value, weight),)
+            else:
+                graph = last.has_graph(mb)
+                leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
+                out = leaves[0] if len(leaves) == 1 else leaves
+                with torch.enable_grad():
+                    value = self.loss.compute_loss(out, tgt)
+                    grads = self.loss.compute_gradient(value, out, weight=weight)
+        except Exception as exc:
+            raise StageError(
+                f"the loss failed on microbatch {mb} (after stage {stage}): "
+                f"{type(exc).__name__}: {exc}",
+                stage=stage, action="loss", microbatch=mb,
+            ) from exc  # fmt: skip
+        self.comm.send(MessageKey(MessageKind.GRADIENT, COORDINATOR, stage, mb), grads)
+        return value.detach(), weight, graph
