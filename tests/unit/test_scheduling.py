@@ -122,3 +122,23 @@ def test_a_later_compute_schedules_only_its_own_nodes() -> None:
     values = policy.compute(later)
     for h, v in zip(first[:3], values):
         torch.testing.assert_close(v, torch.tanh(bg.compute(h)))
+
+
+def test_the_lower_bound_counts_every_unbatchable_call() -> None:
+    # Each example: a call registered as unbatchable, then a batchable one on its
+    # result. The unbatchable calls launch one by one (3), the tanh once: the bound is
+    # 3 + 1, not the 1 + 1 of a key that batched. (Before, no test had an unbatchable
+    # call in a bound: counting it as batchable passed every test.)
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    f = bg.batched_func(doubled)
+    tanh = bg.batched_func(torch.tanh)
+    with bg.BatchingPolicy(rules={doubled: bg.UnbatchedKey}) as policy:
+        hs = [tanh(f(torch.full((2,), float(v)))) for v in (1.0, -3.0, 2.0)]
+    bg.compute(hs)
+    assert policy.stats is not None
+    assert [name.rsplit(".", 1)[-1] for name in policy.stats.unbatched_callables] == ["doubled"]
+    assert (policy.stats.unbatched_calls, policy.stats.launches, policy.stats.lower_bound) == (
+        3, 4, 4
+    )
