@@ -57,6 +57,7 @@ from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError,
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import Batch, merge_microbatches, split_microbatches
 from batchgraph.pipeline.schedules import make_schedule
+from batchgraph.pipeline.splitting import warn_whole_model_hooks
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.step_checks import scalar_output_warning
 from batchgraph.pipeline.trace import TimelineEvent
@@ -143,6 +144,8 @@ class DistributedPipeline:
         self.topology = Topology(stages, replicas, dist.get_rank())
         self.groups = ProcessGroups(self.topology, timeout)
         n_specs = len(module) if isinstance(module, Sequence | nn.Sequential) else -1
+        if isinstance(module, nn.Sequential):  # split here: its own hooks would never run
+            warn_whole_model_hooks(module, stacklevel=2)
         ties, specs = self._find_ties(module, stages * chunks)
         config = {
             "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,

@@ -24,7 +24,7 @@ from batchgraph.pipeline.partition import (
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.traced_modes import partition_graph_by_mode
 
-__all__ = ["stage_modules"]
+__all__ = ["stage_modules", "warn_whole_model_hooks"]
 
 
 def _too_few_layers(
@@ -118,7 +118,7 @@ def _split_modules(
             "its layers (a list of torch.compile(layer), or nn.Sequential of them) or the "
             "stage modules"
         )
-    _warn_whole_model_hooks(module)
+    warn_whole_model_hooks(module, stacklevel=4)  # the caller of Pipeline(...)
     if isinstance(module, nn.Sequential):
         return list(partition_sequential(module, stages * chunks, cost=cost, sample=sample))
     if cost == "profile":
@@ -140,8 +140,23 @@ _HOOKS = (
 )
 
 
-def _warn_whole_model_hooks(module: nn.Module) -> None:
-    """Hooks on the model being split never run: the stages call its parts, never it."""
+def warn_whole_model_hooks(module: nn.Module, stacklevel: int = 1) -> None:
+    """Warn that hooks on the model being split never run: the stages call its parts.
+
+    Args:
+        module: the whole model.
+        stacklevel: as ``warnings.warn``'s, counted from the caller of this function.
+
+    Example:
+        >>> import warnings
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> _ = net.register_forward_hook(lambda m, args, out: None)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_whole_model_hooks(net)
+        >>> "forward hooks registered on it, which will not run" in str(caught[0].message)
+        True
+    """
     kinds = [f"{word}s" for attr, word in _HOOKS if getattr(module, attr, None)]
     if kinds:
         listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
@@ -151,5 +166,5 @@ def _warn_whole_model_hooks(module: nn.Module) -> None:
             "(pipe.stage_modules), never the whole model. Register them on its layers, "
             "or on the first or last stage module (they see one microbatch per call)",
             RuntimeWarning,
-            stacklevel=5,  # the caller of Pipeline(...)
+            stacklevel=stacklevel + 1,
         )

@@ -60,6 +60,12 @@ def job_refusals(rank: int, world: int) -> dict[str, Any]:
         pipe.train_step(x if first else None, y if last else None)
         return W._grad_error(pipe.stages, W.reference_grads(world))
 
+    net = nn.Sequential(nn.Linear(W.DIM, W.DIM), nn.Tanh(), nn.Linear(W.DIM, W.OUT))
+    net.register_forward_hook(lambda module, args, output: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedPipeline(net, stages=world, microbatches=2, timeout=20).close()
+    out["hooks"] = [(str(w.message), w.filename) for w in caught]
     with DistributedPipeline(W.factories(world), stages=world, microbatches=4,
                              loss_fn=nn.MSELoss(), timeout=20) as pipe:  # fmt: skip
         with torch.inference_mode():

@@ -69,3 +69,12 @@ def test_a_step_without_gradient_fails_every_rank_naming_the_last_stage() -> Non
     assert zero.startswith("PeerFailedError:"), zero
     assert "rank 1 failed first (stage 1, action loss, microbatch 3)" in zero
     assert "train_step computed no gradient" in zero
+
+
+def test_hooks_on_a_sequential_given_whole_warn_that_they_will_not_run(refusals: W.Launch) -> None:
+    # The façade warned; DistributedPipeline splits the Sequential itself and did not.
+    for r in range(2):
+        (message, filename), *more = refusals.ok(r)["hooks"]
+        assert not more
+        assert "Sequential being split has forward hooks registered on it" in message
+        assert filename.endswith("dist_check_workers.py")  # the caller's line
