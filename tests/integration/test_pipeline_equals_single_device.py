@@ -259,3 +259,60 @@ def test_a_mean_over_counted_targets_equals_single_device(
     # all ignored gave NaN. Microbatches here: [0, 0] (all ignored by the first loss),
     # [1, 2], [1, 1], [2].
     log_probs_step_equals_single_device(torch.tensor([0, 0, 1, 2, 1, 1, 2]), loss_fn, schedule, 4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_tuples_between_stages_carry_every_gradient_upstream(schedule: str) -> None:
+    # Each middle stage takes and returns two tensors that both depend on the first
+    # stage's parameters: the gradient of the second must reach upstream as the first
+    # does. (test_sum_reduction_and_tuple_inputs passes its second tensor straight from
+    # the inputs, which need no gradient: a backward that sent only the first input's
+    # gradient upstream passed every pipeline test.)
+    class Fork(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 4)
+            self.b = nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tanh(self.a(x)), torch.tanh(self.b(x))
+
+    class Cross(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, h: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tanh(self.lin(k)), h * k
+
+    class Join(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.cat([h, k], dim=-1))
+
+    parts = [Fork(), Cross(), Cross(), Join()]
+    whole = nn.ModuleList(parts).double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.randn(8, 2, dtype=torch.float64)
+
+    def single_device(x: torch.Tensor) -> torch.Tensor:
+        h, k = parts[0](x)
+        h, k = parts[1](h, k)
+        h, k = parts[2](h, k)
+        return parts[3](h, k)
+
+    whole.zero_grad(set_to_none=True)
+    want_loss = nn.MSELoss()(single_device(x), y)
+    want_loss.backward()
+    want = [p.grad.clone() for p in whole.parameters()]  # type: ignore[union-attr]
+    whole.zero_grad(set_to_none=True)
+    with Pipeline(
+        parts, microbatches=4, schedule=schedule, loss_fn=nn.MSELoss(), chunks=_chunks(schedule),
+        timeout=30,
+    ) as pipe:  # fmt: skip
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-10, atol=1e-10)
+    assert_grads_equal(whole, want)  # type: ignore[arg-type]
