@@ -200,15 +200,21 @@ def test_model_tensors_used_directly_and_no_grad_regions_through_a_worker() -> N
     data = ITEMS * 2
     loader = bg.graph_loader(data, bg.GraphCollate(model, frozen_cell), [[0, 1, 2], [3, 4, 5]],
                              num_workers=1, persistent_workers=True, timeout=30)
+    seen = []
     for batch in loader:
+        seen.append(batch.indices)
         model.zero_grad()
         bound = bg.bind(batch, model, stack=True)
-        bound.sum().backward()
+        # Weighted: under a plain sum, gradients sent to another example's rows match.
+        weights = torch.rand(bound.shape, generator=torch.Generator().manual_seed(1),
+                             dtype=bound.dtype)
+        (bound * weights).sum().backward()
         got = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         eager = torch.stack([frozen_cell(model, data[i]) for i in batch.indices])
-        eager.sum().backward()
+        (eager * weights).sum().backward()
         torch.testing.assert_close(bound, eager, rtol=0, atol=1e-12)
         for g, p in zip(got, model.parameters()):
             assert p.grad is not None
             torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-12)
+    assert seen == [[0, 1, 2], [3, 4, 5]]  # the checks above ran, once per batch
