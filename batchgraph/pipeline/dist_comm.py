@@ -474,3 +474,8 @@ class DistCommunicator(Communicator):
         self._packed.clear()
         with self._inflight_lock:
             self._inflight.clear()
+
+    def release(self) -> None:
+        """:meth:`close`, and forget the process group (see ``DistributedPipeline._fail``)."""
+        self.close()
+        self.group = self._pg = None

@@ -2,8 +2,9 @@
 
 When a rank fails it writes a :class:`FailureRecord` (rank, stage, action, microbatch,
 message) to the process group's key-value store — the first record wins — and then
-destroys its pipeline process groups. Destroying them closes its connections, so every
-rank blocked on it wakes at once with a connection error; that rank reads the board,
+destroys its pipeline process groups and lets go of them (and of its transfers in
+flight, which hold them), so they are freed even if the process lives on. Freeing them
+closes its connections, so every rank blocked on it wakes at once with a connection error; that rank reads the board,
 raises :class:`PeerFailedError` carrying the original failure, and destroys its own
 groups in turn, waking the ranks blocked on it. The failure spreads along the pipeline
 in a few milliseconds per hop instead of each rank waiting for its timeout.

@@ -23,6 +23,8 @@ gradient of a mean (or sum) loss.
 from __future__ import annotations
 
 import contextlib
+import gc
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from batchgraph.errors import BatchgraphError
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
@@ -73,6 +76,16 @@ def _describe(schedule: str | PipelineSchedule) -> str:
         return schedule
     order = ";".join(" ".join(map(str, schedule.order[d])) for d in sorted(schedule.order))
     return f"{schedule.name}[{order}]"
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames of ``exc``'s traceback and its causes'."""
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
 
 
 class DistributedPipeline:
@@ -362,10 +375,30 @@ class DistributedPipeline:
                 f"rank {rank}: {exc}", rank=rank, stage=exc.stage, action=exc.action,
                 microbatch=exc.microbatch,
             )  # fmt: skip
-        if not isinstance(exc, PeerFailedError):
+        elif not isinstance(exc, BatchgraphError):
+            # A raw error of a collective after the step's actions (the timeline gather,
+            # a gradient all-reduce): if a peer failed first, that is the error to report.
+            record = self.groups.board.read()
+            if record is not None and record.rank != rank:
+                error = record.as_error(rank, "in a collective with the other ranks")
+        if not isinstance(error, PeerFailedError):
             self.groups.board.publish(FailureRecord.of(rank, error))
         self.comm.abort(exc)
         self.groups.destroy()
+        # Destroying a gloo group closes its connections only when the group is freed,
+        # and the transfers this rank had in flight hold it: a peer blocked on this rank
+        # would wait until this process exits or its timeout passes (a caller that
+        # catches the error and goes on, to log or save, kept every peer waiting). So
+        # every holder lets go, and the peers wake now and read the board. The frames of
+        # a wait that failed hold its transfer too; a stage's error keeps its frames
+        # (the user's code, for post-mortem debugging), which hold no transfer.
+        self.comm.release()
+        if self._gather is not None:
+            self._gather.release()
+        self.tied.release()
+        if not isinstance(exc, StageError):
+            _clear_frames(exc)
+        gc.collect()
         return error
 
     def _check_batches(self, inputs: Batch | None, targets: Batch | None) -> int:

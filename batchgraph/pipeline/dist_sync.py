@@ -253,6 +253,10 @@ class TimelineGather:
             self._send = None
             work.wait(self.timeout)
 
+    def release(self) -> None:
+        """Forget the group and every transfer in flight, without waiting (after a failure)."""
+        self.group, self._recvs, self._send = None, [], None
+
     def close(self) -> None:
         """Wait for this rank's last send (bounded); drop receives that never completed."""
         try:

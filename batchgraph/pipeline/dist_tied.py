@@ -116,6 +116,10 @@ class TiedGradients:
             dict.fromkeys(p for _, params in self._groups for p in params)
         )
 
+    def release(self) -> None:
+        """Forget the groups (after a failure: see ``DistributedPipeline._fail``)."""
+        self._groups = []
+
     def allreduce(self) -> None:
         """Sum this step's gradients of the tied parameters over the ranks holding each.
 

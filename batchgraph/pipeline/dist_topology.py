@@ -168,3 +168,6 @@ class ProcessGroups:
                 dist.destroy_process_group(group)
             except Exception:  # already gone with a failed peer: nothing left to close
                 continue
+        # A group is freed, and its connections closed, only with its last reference.
+        self.control = self.pipeline = self.replica = None
+        self.others = []
