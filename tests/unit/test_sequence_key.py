@@ -9,53 +9,40 @@ import torch
 from torch import nn
 
 import batchgraph as bg
+from batchgraph.testing import assert_batched_matches_eager
 
 
 @pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_packed_sequences_equal_eager_with_gradients(kind: type, bidirectional: bool) -> None:
+    # Every output is compared, the final states too, and the gradients of a loss
+    # weighting each of their elements: before, the loss summed the outputs only, so
+    # final states that kept their values but sent their gradients nowhere (or to
+    # another example) passed.
     layer = kind(3, 5, num_layers=2, bidirectional=bidirectional).double()
     rnn = bg.batched_func(layer)
     lengths = [4, 1, 7, 3, 7]
     xs = [torch.randn(n, 3, dtype=torch.float64, requires_grad=True) for n in lengths]
-
-    eager = [rnn(x) for x in xs]
-    eager_loss = sum(out.sum() * (i + 1) for i, (out, _) in enumerate(eager))
-    eager_grads = torch.autograd.grad(eager_loss, [*layer.parameters(), *xs])
-
-    with bg.BatchingPolicy() as policy:
-        handles = [rnn(x) for x in xs]
-    batched = bg.compute(handles)
-    assert policy.stats is not None and policy.stats.launches == 1
-    for (e_out, e_state), (b_out, b_state) in zip(eager, batched):
-        torch.testing.assert_close(b_out, e_out, rtol=0, atol=1e-12)
-        e_flat = e_state if isinstance(e_state, tuple) else (e_state,)
-        b_flat = b_state if isinstance(b_state, tuple) else (b_state,)
-        for e, b in zip(e_flat, b_flat):
-            torch.testing.assert_close(b, e, rtol=0, atol=1e-12)
-    batched_loss = sum(out.sum() * (i + 1) for i, (out, _) in enumerate(batched))
-    batched_grads = torch.autograd.grad(batched_loss, [*layer.parameters(), *xs])
-    for e, b in zip(eager_grads, batched_grads):
-        torch.testing.assert_close(b, e, rtol=0, atol=1e-10)
+    report = assert_batched_matches_eager(rnn, xs, module=layer, rtol=0, atol=1e-10)
+    assert report.gradients_compared == len(list(layer.parameters())) + len(xs)
+    assert report.stats is not None and report.stats.launches == 1
 
 
 def test_initial_state_is_batched_too() -> None:
+    # The initial states require grad: their gradients are compared with eager ones
+    # (before, none was, and a rule that detached them passed).
     layer = nn.LSTM(2, 4).double()
     lstm = bg.batched_func(layer)
-    cases = [
-        (torch.randn(n, 2, dtype=torch.float64),
-         (torch.randn(1, 4, dtype=torch.float64), torch.randn(1, 4, dtype=torch.float64)))
-        for n in (2, 5)
-    ]
-    eager = [lstm(x, state) for x, state in cases]
-    with bg.BatchingPolicy() as policy:
-        handles = [lstm(x, state) for x, state in cases]
-    batched = bg.compute(handles)
-    assert policy.stats is not None and policy.stats.launches == 1
-    for (e_out, (e_h, e_c)), (b_out, (b_h, b_c)) in zip(eager, batched):
-        torch.testing.assert_close(b_out, e_out, rtol=0, atol=1e-12)
-        torch.testing.assert_close(b_h, e_h, rtol=0, atol=1e-12)
-        torch.testing.assert_close(b_c, e_c, rtol=0, atol=1e-12)
+
+    def state() -> torch.Tensor:
+        return torch.randn(1, 4, dtype=torch.float64, requires_grad=True)
+
+    cases = [(torch.randn(n, 2, dtype=torch.float64), (state(), state())) for n in (2, 5)]
+    report = assert_batched_matches_eager(
+        lambda case: lstm(*case), cases, module=layer, rtol=0, atol=1e-10
+    )
+    assert report.gradients_compared == len(list(layer.parameters())) + 2 * len(cases)
+    assert report.stats is not None and report.stats.launches == 1
 
 
 def test_a_user_key_through_the_policy_registry() -> None:
