@@ -86,6 +86,7 @@ def _check(
     eager_grads = _grads(xs)
 
     values = batched()
+    assert len(values) == len(eager)
     for i, (want, got) in enumerate(zip(eager, values)):
         assert len(want) == len(got)
         for j, (w, g) in enumerate(zip(want, got)):
@@ -195,7 +196,9 @@ def test_tensor_programs_in_and_out_of_autocast_keep_eager_dtypes(
             handles = [_run_in_and_out_of_autocast(bg.batched_value(x), p, inside)
                        for x, p in zip(xs, program_of)]
         got = bg.compute(handles)
+    assert len(got) == len(eager)
     for i, (want, values) in enumerate(zip(eager, got)):
+        assert len(values) == len(want), f"example {i}"
         for j, (w, g) in enumerate(zip(want, values)):
             assert type(g) is torch.Tensor, f"example {i}, value {j}: {type(g).__name__}"
             assert (g.shape, g.dtype) == (w.shape, w.dtype), f"example {i}, value {j}"
