@@ -49,7 +49,7 @@ def test_recording_inside_autocast_leaves_no_fake_tensor_behind(lin: Any) -> Non
         got = bg.compute(handles)
         after = lin(XS[0])  # the user's own eager call, in the same region
     assert not isinstance(after, FakeTensor)
-    for x, value in zip(XS, got):
+    for x, value in zip(XS, got, strict=True):
         with _autocast():
             _assert_like(value, lin(x))
 
@@ -158,5 +158,5 @@ def test_a_vmapped_call_autocast_does_not_reach_gets_the_eager_dtype() -> None:
             handles = [site(bg.batched_value(x)) for x in xs]
         got = bg.compute(handles)
         want = [prelu(x) for x in xs]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         _assert_like(g, w)

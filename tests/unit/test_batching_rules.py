@@ -171,7 +171,7 @@ def test_a_result_holding_none_returns_none_in_its_place() -> None:
         assert outs[0][1] is None and outs[0][2][1] is None
         got = bg.compute(outs)
     assert policy.stats.launches == 1
-    for x, (doubled, none, (plus, inner)) in zip(xs, got):
+    for x, (doubled, none, (plus, inner)) in zip(xs, got, strict=True):
         assert none is None and inner is None
         torch.testing.assert_close(doubled, x * 2)
         torch.testing.assert_close(plus, x + 1)
@@ -186,7 +186,7 @@ def test_attention_without_weights_matches_eager() -> None:
     with bg.BatchingPolicy():
         outs = [site(*[bg.batched_value(x)] * 3, need_weights=False) for x in xs]
         got = bg.compute(outs)
-    for x, (out, weights) in zip(xs, got):
+    for x, (out, weights) in zip(xs, got, strict=True):
         want, _ = attention(x, x, x, need_weights=False)
         assert weights is None
         torch.testing.assert_close(out, want)
@@ -347,5 +347,5 @@ def test_a_softmax_modules_dim_set_after_its_signature_was_cached_acts_per_examp
         eager = [layer(x) for x in xs]
         got = bg.compute(handles)
     assert policy.stats is not None and policy.stats.launches == 1
-    for g, want in zip(got, eager):
+    for g, want in zip(got, eager, strict=True):
         torch.testing.assert_close(g, want)

@@ -104,7 +104,7 @@ def test_eval_statistics_changed_between_record_and_compute_are_refused(change: 
     # Recorded again after the change, the calls compute with the new statistics.
     with bg.BatchingPolicy() as again:
         handles = [model.one(x) for x in xs]
-    for got, x in zip(again.compute(handles), xs):
+    for got, x in zip(again.compute(handles), xs, strict=True):
         torch.testing.assert_close(got, model.one(x), rtol=0, atol=1e-12)
 
 
@@ -245,7 +245,7 @@ def test_training_batchnorm_two_steps_through_one_module_in_one_compute_equals_e
     with bg.BatchingPolicy() as policy:
         handles = [model.twice(bg.batched_value(x)) for x in xs]
     got = policy.compute(handles)  # each BatchNorm step updates the statistics
-    for g, e in zip(got, eager):
+    for g, e in zip(got, eager, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
     assert int(model.bn.num_batches_tracked) > 0
 
@@ -327,7 +327,7 @@ def test_training_statistics_updated_by_any_mix_of_computes_are_never_refused(
         elif pending:
             chosen = pending[arg % len(pending):][:2]
             got = policy.compute([h for h, _ in chosen])
-            for value, (_, eager) in zip(got, chosen):
+            for value, (_, eager) in zip(got, chosen, strict=True):
                 torch.testing.assert_close(value, eager, rtol=0, atol=1e-12)
             pending = [p for p in pending if not any(p is c for c in chosen)]
 
@@ -396,5 +396,5 @@ def test_a_bound_batch_updating_statistics_leaves_waiting_calls_computable() -> 
         waiting = [model.rows(bg.batched_value(x)) for x in xs]
     bg.Binder(model).run(batch)  # a computation: it updates the statistics
     reference = copy.deepcopy(model)
-    for g, x in zip(policy.compute(waiting), xs):
+    for g, x in zip(policy.compute(waiting), xs, strict=True):
         torch.testing.assert_close(g, reference.rows(x), rtol=0, atol=1e-12)

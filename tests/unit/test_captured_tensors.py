@@ -72,7 +72,7 @@ def test_unchanged_tensors_compute_as_eagerly(name: str) -> None:
     xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
     with bg.BatchingPolicy():
         hs = [f(x) for x in xs]
-    for got, x in zip(bg.compute(hs), xs):
+    for got, x in zip(bg.compute(hs), xs, strict=True):
         torch.testing.assert_close(got, FUNCTIONS[name](x))
 
 

@@ -40,7 +40,7 @@ def test_equal_stacked_keys_with_equal_input_shapes_still_batch() -> None:
     xs = [torch.randn(3) for _ in range(3)]
     with bg.BatchingPolicy(rules={double.fn: _ByCallable}) as policy:
         handles = [double(x) for x in xs]
-    for x, got in zip(xs, bg.compute(handles)):
+    for x, got in zip(xs, bg.compute(handles), strict=True):
         torch.testing.assert_close(got, x * 2)
     assert policy.stats.launches == 1
 
@@ -74,6 +74,6 @@ def test_a_key_factory_function_as_a_batch_key_class_attribute() -> None:
     xs = [torch.randn(3) for _ in range(3)]
     with bg.BatchingPolicy() as policy:
         handles = [double(x) for x in xs]
-    for x, got in zip(xs, bg.compute(handles)):
+    for x, got in zip(xs, bg.compute(handles), strict=True):
         torch.testing.assert_close(got, x * 2)
     assert policy.stats.launches == 1

@@ -36,7 +36,7 @@ def test_batchnorm_statistics_and_count_equal_eager_training() -> None:
     with bg.BatchingPolicy():
         handles = [batched.f(x) for x in xs]
     assert int(batched.bn.num_batches_tracked) == 0  # recording changed nothing
-    for got, w in zip(bg.compute(handles), want):
+    for got, w in zip(bg.compute(handles), want, strict=True):
         torch.testing.assert_close(got, w)
     assert int(batched.bn.num_batches_tracked) == int(eager.bn.num_batches_tracked) == 3
     torch.testing.assert_close(batched.bn.running_mean, eager.bn.running_mean)
@@ -69,7 +69,7 @@ def test_in_place_changes_of_held_tensors_happen_only_when_calls_compute() -> No
         handles = [site(bg.batched_value(x)) for x in xs]
     counts = [int(b.sum()) for b in counting.buffers()]
     assert counts == [0, 0, 0, 0]
-    for got, x in zip(bg.compute(handles), xs):
+    for got, x in zip(bg.compute(handles), xs, strict=True):
         torch.testing.assert_close(got, x * 2.0)
     # Once per batched call, as documented for side effects: one per signature.
     assert [int(b.sum()) for b in counting.buffers()] == [2, 2, 2, 2]

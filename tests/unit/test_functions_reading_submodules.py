@@ -52,7 +52,7 @@ def test_a_function_calling_a_submodule_batches_and_matches_eager(inside: bool) 
     if not inside:
         got = bg.compute(handles)
     assert policy.stats.unbatched_calls == 0
-    for x, value in zip(xs, got):
+    for x, value in zip(xs, got, strict=True):
         torch.testing.assert_close(value, _through_submodule(x))
 
 
@@ -63,5 +63,5 @@ def test_functional_call_of_a_submodule_inside_a_batched_function() -> None:
         handles = [f(bg.batched_value(x)) for x in xs]
         _MODEL.encode(bg.batched_value(xs[0]))  # reads (and pins) the submodule's stub
         got = bg.compute(handles)  # inside the block, the stub pinned
-    for x, value in zip(xs, got):
+    for x, value in zip(xs, got, strict=True):
         torch.testing.assert_close(value, _functional(x))

@@ -51,7 +51,7 @@ def test_every_read_of_a_handle_gives_the_same_tensor() -> None:
         hs = [lin(bg.batched_value(torch.full((3,), float(i), dtype=torch.float64)))
               for i in range(10)]  # enough rows that compute hands them out together
         got = policy.compute(hs)
-    assert all(h.value is v for h, v in zip(hs, got))
+    assert all(h.value is v for h, v in zip(hs, got, strict=True))
     assert hs[0].value is hs[0].value
 
 

@@ -40,17 +40,17 @@ def test_float_ops_change_every_name_bound_to_the_value(symbol: str) -> None:
     xs = [torch.rand(3, dtype=torch.float64) + 1 for _ in range(4)]
     grad = symbol != "//="  # floor_divide has no derivative, eagerly either
     ys = [(torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_(grad) for _ in range(4)]
-    eager = [example(x, y) for x, y in zip(xs, ys)]
+    eager = [example(x, y) for x, y in zip(xs, ys, strict=True)]
     with bg.BatchingPolicy():
-        handles = [example(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys)]
+        handles = [example(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys, strict=True)]
     got = bg.compute(handles)
-    for (a, b), (ea, eb) in zip(got, eager):
+    for (a, b), (ea, eb) in zip(got, eager, strict=True):
         torch.testing.assert_close(a, ea)
         torch.testing.assert_close(b, eb)
     if grad:
         grads = torch.autograd.grad(sum(a.sum() * 3 + b.sum() for a, b in got), ys)
         eager_grads = torch.autograd.grad(sum(a.sum() * 3 + b.sum() for a, b in eager), ys)
-        for g, eg in zip(grads, eager_grads):
+        for g, eg in zip(grads, eager_grads, strict=True):
             torch.testing.assert_close(g, eg)
 
 
@@ -61,7 +61,7 @@ def test_integer_ops_change_every_name_bound_to_the_value(symbol: str) -> None:
     eager = [example(x, 2) for x in xs]
     with bg.BatchingPolicy():
         handles = [example(bg.batched_value(x), 2) for x in xs]
-    for (a, b), (ea, eb) in zip(bg.compute(handles), eager):
+    for (a, b), (ea, eb) in zip(bg.compute(handles), eager, strict=True):
         assert torch.equal(a, ea) and torch.equal(b, eb)
 
 
@@ -74,7 +74,7 @@ def test_calls_recorded_before_the_change_see_the_old_value() -> None:
     x = torch.arange(3.0)
     with bg.BatchingPolicy():
         h = example(bg.batched_value(x))
-    for got, want in zip(bg.compute(h), example(x)):
+    for got, want in zip(bg.compute(h), example(x), strict=True):
         torch.testing.assert_close(got, want)
 
 
@@ -87,7 +87,7 @@ def test_a_sum_accumulated_with_plus_equals() -> None:
     data = [[torch.randn(2) for _ in range(n)] for n in (1, 3, 4)]
     with bg.BatchingPolicy():
         handles = [example([bg.batched_value(x) for x in xs]) for xs in data]
-    for got, xs in zip(bg.compute(handles), data):
+    for got, xs in zip(bg.compute(handles), data, strict=True):
         torch.testing.assert_close(got, example(xs))
 
 
@@ -137,7 +137,7 @@ def test_shifts_record() -> None:
     with bg.BatchingPolicy():
         h = bg.batched_value(x)
         out = [h << 2, h >> 1, 1 << h, 64 >> h]
-    for got, want in zip(bg.compute(out), [x << 2, x >> 1, 1 << x, 64 >> x]):
+    for got, want in zip(bg.compute(out), [x << 2, x >> 1, 1 << x, 64 >> x], strict=True):
         assert torch.equal(got, want)
 
 

@@ -45,7 +45,7 @@ def test_host_reads_run_unbatched_with_eager_values_and_gradients(
         handles = [f(bg.batched_value(x) * 2) for x in xs]
     got = bg.compute(handles)
     grads = torch.autograd.grad(sum(g.sum() for g in got), xs)
-    for x, value, grad in zip(xs, got, grads):
+    for x, value, grad in zip(xs, got, grads, strict=True):
         want = fn(x * 2)
         torch.testing.assert_close(value, want)
         (want_grad,) = torch.autograd.grad(want.sum(), [x])
@@ -68,7 +68,7 @@ def test_a_held_real_tensor_read_on_the_host_still_batches() -> None:
     xs = [torch.randn(3) for _ in range(3)]
     with bg.BatchingPolicy() as policy:
         handles = [f(bg.batched_value(x)) for x in xs]
-    for x, value in zip(xs, bg.compute(handles)):
+    for x, value in zip(xs, bg.compute(handles), strict=True):
         torch.testing.assert_close(value, x * 6.0)
     assert policy.stats is not None and policy.stats.unbatched_calls == 0
     assert policy.stats.launches == 1

@@ -37,7 +37,7 @@ def test_a_lazy_module_is_initialized_by_its_first_recorded_call_as_eagerly() ->
     got = bg.compute(handles)
     # The same initial weights (drawn where the first call is), the same values.
     torch.testing.assert_close(model.head.weight, eager_model.head.weight, rtol=0, atol=0)
-    for want, value in zip(eager, got):
+    for want, value in zip(eager, got, strict=True):
         torch.testing.assert_close(value, want)
     assert policy.stats.launches <= 2  # the constants and one batched Linear
 

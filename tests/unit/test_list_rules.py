@@ -88,7 +88,7 @@ class _Faithful(bg.BatchKey):
 
 def test_a_faithful_list_rule_over_examples_of_different_shapes_matches_eager() -> None:
     xs = [torch.randn(n) for n in (2, 3, 4)]
-    for x, got in zip(xs, _compute_with(_Faithful, xs)):
+    for x, got in zip(xs, _compute_with(_Faithful, xs), strict=True):
         torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
 
 

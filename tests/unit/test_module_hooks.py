@@ -81,7 +81,7 @@ def test_weight_norms_hook_does_not_warn_and_equals_eager() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", BatchedHooksWarning)
         got = _batched(model, xs)
-    for x, g in zip(xs, got):
+    for x, g in zip(xs, got, strict=True):
         torch.testing.assert_close(g, model.f(x))
 
 

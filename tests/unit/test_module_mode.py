@@ -54,7 +54,7 @@ def test_a_module_switched_before_compute_is_refused_and_runs_once_switched_back
     assert not any(h.computed for h in handles)  # refused before anything ran
     module.train()
     got = policy.compute(handles)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 
 
@@ -143,7 +143,7 @@ def test_random_record_switch_compute_sequences_match_eager(ops: list[str]) -> N
                         policy.compute([h for h, _, _ in pending])
                     continue
                 got = policy.compute([h for h, _, _ in pending])
-                for g, (_, want, _) in zip(got, pending):
+                for g, (_, want, _) in zip(got, pending, strict=True):
                     torch.testing.assert_close(g, want)
                 pending.clear()
 
@@ -202,7 +202,7 @@ def test_a_submodule_switched_alone_before_compute_is_refused() -> None:
             policy.compute(hs)
         assert not any(h.computed for h in hs)
         block.inner.train()
-        for got, want in zip(policy.compute(hs), expected):
+        for got, want in zip(policy.compute(hs), expected, strict=True):
             torch.testing.assert_close(got, want)
 
 

@@ -134,6 +134,6 @@ def test_computes_give_eager_values_or_refuse_calls_from_before_a_step(
                     pending = [p for p in pending if p[3] == steps[p[2]] or p[0].computed]
                     continue
                 got = policy.compute([h for h, *_ in chosen])
-            for value, (_, eager, _, _) in zip(got, chosen):
+            for value, (_, eager, _, _) in zip(got, chosen, strict=True):
                 torch.testing.assert_close(value, eager)
             pending = [p for p in pending if not any(p is c for c in chosen)]

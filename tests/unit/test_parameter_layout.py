@@ -77,5 +77,5 @@ def test_a_model_converted_between_recording_and_compute_is_refused() -> None:
     with pytest.raises(bg.ParameterChangedError, match=r"Embedding.* converted .*\.double\(\)"):
         bg.compute(handles)
     model.float()  # back as recorded: computes, as eagerly
-    for token, got in zip((1, 2), bg.compute(handles)):
+    for token, got in zip((1, 2), bg.compute(handles), strict=True):
         torch.testing.assert_close(got, model.step(token))

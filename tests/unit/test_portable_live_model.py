@@ -212,5 +212,5 @@ def test_an_integer_placeholder_is_not_merged_with_an_equal_constant() -> None:
     model = Shifter()
     items = [[0, 1, 2], [4, 3, 2]]
     bound = bg.bind(bg.GraphCollate(model, "lookup")(items), model)
-    for b, tokens in zip(bound, items):
+    for b, tokens in zip(bound, items, strict=True):
         torch.testing.assert_close(b, model.lookup(tokens), rtol=0, atol=0)

@@ -45,7 +45,7 @@ def test_eager_and_batched_give_the_same_nesting_and_values() -> None:
         handles = [model.run(x) for x in xs]
     assert isinstance(handles[0]["a"], bg.ResultHandle)
     batched = bg.compute(handles)
-    for e, b in zip(eager, batched):
+    for e, b in zip(eager, batched, strict=True):
         assert set(b) == {"a", "b"}
         torch.testing.assert_close(b["a"], e["a"], rtol=0, atol=1e-12)
         torch.testing.assert_close(b["b"], e["b"], rtol=0, atol=1e-12)
@@ -82,7 +82,7 @@ def test_a_tuple_result_is_a_tuple_of_handles_nested_like_the_eager_result() -> 
     assert [type(x) for x in (out, h, c)] == [bg.ResultHandle] * 3
     assert (out.shape, h.shape, c.shape) == ((5, 4), (1, 4), (1, 4))
     assert [x.leaf for x in (out, h, c)] == [0, 1, 2]
-    for got, want in zip(bg.compute(recorded), eager):
+    for got, want in zip(bg.compute(recorded), eager, strict=True):
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1][0], want[1][0])
         torch.testing.assert_close(got[1][1], want[1][1])
@@ -100,12 +100,12 @@ def test_operators_methods_and_torch_functions_record_per_example_semantics() ->
             torch.where(x > y, x, y),
         ]
 
-    eager = [example(x, y) for x, y in zip(xs, ys)]
+    eager = [example(x, y) for x, y in zip(xs, ys, strict=True)]
     with bg.BatchingPolicy():
-        handles = [example(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys)]
+        handles = [example(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys, strict=True)]
     batched = bg.compute(handles)
-    for e_row, b_row in zip(eager, batched):
-        for i, (e, b) in enumerate(zip(e_row, b_row)):
+    for e_row, b_row in zip(eager, batched, strict=True):
+        for i, (e, b) in enumerate(zip(e_row, b_row, strict=True)):
             assert b.shape == e.shape, f"op {i}"
             torch.testing.assert_close(b, e, rtol=0, atol=1e-12, msg=f"op {i}")
 
@@ -207,7 +207,7 @@ def test_tensor_properties_are_recorded_and_data_attributes_refused() -> None:
         assert transposed[0].shape == torch.Size([3, 2])
         with pytest.raises(AttributeError, match=r"'grad'.*only available on computed values"):
             _ = hs[0].grad
-    for x, t in zip(xs, bg.compute(transposed)):
+    for x, t in zip(xs, bg.compute(transposed), strict=True):
         torch.testing.assert_close(t, x.T)
 
 
@@ -318,7 +318,7 @@ def test_reductions_batch_with_a_fast_rule_and_per_example_semantics(op: object,
     eager = [op(lin(x)) for x in xs]  # type: ignore[operator]
     with bg.BatchingPolicy() as policy:
         handles = [op(lin(x)) for x in xs]  # type: ignore[operator]
-    for got, want in zip(bg.compute(handles), eager):
+    for got, want in zip(bg.compute(handles), eager, strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert type(policy.graph.keys[-1]).__name__ == key
@@ -331,10 +331,10 @@ def test_dim_ops_left_at_their_default_dim_still_batch_per_example() -> None:
     ops = [lambda a, b: torch.stack([a, b]), lambda a, b: torch.cat([a, b]),
            lambda a, b: torch.stack([a, b]).sum(0)]
     for op in ops:
-        eager = [op(x, y) for x, y in zip(xs, ys)]
+        eager = [op(x, y) for x, y in zip(xs, ys, strict=True)]
         with bg.BatchingPolicy():
-            handles = [op(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys)]
-        for got, want in zip(bg.compute(handles), eager):
+            handles = [op(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys, strict=True)]
+        for got, want in zip(bg.compute(handles), eager, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
@@ -388,7 +388,7 @@ def test_numbers_of_different_types_are_different_calls() -> None:
            lambda h: torch.add(h, 1.0, alpha=2)]
     with bg.BatchingPolicy():
         handles = [op(bg.batched_value(x)) for op in ops]
-    for got, op in zip(bg.compute(handles), ops):
+    for got, op in zip(bg.compute(handles), ops, strict=True):
         want = op(x)
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want)
@@ -525,7 +525,7 @@ def test_equality_on_handles_is_elementwise_as_on_tensors() -> None:
             if hs[0] == 1.0:  # not known while recording: never a silent False
                 pass
         got = bg.compute(masks)
-    for x, (eq, ne, req) in zip(xs, got):
+    for x, (eq, ne, req) in zip(xs, got, strict=True):
         assert torch.equal(eq, x == 1.0) and torch.equal(ne, x != 1.0)
         assert torch.equal(req, x == 1.0)
 

@@ -125,7 +125,7 @@ def test_a_later_compute_schedules_only_its_own_nodes() -> None:
     assert graph.node_loc == before  # planned in place, then set back
     assert [n for step in schedule.steps for n in step.nodes] == [h.node for h in later]
     values = policy.compute(later)
-    for h, v in zip(first[:3], values):
+    for h, v in zip(first[:3], values, strict=True):
         torch.testing.assert_close(v, torch.tanh(bg.compute(h)))
 
 

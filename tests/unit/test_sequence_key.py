@@ -70,7 +70,7 @@ def test_a_user_key_through_the_policy_registry() -> None:
         hs = [f(x) for x in xs]
     out = bg.compute(hs)
     assert SumRowsKey.runs == [3]
-    for x, o in zip(xs, out):
+    for x, o in zip(xs, out, strict=True):
         torch.testing.assert_close(o, x.sum(0))
 
 
@@ -83,6 +83,6 @@ def test_ragged_outputs_feed_stacked_consumers_by_length() -> None:
     eager = [head(lstm(x)[0]) for x in xs]
     with bg.BatchingPolicy() as policy:
         hs = [head(lstm(x)[0]) for x in xs]
-    for e, b in zip(eager, bg.compute(hs)):
+    for e, b in zip(eager, bg.compute(hs), strict=True):
         torch.testing.assert_close(b, e, rtol=0, atol=1e-12)
     assert policy.stats is not None and policy.stats.launches == 3  # lstm, head x2 shapes

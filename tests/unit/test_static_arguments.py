@@ -43,5 +43,5 @@ def test_equal_dicts_batch_into_one_launch() -> None:
         hs = [f(bg.batched_value(x), {"scale": 2.0, "shift": 1}) for x in xs]
     got = bg.compute(hs)
     assert policy.stats.launches == 1  # each call's dict is a new object: keyed by value
-    for value, x in zip(got, xs):
+    for value, x in zip(got, xs, strict=True):
         torch.testing.assert_close(value, x * 2.0 + 1)

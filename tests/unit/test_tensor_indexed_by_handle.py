@@ -33,7 +33,7 @@ def test_a_tensor_indexed_by_a_handle_warns_nothing_and_records_one_call(
     assert [str(w.message) for w in caught] == ["the user's own warning"]
     # One getitem per example; before, also one per item of the index (h[0], h[1]...).
     assert policy.graph.calls_recorded - before == len(hs)
-    for got, i in zip(bg.compute(rows), indices):
+    for got, i in zip(bg.compute(rows), indices, strict=True):
         assert torch.equal(got, table[i])
 
 
