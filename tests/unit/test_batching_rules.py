@@ -294,9 +294,11 @@ def test_slicing_batches_into_one_launch(name: str) -> None:
     assert policy.stats.launches == 1  # one batched indexing (constants are not launches)
     for value, x in zip(got, xs):
         torch.testing.assert_close(value, index(x))
-    grads = torch.autograd.grad(sum(v.sum() for v in got), xs)
-    for g, x in zip(grads, xs):
-        torch.testing.assert_close(g, torch.autograd.grad(index(x).sum(), x)[0])
+    # Each example's output weighs i + 1: under a plain sum every example's gradient
+    # is the same mask of ones, and gradients sent to another example's rows matched.
+    grads = torch.autograd.grad(sum((i + 1) * v.sum() for i, v in enumerate(got)), xs)
+    for i, (g, x) in enumerate(zip(grads, xs, strict=True)):
+        torch.testing.assert_close(g, torch.autograd.grad((i + 1) * index(x).sum(), x)[0])
 
 
 @pytest.mark.parametrize(

@@ -31,14 +31,16 @@ def test_a_dict_of_handles_and_tensors_gives_eager_values_and_gradients() -> Non
         return gate({"x": x, "bias": x * 2, "w": w, "scale": 0.5})
 
     eager = [example(x) for x in xs]
-    want = torch.autograd.grad(sum(e.sum() for e in eager), [w, *xs])
+    # Each example's output weighs i + 1: a plain sum could not tell whose rows a
+    # gradient reached.
+    want = torch.autograd.grad(sum((i + 1) * e.sum() for i, e in enumerate(eager)), [w, *xs])
     with bg.BatchingPolicy() as policy:
         handles = [example(bg.batched_value(x)) for x in xs]
     got = bg.compute(handles)
-    grads = torch.autograd.grad(sum(g.sum() for g in got), [w, *xs])
-    for value, expected in zip(got, eager):
+    grads = torch.autograd.grad(sum((i + 1) * g.sum() for i, g in enumerate(got)), [w, *xs])
+    for value, expected in zip(got, eager, strict=True):
         torch.testing.assert_close(value, expected)
-    for grad, expected in zip(grads, want):
+    for grad, expected in zip(grads, want, strict=True):
         torch.testing.assert_close(grad, expected)
     # The four gate calls are one call (as with a list), after the four x * 2.
     assert policy.stats is not None and policy.stats.launches == 2
