@@ -18,13 +18,22 @@ publish that, so the ranks further away report it too.
 from __future__ import annotations
 
 import json
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from batchgraph.errors import BatchgraphError
 from batchgraph.pipeline.errors import PipelineAbortedError, StageError
 
-__all__ = ["AbortBoard", "FailureRecord", "PeerFailedError", "PeerLostError", "RankStageError"]
+__all__ = [
+    "AbortBoard",
+    "FailureRecord",
+    "PeerFailedError",
+    "PeerLostError",
+    "RankStageError",
+    "clear_frames",
+    "rank_error",
+]
 
 
 class RankStageError(StageError):
@@ -162,3 +171,45 @@ class AbortBoard:
         except Exception:
             return None
         return FailureRecord(**data)
+
+
+def rank_error(exc: BaseException, rank: int, board: AbortBoard) -> BaseException:
+    """What rank ``rank`` raises for ``exc``: a stage's error names the rank; a raw error
+    (of a collective after the step's actions: the timeline gather, an all-reduce) is
+    the failure of the rank that failed first, if another did; anything else as is.
+
+    Example:
+        >>> from batchgraph.pipeline.errors import StageError
+        >>> board = AbortBoard(None, "demo")
+        >>> failed = StageError("stage 1 failed", stage=1, action="1F0", microbatch=0)
+        >>> str(rank_error(failed, 3, board))
+        'rank 3: stage 1 failed'
+    """
+    if isinstance(exc, StageError) and not isinstance(exc, RankStageError):
+        return RankStageError(
+            f"rank {rank}: {exc}", rank=rank, stage=exc.stage, action=exc.action,
+            microbatch=exc.microbatch,
+        )  # fmt: skip
+    if not isinstance(exc, BatchgraphError):
+        record = board.read()
+        if record is not None and record.rank != rank:
+            return record.as_error(rank, "in a collective with the other ranks")
+    return exc
+
+
+def clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames of ``exc``'s traceback and of its causes'
+    (a failed wait's frames hold its transfer, and so its process group).
+
+    Example:
+        >>> try:
+        ...     raise ValueError("x")
+        ... except ValueError as err:
+        ...     clear_frames(err)
+    """
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,13 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from batchgraph.errors import BatchgraphError
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, stage_specs
 from batchgraph.pipeline.dist_comm import DistCommunicator
-from batchgraph.pipeline.dist_errors import FailureRecord, PeerFailedError, RankStageError
+from batchgraph.pipeline.dist_errors import (
+    FailureRecord,
+    PeerFailedError,
+    clear_frames,
+    rank_error,
+)
 from batchgraph.pipeline.dist_loss import StepLoss
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
@@ -76,16 +79,6 @@ def _describe(schedule: str | PipelineSchedule) -> str:
         return schedule
     order = ";".join(" ".join(map(str, schedule.order[d])) for d in sorted(schedule.order))
     return f"{schedule.name}[{order}]"
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames of ``exc``'s traceback and its causes'."""
-    seen: set[int] = set()
-    err: BaseException | None = exc
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
-        err = err.__cause__ or err.__context__
 
 
 class DistributedPipeline:
@@ -369,18 +362,7 @@ class DistributedPipeline:
         """Publish the failure, tear down the groups (waking blocked peers), name this rank."""
         self._failed = exc
         rank = self.topology.rank
-        error: BaseException = exc
-        if isinstance(exc, StageError) and not isinstance(exc, RankStageError):
-            error = RankStageError(
-                f"rank {rank}: {exc}", rank=rank, stage=exc.stage, action=exc.action,
-                microbatch=exc.microbatch,
-            )  # fmt: skip
-        elif not isinstance(exc, BatchgraphError):
-            # A raw error of a collective after the step's actions (the timeline gather,
-            # a gradient all-reduce): if a peer failed first, that is the error to report.
-            record = self.groups.board.read()
-            if record is not None and record.rank != rank:
-                error = record.as_error(rank, "in a collective with the other ranks")
+        error = rank_error(exc, rank, self.groups.board)
         if not isinstance(error, PeerFailedError):
             self.groups.board.publish(FailureRecord.of(rank, error))
         self.comm.abort(exc)
@@ -397,7 +379,7 @@ class DistributedPipeline:
             self._gather.release()
         self.tied.release()
         if not isinstance(exc, StageError):
-            _clear_frames(exc)
+            clear_frames(exc)
         gc.collect()
         return error
 
