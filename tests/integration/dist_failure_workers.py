@@ -17,7 +17,7 @@ from torch import nn
 from tests.integration import dist_workers as W
 from tests.integration.dist_check_workers import Total, _last_with
 
-LINGER = 5.0  # seconds each rank lives on after its step failed
+LINGER = 8.0  # seconds each rank lives on after its step failed
 
 
 def _timed_step(pipe: Any, x: torch.Tensor | None, y: torch.Tensor | None) -> dict[str, Any]:
