@@ -25,15 +25,9 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import autocast_state, in_autocast_state
-from batchgraph.buffers import Watch, computing
-from batchgraph.errors import (
-    BatchedCallError,
-    BufferChangedError,
-    ConstantChangedError,
-    ModuleModeChangedError,
-    NotATensorError,
-    ParameterChangedError,
-)
+from batchgraph.buffers import computing
+from batchgraph.compute_checks import check_buffers, check_modes, check_parameters
+from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.keys import BatchKey, ConstantKey
@@ -97,13 +91,13 @@ class Executor:
                 f"{len(graph.stores)}; schedules must run in the order they were built"
             )
         if graph.key_training:
-            self._check_modes(schedule)
+            check_modes(graph, schedule)
         if graph.key_versions:
-            self._check_parameters(schedule)
+            check_parameters(graph, schedule)
         # Buffers the steps may change themselves (running statistics) are marked as
         # the computation's while it runs (batchgraph.buffers), after the check that
         # nothing else changed them since their calls were recorded.
-        watching = (computing(self._check_buffers(schedule)) if graph.key_buffers
+        watching = (computing(check_buffers(graph, schedule)) if graph.key_buffers
                     else _NOTHING_WATCHED)
         added = 0
         guard, wanted, constants_outside = self._modes(schedule)
@@ -255,108 +249,6 @@ class Executor:
                 step.nodes
             ):
                 wanted[i] = True
-
-    def _check_modes(self, schedule: Schedule) -> None:
-        # Checked before any step runs: a refused batch computes nothing, and the
-        # caller can switch the module back and compute again.
-        graph = self.graph
-        modes, keys = graph.key_training, graph.keys
-        for step in schedule.steps:
-            recorded = modes.get(step.key)
-            if recorded is None:
-                continue
-            module = keys[step.key].fn
-            if getattr(module, "training", recorded) == recorded:
-                if step.key in graph.key_submodes:
-                    self._check_submodules(step)
-                continue
-            then, now = ("train", "eval") if recorded else ("eval", "train")
-            raise ModuleModeChangedError(
-                f"calls of {keys[step.key].label} in {graph.name!r} ({len(step.nodes)} in "
-                f"this batch) were recorded in {then} mode, but the module is in {now} "
-                f"mode now: switched before they were computed. Eagerly they ran in {then} "
-                "mode (dropout and batch statistics differ). Compute them before calling "
-                "train()/eval() (read a value, or policy.compute(...)), or switch back to "
-                f"{then} mode and compute then."
-            )
-
-    def _check_submodules(self, step: Step) -> None:
-        graph = self.graph
-        switched = graph.switched_submodules(step.key)
-        if switched:
-            raise ModuleModeChangedError(
-                f"submodule(s) {', '.join(switched[:5])} of {graph.keys[step.key].label} in "
-                f"{graph.name!r} were switched between train() and eval() after its calls "
-                f"in this batch ({len(step.nodes)}) were recorded and before they were "
-                "computed. Eagerly those calls ran in the old modes (dropout and batch "
-                "statistics differ). Compute them before switching (read a value, or "
-                "policy.compute(...)), or switch back and compute then."
-            )
-
-    def _check_parameters(self, schedule: Schedule) -> None:
-        # Before any step runs, as for modes: a refused batch computes nothing.
-        graph = self.graph
-        for step in schedule.steps:
-            if step.key in graph.key_versions and graph.parameters_converted(step.key):
-                raise ParameterChangedError(
-                    f"{graph.keys[step.key].label} in {graph.name!r} was converted to "
-                    "another dtype or device (model.to(...), .double(), .half(), .cuda(); "
-                    "for a function, a tensor it reads) after its calls in this batch "
-                    f"({len(step.nodes)}) were recorded and before they were computed: "
-                    "eagerly they ran with the old parameters. Compute what you recorded "
-                    "before converting the model (bg.compute, or read a value), or record "
-                    "the calls again."
-                )
-            if step.key in graph.key_versions and graph.parameters_changed(step.key):
-                key = graph.keys[step.key]
-                what = (
-                    "the parameters of" if isinstance(key.fn, torch.nn.Module)
-                    else "tensors read by"  # closed over, global or bound: batchgraph.captured
-                )
-                raise ParameterChangedError(
-                    f"{what} {key.label} in {graph.name!r} changed in place "
-                    "(optimizer.step(), or an in-place update) after its calls in this "
-                    f"batch ({len(step.nodes)}) were recorded and before they were "
-                    "computed. A batched call reads the parameters when it runs, so "
-                    "those calls would use the new values where eager calls used the old "
-                    "ones. Compute what you recorded before changing parameters "
-                    "(loss.backward() and optimizer.step() after bg.compute), or record "
-                    "the calls again."
-                )
-
-    def _check_buffers(self, schedule: Schedule) -> list[Watch]:
-        """Refuse, before any step runs, a step whose module's buffers were changed
-        in place from outside batchgraph since its calls were recorded; return the
-        watches of every buffer the steps read."""
-        graph = self.graph
-        noted = graph.key_buffers
-        watched: dict[int, Watch] = {}
-        done: set[int] = set()
-        for step in schedule.steps:
-            kid = step.key
-            if kid not in noted or kid in done:
-                continue
-            done.add(kid)
-            changed = graph.changed_buffers(kid)
-            if changed:
-                key = graph.keys[kid]
-                whose = "" if isinstance(key.fn, torch.nn.Module) else " (of modules it reads)"
-                shown = ", ".join(repr(name) for name in changed[:5])
-                raise BufferChangedError(
-                    f"buffer(s) {shown}{whose} of {key.label} in {graph.name!r} changed in "
-                    f"place after its calls in this batch ({len(step.nodes)}) were recorded "
-                    "and before they were computed (new statistics loaded, an EMA update, "
-                    "an eager call of the module, load_state_dict). A batched call reads the "
-                    "buffers when it runs, so those calls would use the new values where "
-                    "eager calls used the old ones. Compute what you recorded before "
-                    "changing the buffers (bg.compute, or read a value), or record the "
-                    "calls again after the change. (Changes the batched calls make "
-                    "themselves, such as a BatchNorm's running statistics in training "
-                    "mode, are not refused.)"
-                )
-            for w in graph.watched_buffers(kid):
-                watched[id(w)] = w
-        return list(watched.values())
 
     def _check_unchanged(self, nodes: list[int]) -> None:
         graph = self.graph

@@ -1,0 +1,120 @@
+"""What ``compute`` refuses before any step runs.
+
+A batched call reads its module's mode, parameters and buffers when it runs, not when
+it was recorded (``batchgraph.key_reads`` notes them per key id). A call whose module
+was switched, converted or changed in place in between would compute with what eager
+code did not see. These checks run before the first step, so a refused batch computes
+nothing and the caller can put things back and compute again. Kept apart from
+``batchgraph.executor``, which runs the steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgraph.buffers import Watch
+from batchgraph.errors import BufferChangedError, ModuleModeChangedError, ParameterChangedError
+from batchgraph.graph import Graph
+from batchgraph.scheduling import Schedule, Step
+
+__all__ = ["check_buffers", "check_modes", "check_parameters"]
+
+
+def check_modes(graph: Graph, schedule: Schedule) -> None:
+    """Refuse a step whose module (or a submodule) was switched between train() and
+    eval() since its calls were recorded."""
+    modes, keys = graph.key_training, graph.keys
+    for step in schedule.steps:
+        recorded = modes.get(step.key)
+        if recorded is None:
+            continue
+        module = keys[step.key].fn
+        if getattr(module, "training", recorded) == recorded:
+            if step.key in graph.key_submodes:
+                _check_submodules(graph, step)
+            continue
+        then, now = ("train", "eval") if recorded else ("eval", "train")
+        raise ModuleModeChangedError(
+            f"calls of {keys[step.key].label} in {graph.name!r} ({len(step.nodes)} in "
+            f"this batch) were recorded in {then} mode, but the module is in {now} "
+            f"mode now: switched before they were computed. Eagerly they ran in {then} "
+            "mode (dropout and batch statistics differ). Compute them before calling "
+            "train()/eval() (read a value, or policy.compute(...)), or switch back to "
+            f"{then} mode and compute then."
+        )
+
+def _check_submodules(graph: Graph, step: Step) -> None:
+    switched = graph.switched_submodules(step.key)
+    if switched:
+        raise ModuleModeChangedError(
+            f"submodule(s) {', '.join(switched[:5])} of {graph.keys[step.key].label} in "
+            f"{graph.name!r} were switched between train() and eval() after its calls "
+            f"in this batch ({len(step.nodes)}) were recorded and before they were "
+            "computed. Eagerly those calls ran in the old modes (dropout and batch "
+            "statistics differ). Compute them before switching (read a value, or "
+            "policy.compute(...)), or switch back and compute then."
+        )
+
+def check_parameters(graph: Graph, schedule: Schedule) -> None:
+    """Refuse a step whose parameters (a function's captured tensors) were converted
+    or changed in place since its calls were recorded."""
+    for step in schedule.steps:
+        if step.key in graph.key_versions and graph.parameters_converted(step.key):
+            raise ParameterChangedError(
+                f"{graph.keys[step.key].label} in {graph.name!r} was converted to "
+                "another dtype or device (model.to(...), .double(), .half(), .cuda(); "
+                "for a function, a tensor it reads) after its calls in this batch "
+                f"({len(step.nodes)}) were recorded and before they were computed: "
+                "eagerly they ran with the old parameters. Compute what you recorded "
+                "before converting the model (bg.compute, or read a value), or record "
+                "the calls again."
+            )
+        if step.key in graph.key_versions and graph.parameters_changed(step.key):
+            key = graph.keys[step.key]
+            what = (
+                "the parameters of" if isinstance(key.fn, torch.nn.Module)
+                else "tensors read by"  # closed over, global or bound: batchgraph.captured
+            )
+            raise ParameterChangedError(
+                f"{what} {key.label} in {graph.name!r} changed in place "
+                "(optimizer.step(), or an in-place update) after its calls in this "
+                f"batch ({len(step.nodes)}) were recorded and before they were "
+                "computed. A batched call reads the parameters when it runs, so "
+                "those calls would use the new values where eager calls used the old "
+                "ones. Compute what you recorded before changing parameters "
+                "(loss.backward() and optimizer.step() after bg.compute), or record "
+                "the calls again."
+            )
+
+def check_buffers(graph: Graph, schedule: Schedule) -> list[Watch]:
+    """Refuse a step whose module's buffers were changed in place from outside
+    batchgraph since its calls were recorded; return the watches of every buffer the
+    steps read."""
+    noted = graph.key_buffers
+    watched: dict[int, Watch] = {}
+    done: set[int] = set()
+    for step in schedule.steps:
+        kid = step.key
+        if kid not in noted or kid in done:
+            continue
+        done.add(kid)
+        changed = graph.changed_buffers(kid)
+        if changed:
+            key = graph.keys[kid]
+            whose = "" if isinstance(key.fn, torch.nn.Module) else " (of modules it reads)"
+            shown = ", ".join(repr(name) for name in changed[:5])
+            raise BufferChangedError(
+                f"buffer(s) {shown}{whose} of {key.label} in {graph.name!r} changed in "
+                f"place after its calls in this batch ({len(step.nodes)}) were recorded "
+                "and before they were computed (new statistics loaded, an EMA update, "
+                "an eager call of the module, load_state_dict). A batched call reads the "
+                "buffers when it runs, so those calls would use the new values where "
+                "eager calls used the old ones. Compute what you recorded before "
+                "changing the buffers (bg.compute, or read a value), or record the "
+                "calls again after the change. (Changes the batched calls make "
+                "themselves, such as a BatchNorm's running statistics in training "
+                "mode, are not refused.)"
+            )
+        for w in graph.watched_buffers(kid):
+            watched[id(w)] = w
+    return list(watched.values())
