@@ -34,22 +34,28 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
 
 
+def _weighted_loss(outputs: list[torch.Tensor]) -> torch.Tensor:
+    # Example i weighs i + 1: under a plain sum, gradients handed to another example's
+    # rows would give the same parameter gradients.
+    return torch.stack([(i + 1.0) * o.sum() for i, o in enumerate(outputs)]).sum()
+
+
 def assert_same_outputs_and_grads(
     model: nn.Module, collate: bg.GraphCollate, forward: Any, items: list[Any]
 ) -> None:
     """In-process compute vs GraphCollate (structure copy) + bind: bitwise equal."""
     model.zero_grad()
     expected, schedule = in_process(model, forward, items)
-    torch.stack([e.sum() for e in expected]).sum().backward()
+    _weighted_loss(expected).backward()
     expected_grads = grads(model)
     model.zero_grad()
     batch = collate(items)
     assert same_schedule(batch.schedule, schedule)
     got = bg.bind(batch, model)
-    torch.stack([g.sum() for g in got]).sum().backward()
-    for e, g in zip(expected, got):
+    _weighted_loss(got).backward()
+    for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
-    for e, g in zip(expected_grads, grads(model)):
+    for e, g in zip(expected_grads, grads(model), strict=True):
         assert torch.equal(e, g)
 
 
