@@ -18,7 +18,9 @@ gather, together with the outputs made in between::
                                                 the batched call    the next carry
 
 A gather then reads one carry and the few stores made since its pool was last
-gathered: two ops in the usual case, however deep the step. Rows of older stores
+gathered: two ops in the usual case, however deep the step. Rows read only much later
+(more than ``CARRY_HORIZON`` steps ahead) stay in their stores once they are more than
+a few: carried, they would be copied at every gather until then. Rows of older stores
 (earlier computes of a coroutine run, per-example lists) come as before: a slice, the
 whole store when at least half of it is used, else an ``index_select`` of its rows.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import repeat
+from math import prod
 from typing import Any
 
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT
@@ -43,6 +46,16 @@ LEAF_MASK = (1 << (STORE_SHIFT - LEAF_SHIFT)) - 1
 # an explicit list of rows; or (CARRY, pool, range) for the rows a pool carries.
 Part = tuple[int, int, Any]
 CARRY = -1
+
+# Carrying a row costs a copy at every gather of its pool until its last use (and, in
+# backward, one more); leaving it in its store costs one more part (an op) where it is
+# used. Rows used within CARRY_HORIZON steps ride along; rows used later are left in
+# their stores once they hold more than CARRY_FAR_ELEMENTS elements in all. Without
+# that bound a BiLSTM tagger carried every word's states (read once, by the output
+# layer, after both directions) through every step: gathers moved 588k rows for one
+# batch of 64 sentences, 31k with it (benchmarks/tagger.py).
+CARRY_HORIZON = 16
+CARRY_FAR_ELEMENTS = 1 << 12
 
 
 @dataclass
@@ -132,6 +145,10 @@ class GatherPlanner:
         self.carry: dict[int, list[int]] = {}  # pool -> codes of its carried rows
         self.fresh: dict[int, list[tuple[int, int]]] = {}  # pool -> outputs since
 
+    @staticmethod
+    def _numel(spec: TensorSpec) -> int:
+        return prod(spec.shape)
+
     def produced(self, store: int, leaf_specs: list[OutSpec]) -> None:
         """Store ``store`` (a stacked step's outputs) joins the pools of its leaves."""
         pools = self.pools
@@ -167,6 +184,11 @@ class GatherPlanner:
             perm = list(map(row_of.__getitem__, codes))
         used_until = self.last_use.get
         survivors = [c for c in row_of if used_until(c, -1) > step]
+        if survivors and len(survivors) * self._numel(spec) > CARRY_FAR_ELEMENTS:
+            horizon = step + CARRY_HORIZON
+            near = [c for c in survivors if used_until(c, -1) <= horizon]
+            if (len(survivors) - len(near)) * self._numel(spec) > CARRY_FAR_ELEMENTS:
+                survivors = near
         if survivors:
             perm.extend(map(row_of.__getitem__, survivors))
             self.carry[pool] = survivors
