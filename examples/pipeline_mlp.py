@@ -8,8 +8,9 @@ Run with torchrun, one process per pipeline device (times replicas)::
 
 Every rank builds the model on the ``meta`` device (no memory), and the pipeline
 materialises only the stages that rank runs. The first rank of each pipeline passes its
-shard of the inputs, the last rank its shard of the targets; the last ranks print the
-loss, and rank 0 prints the gathered stats and writes the measured timeline PNG.
+shard of the inputs, the last rank its shard of the targets; the first replica's last
+rank prints its shard's loss, and rank 0 prints the gathered stats and writes the
+measured timeline PNG.
 """
 
 from __future__ import annotations
