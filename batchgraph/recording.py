@@ -31,6 +31,7 @@ from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
     encode_argument,
+    encode_handle_tuple,
     foreign_handle,
     identity_signature,
     in_place_error,
@@ -220,8 +221,14 @@ class CallSite:
                     if kind is int or kind is bool or (kind is float and a):  # h * 2.0
                         sig.append((kind, a))  # as static_value, inlined
                         continue
-                    simple = False
                     box = [deepest]
+                    if kind is tuple:  # cell(x, (h, c)): the signature check still applies
+                        entry_ = encode_handle_tuple(a, graph, inputs, box)
+                        if entry_ is not None:
+                            sig.append(entry_)
+                            deepest = box[0]
+                            continue
+                    simple = False
                     sig.append(encode_argument(a, graph, inputs, box))
                     deepest = box[0]
             if kwargs:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "encode_argument",
+    "encode_handle_tuple",
     "foreign_handle",
     "identity_signature",
     "in_place_error",
@@ -62,6 +63,34 @@ def _holds_tensors(a: Any) -> bool:
     if type(a) in _MAPS:
         return any(_holds_tensors(x) for x in a.values())
     return False
+
+
+def encode_handle_tuple(
+    a: tuple[Any, ...], graph: Graph, inputs: list[Ref], depth: list[int]
+) -> Any:
+    """``encode_argument`` of a tuple of plain handles of ``graph`` (an LSTM state
+    ``(h, c)``), without its recursion; None for any other tuple, unchanged ``inputs``.
+
+    Same entry as ``encode_argument`` gives, so both share the call-signature cache.
+    """
+    specs = []
+    for x in a:
+        if (type(x) is not ResultHandle or x._graph is not graph
+                or type(spec := x.spec) is not TensorSpec
+                or (x._out is not None and not unchanged(x._out))):
+            return None
+        specs.append(spec)
+    if not specs:
+        return None
+    node_depth = graph.node_depth
+    deepest = depth[0]
+    for x in a:
+        inputs.append((x.node, x.leaf))
+        d = node_depth[x.node]
+        if d > deepest:
+            deepest = d
+    depth[0] = deepest
+    return (tuple, tuple(specs))
 
 
 def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -> Any:

@@ -248,3 +248,29 @@ def test_a_changed_structure_of_unknown_shape_cannot_be_passed_by_its_handle() -
     counts.mul_(10)
     with pytest.raises(bg.ConstantChangedError, match="Pass the changed value itself"), policy:
         _total(h)
+
+
+def _cell_after_a_change(x: torch.Tensor, cell: Any) -> Any:
+    """Eager or recorded: an LSTM state, read, changed in place, then passed on as a
+    tuple ``(h, c)`` (the common form, which records through a fast path)."""
+    h, c = cell(x)
+    value = bg.compute(h) if isinstance(h, bg.ResultHandle) else h
+    before = cell(x, (h, c))
+    value.mul_(-2.0)
+    after = cell(x, (h, c))
+    return before, after
+
+
+def test_a_changed_state_inside_a_tuple_reaches_later_calls_only() -> None:
+    torch.manual_seed(0)
+    cell = bg.batched_func(nn.LSTMCell(3, 3).double())
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(3)]
+    with torch.no_grad():
+        eager = [_cell_after_a_change(x, cell) for x in xs]
+        with bg.BatchingPolicy():
+            recorded = [_cell_after_a_change(x, cell) for x in xs]
+        got = bg.compute(recorded)
+    for want, have in zip(eager, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=0, atol=1e-12)
+    # The change mattered: the calls before and after it differ.
+    assert not torch.allclose(eager[0][0][0], eager[0][1][0])
