@@ -30,9 +30,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from batchgraph import gcpause
 from batchgraph.pipeline import rng
@@ -203,6 +204,16 @@ class Coordinator:
     def timeline(self) -> list[TimelineEvent]:
         """Measured events of the last step, times relative to its first action's start."""
         return list(self._events)
+
+    @property
+    def own_modules(self) -> dict[int, nn.Module]:
+        """Every stage's module (this process runs them all), by stage index."""
+        return {stage.index: stage.module for stage in self.stages}
+
+    def gather_state(self, part: dict[str, Any], dst: int = 0) -> dict[str, Any]:
+        """``part`` itself: one process holds every stage (the distributed backend's
+        gathers every rank's part)."""
+        return part
 
     # -- steps ----------------------------------------------------------------------------
 

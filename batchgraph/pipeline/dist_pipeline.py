@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
+from batchgraph.pipeline.checkpoint import CheckpointMethods, StateNames, guard_split
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, stage_specs
@@ -48,6 +49,7 @@ from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
     allreduce_gradients,
+    gather_state,
     restore_gradients,
     stash_gradients,
     step_timeline,
@@ -81,7 +83,7 @@ def _describe(schedule: str | PipelineSchedule) -> str:
     return f"{schedule.name}[{order}]"
 
 
-class DistributedPipeline:
+class DistributedPipeline(CheckpointMethods):
     """Pipeline training across processes: this rank's share of a pipeline (x replicas).
 
     Call it the same way on every rank of an initialised process group of
@@ -126,6 +128,7 @@ class DistributedPipeline:
             loss = pipe.train_step(x if rank == 0 else None, y if rank == 1 else None)
             if rank == 0:
                 print(pipe.stats.summary())
+            torch.save(pipe.state_dict(), f"rank{rank}.pt")  # its stages, the model's names
     """
 
     def __init__(
@@ -153,6 +156,8 @@ class DistributedPipeline:
         if isinstance(module, nn.Sequential):  # split here: its own hooks would never run
             warn_whole_model_hooks(module, stacklevel=2)
         ties, specs = self._find_ties(module, stages * chunks)
+        # The model's names of each stage's state (checkpoints), read before materialising.
+        self._names = StateNames.of_given(module, specs, stages * chunks)
         config = {
             "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
             "replicas": replicas, "world": dist.get_world_size(), "modules": n_specs,
@@ -183,6 +188,8 @@ class DistributedPipeline:
         self.stages = build_local_stages(
             specs or module, self.schedule, self.topology.device, self.device, split
         )
+        given = [module] if isinstance(module, nn.Module) else module  # their state_dict() fails
+        guard_split(given, self.own_modules, self.schedule.stages)
         # Parameters shared by stages on different ranks: their gradients are summed
         # over those ranks after each step (see dist_tied).
         self.tied = TiedGradients(ties, self.schedule.device_of, self.groups, self.stages, timeout)
@@ -232,6 +239,18 @@ class DistributedPipeline:
         # Once: stages of this rank may share a parameter (tied weights, chunks > 1).
         params = (p for s in sorted(self.stages) for p in self.stages[s].module.parameters())
         return list(dict.fromkeys(params))
+
+    # -- checkpoints (see batchgraph.pipeline.checkpoint) ---------------------------------
+
+    @property
+    def own_modules(self) -> dict[int, nn.Module]:
+        """This rank's stage modules, by stage index."""
+        return {s: stage.module for s, stage in self.stages.items()}
+
+    def gather_state(self, part: dict[str, Any], dst: int = 0) -> dict[str, Any] | None:
+        """Every rank's ``part`` merged on rank ``dst`` (the first replica's only)."""
+        self._check_open()
+        return gather_state(part, dst, self.groups.control, send=self.topology.replica == 0)
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ __all__ = [
     "TimelineGather",
     "allreduce_gradients",
     "gather_events",
+    "gather_state",
     "restore_gradients",
     "stash_gradients",
     "step_timeline",
@@ -33,6 +34,23 @@ def stash_gradients(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
     for p in params:
         p.grad = None
     return saved
+
+
+def gather_state(
+    part: Mapping[str, Any], dst: int, group: Any, send: bool = True
+) -> dict[str, Any] | None:
+    """Every rank's ``part`` of a state_dict, merged on global rank ``dst`` as CPU tensors
+    (``None`` elsewhere). Collective over ``group``. Ranks with ``send`` false add nothing
+    (another replica of their stages sends the same values); so do tied copies, which
+    are equal after every step.
+    """
+    mine = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in part.items()}
+    world = dist.get_world_size(group)
+    parts: list[Any] | None = [None] * world if dist.get_rank() == dst else None
+    dist.gather_object(mine if send else {}, parts, dst=dst, group=group)
+    if parts is None:
+        return None
+    return {k: v for got in parts for k, v in got.items()}
 
 
 def allreduce_gradients(

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import PipelineSchedule
+from batchgraph.pipeline.checkpoint import CheckpointMethods, StateNames, guard_split
 from batchgraph.pipeline.coordinator import Coordinator
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.loss import Loss, Output
@@ -61,6 +62,14 @@ class PipelineRuntime(Protocol):
     def reset(self) -> None: ...
 
     def close(self) -> None: ...
+
+    # The modules of the stages this process runs, by stage index (a process backend's
+    # rank: its own only), and every process's part of a state_dict merged on rank
+    # ``dst`` (None elsewhere; a one-process runtime returns ``part``).
+    @property
+    def own_modules(self) -> dict[int, nn.Module]: ...
+
+    def gather_state(self, part: dict[str, Any], dst: int = 0) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,7 @@ def _threads_backend(request: BackendRequest) -> Coordinator:
 register_backend("threads", _threads_backend)
 
 
-class Pipeline:
+class Pipeline(CheckpointMethods):
     """Pipeline-parallel training of a model split into stages.
 
     Args:
@@ -265,6 +274,13 @@ class Pipeline:
                 f"devices has {len(devices)} entries; give one per pipeline device ({plan.devices})"
             )
         loss = loss_fn if isinstance(loss_fn, Loss) or loss_fn is None else Loss(loss_fn, reduction)
+        # Before the backend moves (or materialises) the stages: tensors are matched by identity.
+        whole: nn.Module | list[nn.Module] = (
+            module
+            if isinstance(module, nn.Module)
+            else [s.module if isinstance(s, Stage) else s for s in module]
+        )
+        self._names = StateNames.by_identity(whole, modules)
         self.schedule = plan
         self.stage_modules = modules
         self.backend = backend
@@ -278,6 +294,9 @@ class Pipeline:
                 check_shapes=check_shapes,
             )
         )
+        # Where other processes train some stages, the model's own state_dict() here is stale.
+        items = [whole] if isinstance(whole, nn.Module) else whole
+        guard_split(items, self._runtime.own_modules, len(modules))
 
     def __enter__(self) -> Pipeline:
         return self
@@ -335,6 +354,15 @@ class Pipeline:
     def reset(self) -> None:
         """Drop saved activations, pending messages, stats and timeline (e.g. after a failure)."""
         self._runtime.reset()
+
+    @property
+    def own_modules(self) -> dict[int, nn.Module]:
+        """The modules of the stages this process runs, by stage index."""
+        return self._runtime.own_modules
+
+    def gather_state(self, part: dict[str, Any], dst: int = 0) -> dict[str, Any] | None:
+        """Every process's ``part`` merged on rank ``dst`` (see :class:`PipelineRuntime`)."""
+        return self._runtime.gather_state(part, dst)
 
     def close(self) -> None:
         """Stop the runtime's threads or processes; the modules stay usable."""
