@@ -143,3 +143,32 @@ def job_stage_list(rank: int, world: int) -> dict[str, Any]:
         out["own_module"] = _attempt(mods[rank].state_dict)
         out["other_module"] = _attempt(mods[(rank + 1) % world].state_dict)
     return out
+
+
+def job_replicas(rank: int, world: int) -> dict[str, Any]:
+    """2 stages x 2 replicas trained on halves of each batch: every replica's part, and
+    the whole gathered from the first replica, equal single-device training."""
+    from batchgraph.pipeline import Pipeline
+
+    device, replica = rank % 2, rank // 2
+    single = model(2)
+    with torch.device("meta"):
+        net = model(2)
+    with Pipeline(net, stages=2, microbatches=2, loss_fn=nn.MSELoss(),
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        pipe.load_state_dict(single.state_dict())
+
+        def step(x: Tensor, y: Tensor) -> None:
+            half = slice(0, len(x) // 2) if replica == 0 else slice(len(x) // 2, None)
+            pipe.train_step(x[half] if device == 0 else None, y[half] if device == 1 else None)
+
+        _train([p for m in pipe.own_modules.values() for p in m.parameters()], step)
+        _train(list(single.parameters()), lambda x, y: nn.MSELoss()(single(x), y).backward())
+        want = single.state_dict()
+        whole = pipe.gather_state_dict()
+        return {
+            "part_error": _error(pipe.state_dict(), want),
+            "whole_keys": None if whole is None else list(whole),
+            "want_keys": list(want),
+            "whole_error": None if whole is None else _error(whole, want),
+        }

@@ -98,3 +98,12 @@ def test_a_list_of_stages_is_named_like_a_sequential_of_them(
         assert f"unexpected key(s), of no stage: '{world}.x'" in res["no_stage"]
         assert res["own_module"] == "ok"
         assert "this rank runs only stage(s)" in res["other_module"]
+
+
+def test_replicas_save_alike_and_the_whole_gathers_once() -> None:
+    launch = W.launch(C.job_replicas, world=4, limit=90)
+    for r in range(4):
+        res = launch.ok(r)
+        assert res["part_error"] < TOL, f"rank {r}: differs from one device by {res['part_error']}"
+        assert res["whole_keys"] == (res["want_keys"] if r == 0 else None)
+    assert launch.ok(0)["whole_error"] < TOL
