@@ -43,6 +43,7 @@ from batchgraph.awaiting import (
 )
 from batchgraph.errors import NotComputedError, PolicyMismatchError
 from batchgraph.handle import ResultHandle
+from batchgraph.notes import add_note
 from batchgraph.pinning import unpin_stubs
 from batchgraph.policy import BatchingPolicy
 from batchgraph.recording import _ACTIVE
@@ -289,9 +290,9 @@ class Lane:
                 # Task keeps them: escaping the driver, they ended every example of a
                 # run_all, and left an AsyncBatcher's other callers waiting forever.
                 if isinstance(err, PolicyMismatchError):
-                    err.add_note(_OWN_LANE)
+                    add_note(err, _OWN_LANE)
                 elif isinstance(err, RuntimeError) and str(err) == "no running event loop":
-                    err.add_note(_NO_LOOP.format(ex.index))
+                    add_note(err, _NO_LOOP.format(ex.index))
                 ex.done, ex.error = True, err
                 return
             if (_grad_enabled() is not outer or ex.grad is not None
@@ -319,7 +320,7 @@ class Lane:
                     f"{graph.name!r}; a driver computes only what its examples record. "
                     "Create handles inside the example coroutine (or compute others first)."
                 )
-                throw.add_note(_OWN_LANE)
+                add_note(throw, _OWN_LANE)
                 continue
             ex.steps += 1
             if self.max_steps is not None and ex.steps > self.max_steps:
@@ -392,6 +393,5 @@ class Lane:
             except BaseException as err:
                 if isinstance(err, _STOPS_THE_DRIVER):
                     raise
-                if hasattr(err, "add_note"):
-                    err.add_note(f"(raised while computing example {ex.index}'s awaited values)")
+                add_note(err, f"(raised while computing example {ex.index}'s awaited values)")
                 ex.throw = err
