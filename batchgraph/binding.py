@@ -44,7 +44,7 @@ from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey
 from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
 from batchgraph.recording import CallSite
-from batchgraph.rules import KeyFactory, choose_key
+from batchgraph.rules import KeyFactory, choose_key, rule_table
 from batchgraph.specs import NO_TENSOR, TensorSpec, rebuild_mapping, rebuild_sequence
 
 __all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
@@ -101,7 +101,7 @@ class Binder:
 
     def __init__(self, model: nn.Module, rules: Mapping[Any, KeyFactory] | None = None) -> None:
         self.model = model
-        self.rules: dict[Any, KeyFactory] = dict(rules or {})
+        self.rules: dict[Any, KeyFactory] = rule_table(rules)
         self.stats = BindStats()
         self._checked: dict[PortableKey, BatchKey] = {}
         # The buffers each key's calls read (batchgraph.buffers): a batch's run is a
@@ -427,6 +427,6 @@ def bind(
             "autocast region, or record in the main process inside it (BatchingPolicy)."
         )
     binder = _BINDERS.get(model)
-    if binder is None or binder.rules != dict(rules or {}):
+    if binder is None or binder.rules != rule_table(rules):
         binder = _BINDERS[model] = Binder(model, rules)
     return binder.run(batch, stack=stack)

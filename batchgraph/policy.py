@@ -28,7 +28,7 @@ from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
 from batchgraph.pinning import unpin_stubs
 from batchgraph.recording import _ACTIVE
-from batchgraph.rules import KeyFactory
+from batchgraph.rules import KeyFactory, rule_table
 from batchgraph.scheduling import (
     SCHEDULERS,
     Schedule,
@@ -49,7 +49,11 @@ class BatchingPolicy:
     Args:
         scheduler: ``"agenda"`` (default) or ``"depth"``.
         dedupe: merge identical calls (same callable, same inputs) before running.
-        rules: extra batching rules: ``{ModuleType or function: BatchKey subclass}``.
+        rules: extra batching rules: ``{module, ModuleType or function: BatchKey
+            subclass}``. A rule keyed by a module instance applies to that module
+            alone and comes before its class's rule (a forward hook on one layer:
+            ``{layer: bg.UnbatchedKey}``); a module's own ``batch_key`` attribute
+            comes before both. A ``batched_func`` wrapper stands for what it wraps.
         name: shown in error messages.
 
     Example:
@@ -77,7 +81,7 @@ class BatchingPolicy:
             )
         self.scheduler = scheduler
         self.dedupe = dedupe
-        self.rules: dict[Any, KeyFactory] = dict(rules or {})
+        self.rules: dict[Any, KeyFactory] = rule_table(rules)
         # Signature caches are shared across policies with no custom rules; a policy
         # with rules gets a fresh token (never reused, unlike id()).
         self.rules_token = 0 if not self.rules else next(_rules_tokens)

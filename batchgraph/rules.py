@@ -1,7 +1,7 @@
 """Choosing a ``BatchKey`` class for a call: the built-in registry and its fallbacks.
 
 Order of precedence: a module's own ``batch_key`` attribute, then the policy's
-``rules`` (by module type or by function), then the built-in fast rules below, then
+``rules`` (by module instance, then by module type; or by function), then the built-in fast rules below, then
 ``VmapKey``. Separately, ``probe_vmap`` checks once per signature that vmap can run the
 call at all; if not, the call runs one at a time (``UnbatchedKey``) and stats say so.
 """
@@ -44,7 +44,9 @@ from batchgraph.specs import (
     tuple_parts,
 )
 
-__all__ = ["BatchedHooksWarning", "KeyFactory", "RandomDraws", "choose_key", "may_be_random"]
+__all__ = [
+    "BatchedHooksWarning", "KeyFactory", "RandomDraws", "choose_key", "may_be_random", "rule_table",
+]
 
 KeyFactory = Callable[..., BatchKey]
 
@@ -247,7 +249,7 @@ def choose_key(
     Args:
         fn: the callable.
         call: its signature.
-        rules: the policy's registry, by module type or by function.
+        rules: the policy's registry, by module instance, module type or function.
 
     Returns:
         A ``BatchKey`` instance.
@@ -263,8 +265,8 @@ def choose_key(
         factory: KeyFactory | None = fn.__dict__.get("batch_key")
         if factory is None:
             factory = getattr(type(fn), "batch_key", None)
-        if factory is None:
-            factory = rules.get(type(fn))
+        if factory is None and rules:
+            factory = _module_rule(fn, rules)
         if factory is None:
             factory = _module_key(fn, call)
     else:
@@ -276,6 +278,32 @@ def choose_key(
     if isinstance(fn, nn.Module) and key.batchable:
         _warn_about_hooks(fn, key)
     return key
+
+
+def _module_rule(module: nn.Module, rules: Mapping[Any, KeyFactory]) -> KeyFactory | None:
+    """The rule for this module itself, else for its class."""
+    try:
+        factory = rules.get(module)
+    except TypeError:  # a module class that made its instances unhashable
+        factory = None
+    return factory if factory is not None else rules.get(type(module))
+
+
+def rule_table(rules: Mapping[Any, KeyFactory] | None) -> dict[Any, KeyFactory]:
+    """``rules`` as ``choose_key`` reads them: a call site (what ``batched_func``
+    returns, or a submodule's stand-in while a policy records) stands for its
+    callable, which is what calls are looked up by; as a key of its own it would
+    never match, and the rule would be ignored without a word.
+
+    Example:
+        >>> import batchgraph as bg
+        >>> lin = nn.Linear(2, 2)
+        >>> rule_table({bg.batched_func(lin): bg.UnbatchedKey}) == {lin: bg.UnbatchedKey}
+        True
+    """
+    from batchgraph.recording import CallSite  # it imports this module
+
+    return {(k.fn if isinstance(k, CallSite) else k): v for k, v in (rules or {}).items()}
 
 
 class BatchedHooksWarning(UserWarning):
@@ -344,7 +372,8 @@ def _warn_about_hooks(module: nn.Module, key: BatchKey) -> None:
         f"{type(key).__name__}, they run once per batched call (and once on fake tensors "
         f"when a call signature is new), not once per example: {how}. For eager "
         f"behaviour run it one call at a time, BatchingPolicy(rules={{{name}: "
-        f"bg.UnbatchedKey}}){vmap}.",
+        f"bg.UnbatchedKey}}) (or, for this module alone, the module as the key: "
+        f"rules={{module: bg.UnbatchedKey}}){vmap}.",
         BatchedHooksWarning,
         stacklevel=6,  # <- choose_key <- _resolve <- _entry <- CallSite.__call__ <- caller
     )

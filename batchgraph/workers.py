@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from batchgraph.errors import BatchgraphError
 from batchgraph.policy import BatchingPolicy
 from batchgraph.portable import Exporter, PortableBatch, SkippedExample, grad_mode
-from batchgraph.rules import KeyFactory
+from batchgraph.rules import KeyFactory, rule_table
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.structure import load_structure, model_structure
 
@@ -114,7 +114,16 @@ class GraphCollate:
         self.target = target
         self.scheduler = scheduler
         self.dedupe = dedupe
-        self.rules: dict[Any, KeyFactory] = dict(rules or {})
+        self.rules: dict[Any, KeyFactory] = rule_table(rules)
+        mine = next((k for k in self.rules if isinstance(k, nn.Module)), None)
+        if mine is not None:
+            name = type(mine).__name__
+            raise TypeError(
+                f"rules has a key that is one {name} module: a worker records with its "
+                "own copy of the model, where a rule for this instance would never apply. "
+                f"Key the rule by its class (rules={{{name}: ...}}), or set it on the "
+                f"module itself (module.batch_key = ...), which travels with the model."
+            )
         self.skip_errors = skip_errors
         if cache is True:
             cache = ScheduleCache()
