@@ -8,11 +8,14 @@ are never merged) and the kind of sequence its result is (handles come back in i
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -96,19 +99,58 @@ class _FakeRunGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _QuietFakeErrors(logging.Filter):
+    """Drops torch's error logs from this thread's batchgraph fake runs.
+
+    Torch logs every exception of a meta kernel (a shape error) with its traceback,
+    as ERROR on stderr, before raising it. A run here that fails raises
+    ``ShapeMismatchError`` with torch's message in it, or learns only that a key
+    cannot batch (``probe_vmap``): the log said it all again, even where the user
+    caught the error. A filter on torch's logger, not a level change: other threads
+    (their own fake tensor work) keep their logs, and torch's logging setup
+    (``TORCH_LOGS``, ``torch._logging.set_logs``) replaces handlers, not filters.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    @property
+    def depth(self) -> int:
+        depth: int = getattr(self._local, "depth", 0)
+        return depth
+
+    @depth.setter
+    def depth(self, value: int) -> None:
+        self._local.depth = value
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or not self.depth
+
+
+_QUIET = _QuietFakeErrors()
+logging.getLogger(fake_tensor.__name__).addFilter(_QUIET)
+
+
 @contextlib.contextmanager
 def on_fake_tensors() -> Iterator[None]:
     """Where a call runs on fake tensors to learn its output: torch's fake mode (real
     tensors the function holds allowed), no autocast cache, host reads of fake values
-    raised as ``_HostRead``, and real tensors kept as they are (``_FakeRunGuard``).
+    raised as ``_HostRead``, real tensors kept as they are (``_FakeRunGuard``), and
+    torch's error log of a failing run left out (``_QuietFakeErrors``).
 
     Example:
         >>> with on_fake_tensors():
         ...     torch.ones(2, 3).sum(0).shape
         torch.Size([3])
     """
-    with without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True), _FakeRunGuard():
-        yield
+    _QUIET.depth += 1
+    try:
+        with (without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True),
+              _FakeRunGuard()):
+            yield
+    finally:
+        _QUIET.depth -= 1
 
 
 def infer_spec(
