@@ -27,11 +27,17 @@ Rules that keep it correct:
 * A lane's graph is touched by one thread at a time: while it computes, nothing is
   admitted to it, resumed or closed. Arrivals go to another idle lane (``groups``
   lanes take turns on the executor, as in ``run_all``) or wait for the step to end.
-* Cancelling a caller's task cancels its future; the worker then closes that example
-  (at once, or when its lane's step ends) and never requests its handles again, so
-  its pending calls are pruned from later steps. Other examples are not disturbed:
-  a step they share still computes, and only the cancelled example's result is
-  dropped.
+* Cancelling a caller's task cancels its example as asyncio cancels a task: the
+  worker raises ``asyncio.CancelledError`` in the example at the await where it waits
+  (at once, or when its lane's step ends), so its ``except asyncio.CancelledError:``
+  and ``finally`` blocks run, and the caller's ``run`` ends with what the example
+  does: if it lets the error out, ``run`` raises ``CancelledError`` and the caller's
+  task ends cancelled; if it swallows it and goes on, it stays batched (its calls
+  still run) and ``run`` returns its result, as an awaited coroutine that swallows
+  a cancellation lets its task go on. An example that never started is closed
+  without running (asyncio's cancel of a task that never ran). Its handles are no
+  longer requested, so its pending calls are pruned from later steps. Other
+  examples are not disturbed: a step they share still computes.
 * An example that raises fails only its own caller; a failing batched call is
   retried per example so only the examples whose calls fail get the error.
 * Examples run in the batcher's grad mode, not the event loop thread's: asyncio
@@ -43,8 +49,9 @@ Rules that keep it correct:
   example's own ``with torch.no_grad():``, ``torch.inference_mode()`` or
   ``torch.autocast(...)`` blocks hold within it, as eagerly.
 * A batcher serves one event loop at a time. When its loop ends (``asyncio.run``
-  returns) with examples unfinished, their callers fail and the examples are closed
-  (their ``finally`` blocks run); a later loop's first ``run`` starts the batcher
+  returns) with examples unfinished, their callers fail and the examples are
+  cancelled (``CancelledError`` at their await, then closed if they go on: nothing
+  is left to resume them); a later loop's first ``run`` starts the batcher
   afresh there. A loop still running elsewhere keeps it: another loop is refused.
 * Memory stays bounded: each step releases the values nothing can read any more
   (``batchgraph.releasing``); an empty lane is dropped, and a lane whose graph (its
@@ -59,7 +66,7 @@ import contextlib
 import inspect
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,11 +83,14 @@ __all__ = ["AsyncBatcher"]
 class _Call:
     """One ``run`` call: its example, its caller's future, and since when it waits."""
 
-    __slots__ = ("example", "future", "lane", "since", "stepped")
+    __slots__ = ("cancel", "example", "future", "lane", "since", "stepped")
 
     def __init__(self, example: Example, future: asyncio.Future[Any]) -> None:
         self.example = example
+        # Resolved by the worker alone (a caller's cancel reaches the example instead).
         self.future = future
+        # Its caller was cancelled with this, not yet raised in the example.
+        self.cancel: asyncio.CancelledError | None = None
         self.since = time.monotonic()
         self.stepped = False  # computed at least once (a running example)
         self.lane: _LaneState | None = None
@@ -173,7 +183,9 @@ class AsyncBatcher:
 
         Raises:
             Exception: whatever the example raised (only this caller sees it).
-            asyncio.CancelledError: if the calling task is cancelled.
+            asyncio.CancelledError: if the calling task is cancelled and the example lets
+                the ``CancelledError`` raised at its await out (see the module docstring:
+                an example that swallows it goes on, and its result is returned).
             RuntimeError: after ``aclose``.
             TypeError: if ``coro`` is not a coroutine.
         """
@@ -194,9 +206,17 @@ class AsyncBatcher:
         call = _Call(Example(self._count, coro), future)
         self._count += 1
         self._arrivals.append(call)
-        future.add_done_callback(self._poke)  # a cancellation wakes the worker
         self._poke()
-        return await future
+        while True:
+            try:
+                # Shielded: cancelling the caller must not cancel the future, whose
+                # outcome is the example's (it may swallow the cancellation).
+                return await asyncio.shield(future)
+            except asyncio.CancelledError as err:
+                if future.done():  # the example let it out, or ended just before:
+                    raise  # a cancelled await drops the outcome, as in asyncio
+                call.cancel = err  # the worker raises it in the example; wait for that
+                self._poke()
 
     async def aclose(self) -> None:
         """Finish every example already submitted, then stop the worker and its thread."""
@@ -282,40 +302,40 @@ class AsyncBatcher:
         calls = [*arrivals, *(c for s in lanes for c in s.calls.values())]
         for call in arrivals:
             call.example.close()  # never started: close it quietly
-        with _driving(self._mode[0]):  # finally blocks in the examples may record
+        with _driving(self._mode[0]):  # except and finally blocks may record
             for state in lanes:
                 state.abandoned = True
-                if not state.computing:  # else the step's end closes them (finish)
-                    state.lane.close([c.example for c in state.calls.values()])
+                if not state.computing:  # else the step's end cancels them (finish)
+                    _cancel_all(state)
         stopped = err if isinstance(err, Exception) else RuntimeError(
             f"the AsyncBatcher's worker stopped ({type(err).__name__}) before this "
             "example finished: its event loop shut down, or the worker task was cancelled"
         )
         for call in calls:
             if not call.future.done() and not call.future.get_loop().is_closed():
-                call.future.set_exception(stopped)
+                if call.cancel is not None:  # its caller was cancelled: it ends so
+                    call.future.cancel()
+                else:
+                    call.future.set_exception(stopped)
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # a step still running finishes on its own
             self._pool = None
 
     def _reap(self) -> None:
-        """Drop cancelled calls, resolve finished ones, and retire empty lanes."""
+        """Cancel examples whose callers were, resolve finished ones, and retire empty
+        lanes."""
         self._arrivals = [c for c in self._arrivals if not self._dropped(c)]
         for state in self._lanes:
             if state.computing:
                 continue  # its examples are the executor's until the step ends
-            cancelled = [c.example for c in state.calls.values() if c.future.cancelled()]
+            cancelled = _take_cancels(state.calls.values())
             if cancelled:
-                state.lane.close(cancelled)
+                state.lane.resume(cancelled)
             for key, call in list(state.calls.items()):
                 ex = call.example
                 if ex.done:
                     del state.calls[key]
-                    if not call.future.done():
-                        if ex.error is not None:
-                            call.future.set_exception(ex.error)
-                        else:
-                            call.future.set_result(ex.result)
+                    _resolve(call)
             if len(state.lane.policy.graph) > self.max_graph_nodes:
                 state.sealed = True
         for state in self._lanes:
@@ -325,8 +345,9 @@ class AsyncBatcher:
 
     @staticmethod
     def _dropped(call: _Call) -> bool:
-        if call.future.cancelled():
+        if call.cancel is not None:  # never started: nothing in it can see the error
             call.example.close()
+            call.future.cancel()
             return True
         return False
 
@@ -401,17 +422,14 @@ class AsyncBatcher:
             state.computing, state.step = False, None
             if state.abandoned:  # the worker stopped while this step ran
                 # All of the lane's examples, also those waiting outside this step.
-                state.lane.close([c.example for c in state.calls.values()])
+                _cancel_all(state)
                 return
             error = step.exception() if not step.cancelled() else None
             if error is not None:  # only a bug gets here: per-example errors are kept
                 for ex in examples:
                     ex.throw = error
-            live = [ex for ex in examples if not ex.done]
-            cancelled = [c.example for c in batch if c.future.cancelled()]
-            if cancelled:
-                state.lane.close(cancelled)
-            state.lane.resume([ex for ex in live if not ex.done])
+            _take_cancels(batch)  # raised at the await the step answered, not later
+            state.lane.resume([ex for ex in examples if not ex.done])
             now = time.monotonic()
             for call in batch:
                 call.stepped = True
@@ -419,6 +437,45 @@ class AsyncBatcher:
             self._poke()
 
         step.add_done_callback(done)
+
+
+def _take_cancels(calls: Iterable[_Call]) -> list[Example]:
+    """The waiting examples whose callers were cancelled, each set to raise a new
+    ``CancelledError`` (with the caller's message) when it resumes, as asyncio raises
+    one at a cancelled task's await."""
+    examples = []
+    for call in calls:
+        if call.cancel is not None and not call.example.done:
+            call.example.throw = asyncio.CancelledError(*call.cancel.args)
+            call.cancel = None
+            examples.append(call.example)
+    return examples
+
+
+def _resolve(call: _Call) -> None:
+    """Hand a finished example's outcome to its caller (a ``CancelledError`` it let
+    out cancels the future: its caller's task ends cancelled)."""
+    ex, future = call.example, call.future
+    if future.done():
+        return
+    if call.cancel is not None:  # it ended before the cancellation reached it:
+        future.cancel(*call.cancel.args[:1])  # asyncio drops the outcome then too
+    elif isinstance(ex.error, asyncio.CancelledError):
+        future.cancel(*ex.error.args[:1])
+    elif ex.error is not None:
+        future.set_exception(ex.error)
+    else:
+        future.set_result(ex.result)
+
+
+def _cancel_all(state: _LaneState) -> None:
+    """The worker stopped: raise ``CancelledError`` in each of the lane's examples at
+    its await, and close those that go on (nothing is left to resume them)."""
+    examples = [c.example for c in state.calls.values() if not c.example.done]
+    for ex in examples:
+        ex.throw = asyncio.CancelledError()
+    state.lane.resume(examples)
+    state.lane.close([ex for ex in examples if not ex.done])
 
 
 @contextlib.contextmanager
