@@ -22,6 +22,13 @@ How it works. One worker task owns every example; it runs on the event loop thre
 3. *Resume*: when the step is done, the worker resumes those examples with their
    values; finished ones resolve their callers' futures.
 
+Examples record on the event loop thread, as the loop's other code runs: between
+awaits nothing else of the loop runs, as asyncio code expects (shared Python state
+needs no lock; asyncio calls work). What would hold the loop long is kept off it:
+steps compute on the executor thread, and torch's one-time fake-mode set-up (a first
+call's shape inference: 1.3 s measured) runs there when the worker starts. A new call
+signature's own shape inference (10-40 ms) still runs where the example records.
+
 Rules that keep it correct:
 
 * A lane's graph is touched by one thread at a time: while it computes, nothing is
@@ -73,6 +80,7 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import in_autocast_state
+from batchgraph.inference import warm_up
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
 from batchgraph.threads import compute_pool
@@ -271,6 +279,10 @@ class AsyncBatcher:
         wakeup = self._wakeup  # this worker's own: a later worker makes a new one
         assert wakeup is not None
         try:
+            # torch's first run on fake tensors (a new call's shape inference) sets
+            # fake mode up: 1.3 s that blocked the loop in the first recorded call.
+            assert self._pool is not None
+            await asyncio.get_running_loop().run_in_executor(self._pool, warm_up)
             while True:
                 wakeup.clear()
                 with _driving(self._mode[0]):  # examples record here (start, close)

@@ -30,9 +30,17 @@ from torch.overrides import TorchFunctionMode
 from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
 from batchgraph.rules import RandomDraws
-from batchgraph.specs import CallSignature, InputSlot, OutSpec, sequence_kind, spec_of, tuple_parts
+from batchgraph.specs import (
+    CallSignature,
+    InputSlot,
+    OutSpec,
+    TensorSpec,
+    sequence_kind,
+    spec_of,
+    tuple_parts,
+)
 
-__all__ = ["fake_apply", "infer_spec", "on_fake_tensors"]
+__all__ = ["fake_apply", "infer_spec", "on_fake_tensors", "warm_up"]
 
 
 class _HostRead(RuntimeError):
@@ -207,6 +215,34 @@ def infer_spec(
             "in a module or function that returns tensors, and do the rest on computed "
             "values."
         ) from err
+
+
+_warm = False  # warm_up has run in this process
+
+
+def warm_up() -> bool:
+    """Pay torch's one-time set-up of its fake mode now: run one call on fake tensors.
+
+    The first run on fake tensors in a process imports and builds what fake mode needs
+    (1.3 s measured on a 2-core host; later new signatures took 10-40 ms), and it
+    happens in the first recorded call. ``AsyncBatcher`` calls this on its executor
+    thread, so that the event loop, where its examples record, is not blocked by it.
+
+    Returns:
+        Whether it ran (False: it already had, in this process).
+
+    Example:
+        >>> _ = warm_up()
+        >>> warm_up()
+        False
+    """
+    global _warm
+    if _warm:
+        return False
+    spec = TensorSpec((2,), torch.float32, torch.device("cpu"))
+    infer_spec(torch.tanh, "tanh", CallSignature((InputSlot(0),), (), (spec,), None))
+    _warm = True
+    return True
 
 
 def _culprit(out: Any, where: str = "") -> str:
