@@ -45,6 +45,9 @@ Rules that keep it correct:
   without running (asyncio's cancel of a task that never ran). Its handles are no
   longer requested, so its pending calls are pruned from later steps. Other
   examples are not disturbed: a step they share still computes.
+* A tensor an example passed to a call must stay as it is until its step starts
+  (a change before is refused, as by ``compute``); the step reads a copy made then,
+  so another task changing it in place while the step runs does not reach it.
 * An example that raises fails only its own caller; a failing batched call is
   retried per example so only the examples whose calls fail get the error.
 * Examples run in the batcher's grad mode, not the event loop thread's: asyncio
@@ -421,6 +424,7 @@ class AsyncBatcher:
         state.computing = True
         examples = [c.example for c in batch]
         self.batch_sizes[len(examples)] += 1
+        state.lane.hold_inputs()  # other tasks may change them while the step runs
         loop = asyncio.get_running_loop()
         step = state.step = loop.run_in_executor(
             self._pool, state.lane.compute, examples, self._mode

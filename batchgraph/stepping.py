@@ -45,6 +45,7 @@ from batchgraph.errors import NotComputedError, PolicyMismatchError
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
 from batchgraph.pinning import unpin_stubs
+from batchgraph.placeholders import is_placeholder
 from batchgraph.policy import BatchingPolicy
 from batchgraph.recording import _ACTIVE
 from batchgraph.releasing import StoreReleaser
@@ -191,6 +192,7 @@ class Lane:
         self.steps = 0  # batched steps computed
         # Frees each step's values once nothing can read them (batchgraph.releasing).
         self.releaser = StoreReleaser(policy.graph)
+        self.held: set[int] = set()  # constants hold_inputs copied (not to copy again)
 
     # -- driver thread ---------------------------------------------------------------
     def records_on_cuda(self) -> bool:
@@ -199,6 +201,30 @@ class Lane:
             type(spec) is TensorSpec and spec.device.type == "cuda"
             for spec in self.policy.graph.node_spec
         )
+
+    def hold_inputs(self) -> None:
+        """Copy the tensors the lane's next step reads as they are now, on the driver
+        thread, before the step computes on another one.
+
+        Other code of the driver's thread (an asyncio task of the loop) may change such
+        a tensor in place while the step runs: the step checks each tensor's version
+        just before reading it, so a change landing between the check and the read
+        went unseen, and the step read values eager code never saw. Copied here, where
+        nothing else runs, a tensor changed before this point still fails the check
+        (its copy is not made), and a later change does not reach the copy. Tensors
+        that require grad are not copied (changing them in place is refused by torch
+        where it matters), nor are inference tensors (nothing tracks their changes).
+        """
+        graph = self.policy.graph
+        constants, versions, held = graph.constants, graph.constant_versions, self.held
+        for n, value in constants.items():
+            # Only plain tensors: a subclass's copy might not behave as the original.
+            if (n not in held and type(value) is torch.Tensor and not value.requires_grad
+                    and versions.get(n) == value._version and not is_placeholder(value)):
+                copy = value.clone()
+                constants[n], versions[n] = copy, copy._version
+                held.add(n)
+        held.intersection_update(constants)  # computed ones are dropped from constants
 
     def start(self, examples: list[Example] | None = None) -> None:
         """Run new examples (default: the lane's own) up to their first await."""

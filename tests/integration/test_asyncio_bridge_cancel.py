@@ -5,8 +5,6 @@ and the other examples of its lane are not disturbed."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -15,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
+from tests.integration.bridge_helpers import held_add, wait_until
 from tests.property.decoder_models import Decoder, make_decoder, run_eagerly
 
 STATES = [torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
@@ -43,12 +42,6 @@ async def _decode(model: Decoder, h: Any, steps: int, log: list[str],
     return tokens
 
 
-async def _wait_for(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.001)
-
 
 @settings(max_examples=6)
 @given(victim=st.integers(0, 5), after=st.integers(1, 4))
@@ -62,7 +55,7 @@ def test_a_cancelled_example_sees_cancelled_error_at_its_await(victim: int, afte
         async with bg.AsyncBatcher(max_latency=0.0) as batcher:
             tasks = [asyncio.ensure_future(batcher.run(_decode(model, h, 8, log, False)))
                      for h, log in zip(STATES, logs)]
-            await _wait_for(lambda: logs[victim].count("await") >= after)
+            await wait_until(lambda: logs[victim].count("await") >= after)
             tasks[victim].cancel("client went away")
             got = await asyncio.wait_for(
                 asyncio.gather(*tasks, return_exceptions=True), timeout=30)
@@ -85,7 +78,7 @@ def test_an_example_that_swallows_the_cancellation_goes_on_and_its_result_return
             victim = asyncio.ensure_future(batcher.run(_decode(model, STATES[0], 8, log, True)))
             others = [asyncio.ensure_future(batcher.run(_decode(model, h, 8, [], False)))
                       for h in STATES[1:]]
-            await _wait_for(lambda: log.count("await") >= 3)
+            await wait_until(lambda: log.count("await") >= 3)
             victim.cancel()
             got = await asyncio.wait_for(victim, 30)  # not cancelled: it went on
             return got, list(await asyncio.gather(*others))
@@ -100,20 +93,9 @@ def test_an_example_that_swallows_the_cancellation_goes_on_and_its_result_return
     assert got[:where] == run_eagerly(_decode(model, STATES[0], 8, [], False))[:where]
 
 
-def _held_add() -> tuple[Any, threading.Event]:
-    """A batched ``x + 1`` whose steps compute until the returned event is set."""
-    release = threading.Event()
-
-    def held(x: torch.Tensor) -> torch.Tensor:
-        if threading.current_thread() is not threading.main_thread():
-            release.wait(10)  # the step computes until the test lets it go
-        return x + 1
-
-    return bg.batched_func(held), release
-
 
 def test_a_cancellation_during_a_step_reaches_the_example_when_the_step_ends() -> None:
-    add, release = _held_add()
+    add, release = held_add()
     seen: list[str] = []
 
     async def example() -> float:
@@ -126,7 +108,7 @@ def test_a_cancellation_during_a_step_reaches_the_example_when_the_step_ends() -
     async def main() -> asyncio.Task[Any]:
         async with bg.AsyncBatcher(max_latency=0.0) as batcher:
             task = asyncio.ensure_future(batcher.run(example()))
-            await _wait_for(lambda: sum(batcher.batch_sizes.values()) == 1)
+            await wait_until(lambda: sum(batcher.batch_sizes.values()) == 1)
             task.cancel()
             await asyncio.sleep(0.05)
             assert not task.done() and seen == []  # the step still holds the example
@@ -140,7 +122,7 @@ def test_a_cancellation_during_a_step_reaches_the_example_when_the_step_ends() -
 
 
 def test_an_example_cancelled_before_it_started_never_runs() -> None:
-    add, release = _held_add()
+    add, release = held_add()
     ran: list[float] = []
 
     async def example(x: float) -> float:
@@ -150,7 +132,7 @@ def test_an_example_cancelled_before_it_started_never_runs() -> None:
     async def main() -> tuple[asyncio.Task[Any], float]:
         async with bg.AsyncBatcher(max_latency=0.0) as batcher:
             first = asyncio.ensure_future(batcher.run(example(1.0)))
-            await _wait_for(lambda: sum(batcher.batch_sizes.values()) == 1)
+            await wait_until(lambda: sum(batcher.batch_sizes.values()) == 1)
             # The lane computes: this one waits for it, not started yet.
             task = asyncio.ensure_future(batcher.run(example(2.0)))
             await asyncio.sleep(0.05)
@@ -172,7 +154,7 @@ def test_a_loop_shutting_down_raises_cancelled_error_in_unfinished_examples() ->
 
     async def leave_one_running() -> asyncio.Future[Any]:
         task = asyncio.ensure_future(batcher.run(_decode(model, STATES[0], 10_000, log, True)))
-        await _wait_for(lambda: log.count("await") >= 2)
+        await wait_until(lambda: log.count("await") >= 2)
         return task
 
     asyncio.run(leave_one_running())  # cancels the caller and the worker as it ends
