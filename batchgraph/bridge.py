@@ -48,6 +48,9 @@ Rules that keep it correct:
 * A tensor an example passed to a call must stay as it is until its step starts
   (a change before is refused, as by ``compute``); the step reads a copy made then,
   so another task changing it in place while the step runs does not reach it.
+  Parameters are not copied: change a model's weights in place (an optimizer step,
+  a reload) only while no step runs; a change made during a step is not refused
+  (the check is when it starts) and reaches the calls that read them after it.
 * An example that raises fails only its own caller; a failing batched call is
   retried per example so only the examples whose calls fail get the error.
 * Examples run in the batcher's grad mode, not the event loop thread's: asyncio
@@ -76,45 +79,20 @@ import contextlib
 import inspect
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from batchgraph.autocasting import in_autocast_state
+from batchgraph.bridge_calls import Call, LaneState, cancel_all, resolve, take_cancels
 from batchgraph.inference import warm_up
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
 from batchgraph.threads import compute_pool
 
 __all__ = ["AsyncBatcher"]
-
-
-class _Call:
-    """One ``run`` call: its example, its caller's future, and since when it waits."""
-
-    __slots__ = ("cancel", "example", "future", "lane", "since", "stepped")
-
-    def __init__(self, example: Example, future: asyncio.Future[Any]) -> None:
-        self.example = example
-        # Resolved by the worker alone (a caller's cancel reaches the example instead).
-        self.future = future
-        # Its caller was cancelled with this, not yet raised in the example.
-        self.cancel: asyncio.CancelledError | None = None
-        self.since = time.monotonic()
-        self.stepped = False  # computed at least once (a running example)
-        self.lane: _LaneState | None = None
-
-
-class _LaneState:
-    def __init__(self, lane: Lane) -> None:
-        self.lane = lane
-        self.calls: dict[int, _Call] = {}  # by example id
-        self.computing = False
-        self.sealed = False
-        self.abandoned = False  # its worker stopped: nothing resumes its examples
-        self.step: asyncio.Future[None] | None = None  # while computing
 
 
 class AsyncBatcher:
@@ -173,8 +151,8 @@ class AsyncBatcher:
         self.max_graph_nodes = max_graph_nodes
         self._mode = (grad, False)
         self._make_policy = make_policy or BatchingPolicy
-        self._arrivals: list[_Call] = []
-        self._lanes: list[_LaneState] = []
+        self._arrivals: list[Call] = []
+        self._lanes: list[LaneState] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -214,7 +192,7 @@ class AsyncBatcher:
             coro.close()  # it never runs: no "never awaited" warning
             raise
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        call = _Call(Example(self._count, coro), future)
+        call = Call(Example(self._count, coro), future)
         self._count += 1
         self._arrivals.append(call)
         self._poke()
@@ -321,7 +299,7 @@ class AsyncBatcher:
             for state in lanes:
                 state.abandoned = True
                 if not state.computing:  # else the step's end cancels them (finish)
-                    _cancel_all(state)
+                    cancel_all(state)
         stopped = err if isinstance(err, Exception) else RuntimeError(
             f"the AsyncBatcher's worker stopped ({type(err).__name__}) before this "
             "example finished: its event loop shut down, or the worker task was cancelled"
@@ -343,14 +321,14 @@ class AsyncBatcher:
         for state in self._lanes:
             if state.computing:
                 continue  # its examples are the executor's until the step ends
-            cancelled = _take_cancels(state.calls.values())
+            cancelled = take_cancels(state.calls.values())
             if cancelled:
                 state.lane.resume(cancelled)
             for key, call in list(state.calls.items()):
                 ex = call.example
                 if ex.done:
                     del state.calls[key]
-                    _resolve(call)
+                    resolve(call)
             if len(state.lane.policy.graph) > self.max_graph_nodes:
                 state.sealed = True
         for state in self._lanes:
@@ -359,7 +337,7 @@ class AsyncBatcher:
         self._lanes = [s for s in self._lanes if s.calls or s.computing]
 
     @staticmethod
-    def _dropped(call: _Call) -> bool:
+    def _dropped(call: Call) -> bool:
         if call.cancel is not None:  # never started: nothing in it can see the error
             call.example.close()
             call.future.cancel()
@@ -382,7 +360,7 @@ class AsyncBatcher:
                     "records and releases its own graph, so make_policy must build a new "
                     "policy per call"
                 )
-            state = _LaneState(Lane(policy, [], self.max_steps))
+            state = LaneState(Lane(policy, [], self.max_steps))
             state.lane.policy.graph.open = True  # recording only happens inside steps
             self._lanes.append(state)
         else:
@@ -419,7 +397,7 @@ class AsyncBatcher:
                 wait = due - now if wait is None else min(wait, due - now)
         return wait
 
-    def _start_step(self, state: _LaneState, batch: list[_Call]) -> None:
+    def _start_step(self, state: LaneState, batch: list[Call]) -> None:
         assert self._pool is not None
         state.computing = True
         examples = [c.example for c in batch]
@@ -438,13 +416,13 @@ class AsyncBatcher:
             state.computing, state.step = False, None
             if state.abandoned:  # the worker stopped while this step ran
                 # All of the lane's examples, also those waiting outside this step.
-                _cancel_all(state)
+                cancel_all(state)
                 return
             error = step.exception() if not step.cancelled() else None
             if error is not None:  # only a bug gets here: per-example errors are kept
                 for ex in examples:
                     ex.throw = error
-            _take_cancels(batch)  # raised at the await the step answered, not later
+            take_cancels(batch)  # raised at the await the step answered, not later
             state.lane.resume([ex for ex in examples if not ex.done])
             now = time.monotonic()
             for call in batch:
@@ -453,45 +431,6 @@ class AsyncBatcher:
             self._poke()
 
         step.add_done_callback(done)
-
-
-def _take_cancels(calls: Iterable[_Call]) -> list[Example]:
-    """The waiting examples whose callers were cancelled, each set to raise a new
-    ``CancelledError`` (with the caller's message) when it resumes, as asyncio raises
-    one at a cancelled task's await."""
-    examples = []
-    for call in calls:
-        if call.cancel is not None and not call.example.done:
-            call.example.throw = asyncio.CancelledError(*call.cancel.args)
-            call.cancel = None
-            examples.append(call.example)
-    return examples
-
-
-def _resolve(call: _Call) -> None:
-    """Hand a finished example's outcome to its caller (a ``CancelledError`` it let
-    out cancels the future: its caller's task ends cancelled)."""
-    ex, future = call.example, call.future
-    if future.done():
-        return
-    if call.cancel is not None:  # it ended before the cancellation reached it:
-        future.cancel(*call.cancel.args[:1])  # asyncio drops the outcome then too
-    elif isinstance(ex.error, asyncio.CancelledError):
-        future.cancel(*ex.error.args[:1])
-    elif ex.error is not None:
-        future.set_exception(ex.error)
-    else:
-        future.set_result(ex.result)
-
-
-def _cancel_all(state: _LaneState) -> None:
-    """The worker stopped: raise ``CancelledError`` in each of the lane's examples at
-    its await, and close those that go on (nothing is left to resume them)."""
-    examples = [c.example for c in state.calls.values() if not c.example.done]
-    for ex in examples:
-        ex.throw = asyncio.CancelledError()
-    state.lane.resume(examples)
-    state.lane.close([ex for ex in examples if not ex.done])
 
 
 @contextlib.contextmanager
