@@ -160,3 +160,31 @@ def test_a_loop_shutting_down_raises_cancelled_error_in_unfinished_examples() ->
     asyncio.run(leave_one_running())  # cancels the caller and the worker as it ends
     assert "cancelled ()" in log  # its except block ran; it went on, so it was closed
     assert log[-1] == "await"  # the finally block of the await it was closed at
+
+
+@pytest.mark.parametrize("how", ["timeout", "wait_for"])
+def test_a_caller_timing_out_gets_timeout_error_and_its_example_its_except_block(
+    how: str,
+) -> None:
+    # asyncio.timeout and wait_for cancel the awaiting task and turn the cancellation
+    # into TimeoutError; that holds while the example handles its CancelledError.
+    model = make_decoder(34)
+    log: list[str] = []
+
+    async def main() -> list[int]:
+        async with bg.AsyncBatcher(max_latency=0.0) as batcher:
+            # Started and warm (fake mode set up): else it may time out unstarted.
+            await asyncio.wait_for(batcher.run(_decode(model, STATES[2], 1, [], False)), 30)
+            endless = _decode(model, STATES[0], 1_000_000, log, False)
+            with pytest.raises(TimeoutError):
+                if how == "timeout":
+                    async with asyncio.timeout(0.2):
+                        await batcher.run(endless)
+                else:
+                    await asyncio.wait_for(batcher.run(endless), 0.2)
+            # The batcher goes on serving.
+            return list(await asyncio.wait_for(
+                batcher.run(_decode(model, STATES[1], 4, [], False)), 30))
+
+    assert asyncio.run(main()) == run_eagerly(_decode(model, STATES[1], 4, [], False))
+    assert log[-2:] == ["cancelled ()", "await"]
