@@ -53,6 +53,9 @@ Rules that keep it correct:
   (the check is when it starts) and reaches the calls that read them after it.
 * An example that raises fails only its own caller; a failing batched call is
   retried per example so only the examples whose calls fail get the error.
+* Each example runs in a copy of its caller's context, as asyncio runs a new task:
+  it sees the caller's ContextVars (a request id, a tracing span), and what it sets
+  stays its own across its awaits (they shared the worker task's context).
 * Examples run in the batcher's grad mode, not the event loop thread's: asyncio
   tasks share that thread, so whatever mode another task left set there (a handler
   awaiting inside ``torch.no_grad()``) would otherwise reach the recording. With
@@ -76,6 +79,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import time
 from collections import Counter
@@ -192,7 +196,9 @@ class AsyncBatcher:
             coro.close()  # it never runs: no "never awaited" warning
             raise
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        call = Call(Example(self._count, coro), future)
+        # Its code runs in a copy of this context, as asyncio runs a new task's: it
+        # sees the caller's ContextVars, and what it sets stays its own.
+        call = Call(Example(self._count, coro, contextvars.copy_context()), future)
         self._count += 1
         self._arrivals.append(call)
         self._poke()

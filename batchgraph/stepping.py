@@ -21,9 +21,10 @@ to be a ``BatchedModule`` runs its real forward instead of recording).
 
 from __future__ import annotations
 
+import contextvars
 import inspect
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import torch
 
@@ -122,6 +123,8 @@ _NO_LOOP = (
 # the program to end. Every other exception is the example's own error.
 _STOPS_THE_DRIVER = (KeyboardInterrupt, SystemExit)
 
+_T = TypeVar("_T")
+
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
 
 
@@ -130,17 +133,40 @@ def grad_mode() -> GradMode:
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
+def _in_context(ex: Example, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in the example's own context, with the driver's recording policy
+    active there too (``_ACTIVE`` is a ContextVar: set in the driver's context only,
+    the example's calls would run eagerly instead of recording)."""
+    context = ex.context
+    if context is None:
+        return fn(*args)
+    return context.run(_recording_into, _ACTIVE.get(), fn, args)
+
+
+def _recording_into(policy: BatchingPolicy | None, fn: Callable[..., _T],
+                    args: tuple[Any, ...]) -> _T:
+    token = _ACTIVE.set(policy)
+    try:
+        return fn(*args)
+    finally:
+        _ACTIVE.reset(token)
+
+
 class Example:
     """One coroutine example and where it stands."""
 
     __slots__ = (
-        "autocast", "coro", "done", "error", "final", "grad", "index", "inference", "ready",
-        "result", "steps", "throw", "wait",
+        "autocast", "context", "coro", "done", "error", "final", "grad", "index", "inference",
+        "ready", "result", "steps", "throw", "wait",
     )
 
-    def __init__(self, index: int, coro: Coroutine[Any, Any, Any]) -> None:
+    def __init__(self, index: int, coro: Coroutine[Any, Any, Any],
+                 context: contextvars.Context | None = None) -> None:
         self.index = index
         self.coro = coro
+        # The context its code runs in (an AsyncBatcher's: a copy of its caller's, as
+        # asyncio gives a task); None: the driver's.
+        self.context = context
         self.wait: Wait | None = None  # what it waits for, while it waits
         self.final = False  # the wait is for handles in its returned result
         self.throw: BaseException | None = None  # to raise in it when it resumes
@@ -165,7 +191,7 @@ class Example:
             grad = _grad_enabled()
             _resume_modes(self)
             try:
-                self.coro.close()
+                _in_context(self, self.coro.close)
             except BaseException as err:  # a finally block that raised: its error
                 if isinstance(err, _STOPS_THE_DRIVER):
                     raise
@@ -302,7 +328,10 @@ class Lane:
             if ex.grad is not None or ex.inference is not None or ex.autocast is not None:
                 _resume_modes(ex)
             try:
-                yielded = coro.send(send) if throw is None else coro.throw(throw)
+                if throw is None:
+                    yielded = _in_context(ex, coro.send, send)
+                else:
+                    yielded = _in_context(ex, coro.throw, throw)
             except StopIteration as stop:
                 _set_grad_enabled(outer)
                 self._finish(ex, stop.value)
