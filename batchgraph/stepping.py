@@ -305,6 +305,9 @@ class Lane:
         ex.wait = None
         error, ex.throw = ex.throw, None
         if error is not None:
+            if ex.final:  # it has returned: the error (computing its result) is its outcome
+                ex.done, ex.error = True, error  # (thrown in, it read "cannot reuse
+                return  # already awaited coroutine")
             self._advance(ex, None, error)
             return
         value, ex.ready = ex.ready, None

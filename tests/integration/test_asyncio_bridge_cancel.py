@@ -188,3 +188,25 @@ def test_a_caller_timing_out_gets_timeout_error_and_its_example_its_except_block
 
     assert asyncio.run(main()) == run_eagerly(_decode(model, STATES[1], 4, [], False))
     assert log[-2:] == ["cancelled ()", "await"]
+
+
+def test_a_caller_cancelled_while_its_returned_handles_compute_ends_cancelled() -> None:
+    # Its example had returned: the CancelledError thrown into the finished coroutine
+    # came back as RuntimeError("cannot reuse already awaited coroutine").
+    add, release = held_add()
+
+    async def returns_unawaited() -> Any:
+        return add(torch.tensor(1.0))  # computed by the batcher after it returns
+
+    async def main() -> tuple[asyncio.Task[Any], Any]:
+        async with bg.AsyncBatcher(max_latency=0.0) as batcher:
+            task = asyncio.ensure_future(batcher.run(returns_unawaited()))
+            await wait_until(lambda: sum(batcher.batch_sizes.values()) == 1)
+            task.cancel()
+            await asyncio.sleep(0.02)
+            release.set()
+            outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+            return task, outcome
+
+    task, outcome = asyncio.run(main())
+    assert task.cancelled(), outcome
