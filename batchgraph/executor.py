@@ -5,7 +5,8 @@ are appended to ``graph.stores``. Inputs are gathered by the step's plans
 (``batchgraph.gathering``): the sources concatenated (usually a pool's carried rows
 and the outputs made since), then one ``index_select`` that puts the step's rows in
 node order followed by the rows later steps still need, carried to the pool's next
-gather. A source that is used in order is taken as a view. All of these are
+gather. A source that is used in order is taken as a view, and an input that is
+one run of rows of one source is passed as that view (a direct plan). All of these are
 differentiable, so gradients flow from any computed value back to the parameters
 and constants that produced it.
 
@@ -163,6 +164,10 @@ class Executor:
         else:
             inputs = [None] * key.call.num_inputs
             for plan in step.gathers:
+                if plan.direct is not None:
+                    for p, view in zip(plan.positions, self._direct(plan, size)):
+                        inputs[p] = view
+                    continue
                 gathered = self._gather(plan)
                 if len(plan.positions) == 1:
                     inputs[plan.positions[0]] = gathered
@@ -327,7 +332,8 @@ class Executor:
             self._index_cache[cache_key] = cached
         return cached[1]
 
-    def _gather(self, plan: GatherPlan) -> torch.Tensor:
+    def _pieces(self, plan: GatherPlan) -> list[torch.Tensor]:
+        """Each part of ``plan``: a view where its rows are a run, else their copy."""
         stores = self.graph.stores
         pieces = []
         for sid, leaf, rows in plan.parts:
@@ -341,6 +347,17 @@ class Executor:
                 pieces.append(source if len(rows) == len(source) else source[rows.start : rows.stop])
             else:
                 pieces.append(source.index_select(0, self._index(rows, source.device)))
+        return pieces
+
+    def _direct(self, plan: GatherPlan, size: int) -> list[torch.Tensor]:
+        """Each position's rows of a direct plan, as a view of its part (no copy)."""
+        assert plan.direct is not None
+        pieces = self._pieces(plan)
+        return [pieces[part] if start == 0 and len(pieces[part]) == size
+                else pieces[part][start : start + size] for part, start in plan.direct]
+
+    def _gather(self, plan: GatherPlan) -> torch.Tensor:
+        pieces = self._pieces(plan)
         gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if plan.perm is not None:
             gathered = gathered.index_select(0, self._index(plan.perm, gathered.device))

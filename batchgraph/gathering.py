@@ -20,16 +20,21 @@ gather, together with the outputs made in between::
 A gather then reads one carry and the few stores made since its pool was last
 gathered: two ops in the usual case, however deep the step. Rows read only much later
 (more than ``CARRY_HORIZON`` steps ahead) stay in their stores once they are more than
-a few: carried, they would be copied at every gather until then. Rows of older stores
+a few: carried, they would be copied at every gather until then. Where nothing survives
+and each input position's rows are one run, in order, of one source (a decoder step:
+the embedded tokens, and the state rows of the examples still running), the plan is
+*direct*: each position takes a view of its source, with no ``cat`` or
+``index_select`` (copying both sources into one tensor only to split it again). Rows of older stores
 (earlier computes of a coroutine run, per-example lists) come as before: a slice, the
-whole store when at least half of it is used, else an ``index_select`` of its rows.
+whole store when at least half of it is used (to share the cat; a direct plan has none,
+so it copies only the rows), else an ``index_select`` of its rows.
 
 Plans are plain data (ints, ranges and lists), so schedules pickle.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from itertools import repeat
 from math import prod
@@ -64,7 +69,9 @@ class GatherPlan:
 
     The gathered tensor is ``cat(parts)[perm]`` (no ``perm`` when already in order):
     ``len(positions) * B`` rows, position by position, each in node order, then
-    ``keep`` surviving rows that become the new carry of ``pool``.
+    ``keep`` surviving rows that become the new carry of ``pool``. A ``direct`` plan
+    has no ``perm``: position ``i`` is rows ``start:start + B`` of part ``part``,
+    ``(part, start) = direct[i]``, taken as a view.
     """
 
     positions: list[int]
@@ -72,17 +79,18 @@ class GatherPlan:
     perm: list[int] | None
     keep: int = 0
     pool: int = -1
+    direct: list[tuple[int, int]] | None = None
 
 
 def _store_parts(
-    distinct: list[int], sizes: list[int], offset: int
+    distinct: list[int], sizes: list[int], offset: int, whole: bool = True
 ) -> tuple[list[Part], dict[int, int], int]:
     """Parts that hold the sorted ``distinct`` codes, where each lands, and the new offset.
 
     Sorting groups codes by (store, leaf) and orders rows within each group. Each
     group becomes one part: a slice when its rows are contiguous; the whole source (a
-    free view; the permutation picks rows) when it uses at least half of it; else an
-    ``index_select`` of its rows.
+    free view; the permutation picks rows) when it uses at least half of it and
+    ``whole`` allows it; else an ``index_select`` of its rows.
     """
     parts: list[Part] = []
     where: dict[int, int] = {}
@@ -100,7 +108,7 @@ def _store_parts(
             parts.append((store, leaf, range(first, last + 1)))
             where.update(zip(group, range(offset, offset + used)))
             offset += used
-        elif sizes[store] > 0 and 2 * used >= sizes[store]:
+        elif whole and sizes[store] > 0 and 2 * used >= sizes[store]:
             parts.append((store, leaf, range(0, sizes[store])))
             where.update(zip(group, [offset + (c & ROW_MASK) for c in group]))
             offset += sizes[store]
@@ -174,11 +182,13 @@ class GatherPlanner:
             parts.append((store, leaf, range(0, size)))
             row_of.update(zip(range(first, first + size), range(offset, offset + size)))
             offset += size
+        pooled, total = len(parts), offset
+        older: list[int] = []
         try:
             perm = list(map(row_of.__getitem__, codes))
         except KeyError:  # rows of older stores
-            missing = {c for c in codes if c not in row_of}
-            more, where, offset = _store_parts(sorted(missing), self.sizes, offset)
+            older = sorted({c for c in codes if c not in row_of})
+            more, where, total = _store_parts(older, self.sizes, offset)
             parts.extend(more)
             row_of.update(where)
             perm = list(map(row_of.__getitem__, codes))
@@ -192,10 +202,44 @@ class GatherPlanner:
         if survivors:
             perm.extend(map(row_of.__getitem__, survivors))
             self.carry[pool] = survivors
-        keep = len(survivors)
-        if not keep and _identity(perm, offset):
+            return GatherPlan(positions, parts, perm, len(survivors), pool)
+        if len(parts) > 1 or not _identity(perm, total):
+            size = len(codes) // len(positions)
+            direct = _runs(parts, perm, size)
+            if direct is None and older:
+                # An older store taken whole shares the cat with the other parts; in a
+                # plan with no cat (no perm), its rows alone are copied.
+                more, where, _ = _store_parts(older, self.sizes, offset, whole=False)
+                row_of.update(where)
+                direct = _runs(parts[:pooled] + more, list(map(row_of.__getitem__, codes)), size)
+                if direct is not None:
+                    return GatherPlan(positions, parts[:pooled] + more, None, 0, pool, direct)
+            elif direct is not None:
+                return GatherPlan(positions, parts, None, 0, pool, direct)
+        if _identity(perm, total):
             return GatherPlan(positions, parts, None, 0, pool)
-        return GatherPlan(positions, parts, perm, keep, pool)
+        return GatherPlan(positions, parts, perm, 0, pool)
+
+
+def _runs(parts: list[Part], perm: list[int], size: int) -> list[tuple[int, int]] | None:
+    """``(part, start)`` per block of ``size`` rows of ``perm`` when each block is one
+    run of rows, in order, inside one part (so a view of it); else None."""
+    starts: list[int] = []
+    offset = 0
+    for _, _, rows in parts:
+        starts.append(offset)
+        offset += len(rows)
+    runs: list[tuple[int, int]] = []
+    for begin in range(0, len(perm), size):
+        first = perm[begin]
+        part = bisect_right(starts, first) - 1
+        start = first - starts[part]
+        if start + size > len(parts[part][2]) or perm[begin : begin + size] != list(
+            range(first, first + size)
+        ):
+            return None
+        runs.append((part, start))
+    return runs
 
 
 def record_uses(last_use: dict[int, int], codes: list[int], step: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Coroutine
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import batchgraph as bg
 from batchgraph import executor
 from batchgraph.testing import assert_batched_matches_eager
+from tests.property.decoder_models import make_decoder, run_eagerly
 from tests.property.models import TreeModel
 from tests.unit.test_scheduling import _fixed_trees
 
@@ -92,3 +94,78 @@ def test_a_treelstm_batch_gathers_each_level_with_one_cat_and_one_select() -> No
     row = 6 * 4  # float32
     assert counts.bytes == {"cat": 1056 * row,
                             "index_select": (cell_inputs + roots + carried) * row}
+
+
+def _decode(
+    model: Any, lengths: list[int], vocab: int
+) -> list[Coroutine[Any, Any, list[Any]]]:
+    """Example i runs ``lengths[i]`` steps of a GRU decoder and returns each step's
+    logits. Its token at step t is ``(i + 4 * t) % vocab``: with ``vocab=1`` every
+    example embeds token 0 (one merged call), else each a token of its own."""
+
+    async def example(i: int) -> list[Any]:
+        h = bg.batched_value(torch.full((6,), 0.1 * i, dtype=torch.float64))
+        logits = []
+        for t in range(lengths[i]):
+            h = model.cell(model.embed(bg.batched_value((i + 4 * t) % vocab)), h)
+            logits.append(await bg.value(model.out(h)))
+        return logits
+
+    return [example(i) for i in range(len(lengths))]
+
+
+def _decoder_copies(lengths: list[int], vocab: int = 12) -> GatherCopies:
+    """The gather copies of a batched decode, whose logits and gradients must equal eager."""
+    model = make_decoder(0)
+    eager = [run_eagerly(c) for c in _decode(model, lengths, vocab)]
+    with GatherCopies() as counts:
+        got = bg.run_all(_decode(model, lengths, vocab))
+    assert [len(g) for g in got] == lengths
+    weights = [[torch.rand(12, dtype=torch.float64) for _ in range(n)] for n in lengths]
+    grads = []
+    for run in (eager, got):
+        model.zero_grad()
+        loss = sum((w * x).sum() for ws, xs in zip(weights, run, strict=True)
+                   for w, x in zip(ws, xs, strict=True))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for g, e in zip(got, eager, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert len(grads[0]) == len(list(model.parameters()))
+    for g, e in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    return counts
+
+
+def test_a_decoder_step_after_the_last_examples_ended_takes_views_only() -> None:
+    # Examples end last-first, so the ones still running are always the first rows of
+    # the step before. The GRU cell's two inputs (this step's embeddings, the running
+    # rows of the last state) are each a view: no cat of the two to split again.
+    counts = _decoder_copies([5, 4, 3, 2])
+    assert counts.launches == {}
+
+
+def test_a_decoder_step_after_a_middle_example_ended_copies_the_running_rows_only() -> None:
+    # Example 1 ends first: the second step's running states are rows (0, 2, 3) of
+    # the first step's, taken by one index_select of those rows alone (not a cat of
+    # the embeddings and the whole state, then a select of both); later steps' are
+    # the first rows of the step before (views).
+    counts = _decoder_copies([4, 1, 3, 2])
+    assert counts.launches == {"index_select": 1}
+    assert counts.bytes == {"index_select": 3 * 6 * 8}
+
+
+def test_a_decoder_step_whose_examples_share_one_embedding_takes_the_state_whole() -> None:
+    # Every example embeds token 0: one merged call, whose row each GRU input repeats,
+    # so each step of two examples or more (4, 3, 2 running) gathers by one cat and
+    # one index_select; the last one's single rows are views. After example 1 ended,
+    # the state rows (0, 2, 3) join the cat as the whole stored state (a view), not
+    # by an index_select of those rows first (a third copy).
+    counts = _decoder_copies([4, 1, 3, 2], vocab=1)
+    assert counts.launches == {"cat": 3, "index_select": 3}
+    # cat: the embedding row and the states it takes (the 4 start states, the whole
+    # state of 4, then the first 2 rows); select: x and h of each running example.
+    row = 6 * 8
+    assert counts.bytes == {"cat": (1 + 4 + 1 + 4 + 1 + 2) * row,
+                            "index_select": 2 * (4 + 3 + 2) * row}
