@@ -24,10 +24,12 @@ a few: carried, they would be copied at every gather until then. Where nothing s
 and each input position's rows are one run, in order, of one source (a decoder step:
 the embedded tokens, and the state rows of the examples still running), the plan is
 *direct*: each position takes a view of its source, with no ``cat`` or
-``index_select`` (copying both sources into one tensor only to split it again). Rows of older stores
-(earlier computes of a coroutine run, per-example lists) come as before: a slice, the
-whole store when at least half of it is used (to share the cat; a direct plan has none,
-so it copies only the rows), else an ``index_select`` of its rows.
+``index_select`` (copying both sources into one tensor only to split it again).
+
+Rows of older stores (earlier computes of a coroutine run, per-example lists) come
+as a slice, the whole store when at least half of it is used (to share the cat; a
+direct plan has none, so it copies only the rows), else an ``index_select`` of its
+rows.
 
 Plans are plain data (ints, ranges and lists), so schedules pickle.
 """

@@ -17,6 +17,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import batchgraph as bg
@@ -99,29 +101,31 @@ def test_a_treelstm_batch_gathers_each_level_with_one_cat_and_one_select() -> No
 def _decode(
     model: Any, lengths: list[int], vocab: int
 ) -> list[Coroutine[Any, Any, list[Any]]]:
-    """Example i runs ``lengths[i]`` steps of a GRU decoder and returns each step's
-    logits. Its token at step t is ``(i + 4 * t) % vocab``: with ``vocab=1`` every
-    example embeds token 0 (one merged call), else each a token of its own."""
+    """Example i (of 5 at most) runs ``lengths[i]`` steps (5 at most) of a GRU decoder
+    and returns each step's logits. Its token at step t is ``(i + 5 * t) % vocab``:
+    with ``vocab=1`` every example embeds token 0 (one merged call); with 25, each
+    call a token of its own (an embedding merged with an earlier step's would be a
+    row of an older store)."""
 
     async def example(i: int) -> list[Any]:
         h = bg.batched_value(torch.full((6,), 0.1 * i, dtype=torch.float64))
         logits = []
         for t in range(lengths[i]):
-            h = model.cell(model.embed(bg.batched_value((i + 4 * t) % vocab)), h)
+            h = model.cell(model.embed(bg.batched_value((i + 5 * t) % vocab)), h)
             logits.append(await bg.value(model.out(h)))
         return logits
 
     return [example(i) for i in range(len(lengths))]
 
 
-def _decoder_copies(lengths: list[int], vocab: int = 12) -> GatherCopies:
+def _decoder_copies(lengths: list[int], vocab: int = 25) -> GatherCopies:
     """The gather copies of a batched decode, whose logits and gradients must equal eager."""
-    model = make_decoder(0)
+    model = make_decoder(0, vocab=25)
     eager = [run_eagerly(c) for c in _decode(model, lengths, vocab)]
     with GatherCopies() as counts:
         got = bg.run_all(_decode(model, lengths, vocab))
     assert [len(g) for g in got] == lengths
-    weights = [[torch.rand(12, dtype=torch.float64) for _ in range(n)] for n in lengths]
+    weights = [[torch.rand(25, dtype=torch.float64) for _ in range(n)] for n in lengths]
     grads = []
     for run in (eager, got):
         model.zero_grad()
@@ -169,3 +173,13 @@ def test_a_decoder_step_whose_examples_share_one_embedding_takes_the_state_whole
     row = 6 * 8
     assert counts.bytes == {"cat": (1 + 4 + 1 + 4 + 1 + 2) * row,
                             "index_select": 2 * (4 + 3 + 2) * row}
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=5))
+def test_decoders_whose_calls_embed_tokens_of_their_own_never_cat_their_inputs(lengths: list[int]) -> None:
+    # Whichever examples end when, each step's GRU inputs are this step's embeddings
+    # (a view) and the running examples' states: a view when they are a run of the
+    # step before's rows, else one index_select of those rows. Never a cat.
+    counts = _decoder_copies(lengths)
+    assert set(counts.launches) <= {"index_select"}
+    assert counts.launches["index_select"] <= max(lengths) - 1
