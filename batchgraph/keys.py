@@ -358,6 +358,10 @@ def _expand(out: Any, size: int) -> Any:
 class UnbatchedKey(BatchKey):
     """Runs the calls one at a time (the callable cannot batch). Stats count these.
 
+    So do calls whose output is unknown until they run (a host read, a data-dependent
+    shape), and calls recorded on such a result before it has run. Calls recorded on
+    it after a compute batch (``batchgraph.signatures.computed_spec``).
+
     Example:
         >>> import batchgraph as bg, torch
         >>> def positive_sum(x):             # value-dependent Python: vmap cannot run it

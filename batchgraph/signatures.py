@@ -22,19 +22,20 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
 from batchgraph.errors import PolicyClosedError, PolicyMismatchError
-from batchgraph.graph import exact_number
+from batchgraph.graph import ROW_MASK, STORE_SHIFT, exact_number
 from batchgraph.handle import ResultHandle, snapshot, unchanged
-from batchgraph.specs import InputSlot, TensorSpec, make_map, make_seq
+from batchgraph.specs import InputSlot, TensorSpec, intern_spec, make_map, make_seq
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
 
 __all__ = [
+    "computed_spec",
     "encode_argument",
     "encode_handle_tuple",
     "foreign_handle",
@@ -109,9 +110,13 @@ def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -
         if type(spec) is TensorSpec:
             inputs.append((a.node, a.leaf))
             return spec
-        if spec is None:  # structure unknown until it runs: pass the whole result
-            inputs.append((a.node, -1))
-            return None
+        if spec is None:  # structure unknown until it ran
+            spec = computed_spec(graph, a)
+            if spec is None:  # still unknown: pass the whole result
+                inputs.append((a.node, -1))
+                return None
+            inputs.append((a.node, 0))
+            return spec
         return ("handle-tuple", tuple(encode_argument(h, graph, inputs, depth) for h in a))
     if isinstance(a, torch.Tensor):
         node = graph.add_constant(a)
@@ -126,6 +131,44 @@ def encode_argument(a: Any, graph: Graph, inputs: list[Ref], depth: list[int]) -
         return (type(a), tuple((static_value(k), encode_argument(v, graph, inputs, depth))
                                for k, v in a.items()))
     return static_value(a)
+
+
+def computed_spec(graph: Graph, handle: ResultHandle) -> TensorSpec | None:
+    """The spec of ``handle``'s result, whose structure was unknown when it was
+    recorded, once it has run and turned out one tensor; None until then (or when it
+    is another structure, or was released).
+
+    The handle (and its node) then take that spec: calls recorded on it later know
+    their inputs and batch with one another, where a call of unknown input runs one
+    at a time (``batchgraph.rules.choose_key``). Its value is the store's column 0
+    row, the very tensor the whole result is.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> f = bg.batched_func(lambda x: x * float(x.sum()))  # a host read: unknown
+        >>> with bg.BatchingPolicy() as p:
+        ...     h = f(torch.ones(2))
+        >>> h.spec is None, computed_spec(p.graph, h)
+        (True, None)
+        >>> _ = bg.compute(h)
+        >>> computed_spec(p.graph, h).shape, h.spec is not None
+        ((2,), True)
+    """
+    loc = graph.node_loc[handle.node]
+    if loc < 0 or handle.leaf != 0:
+        return None
+    store = graph.stores[loc >> STORE_SHIFT]
+    if len(store) < 2:  # released, or results holding no tensor
+        return None
+    row = loc & ROW_MASK
+    whole, column = store[-1], store[0]
+    if type(whole) is not list or type(column) is not list or not isinstance(
+        whole[row], torch.Tensor
+    ) or column[row] is not whole[row]:
+        return None
+    spec = cast(TensorSpec, intern_spec(TensorSpec.of(whole[row])))
+    graph.node_spec[handle.node] = handle.spec = spec
+    return spec
 
 
 def in_place_error(
