@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import batchgraph as bg
+from tests.property.decoder_models import run_eagerly
 
 
 def scale_by_max(x: torch.Tensor) -> torch.Tensor:
@@ -123,3 +124,38 @@ def test_a_computed_unknown_result_that_is_a_pair_stays_whole() -> None:
     for g, x in zip(got, xs, strict=True):
         a, b = split_by_max(x)
         torch.testing.assert_close(g, a * b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_coroutine_reading_an_unknown_result_every_step_batches_after_the_first() -> None:
+    # m is computed with the first step, where the calls on it run one at a time;
+    # later steps batch. The last step: lin, + and tanh once each (before: 24
+    # launches, once per example each, as h itself stayed of unknown spec).
+    lin = nn.Linear(4, 4).double()
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(8)]
+
+    async def example(x: torch.Tensor, fn: Any, f: Any, tanh: Any) -> list[Any]:
+        m = f(fn(x))
+        h, out = x, []
+        for _ in range(4):
+            h = tanh(fn(h) + m)
+            out.append(await bg.value(h))
+        return out
+
+    policies: list[bg.BatchingPolicy] = []
+
+    def policy() -> bg.BatchingPolicy:
+        policies.append(bg.BatchingPolicy())
+        return policies[-1]
+
+    eager = [v for x in xs for v in run_eagerly(example(x, lin, scale_by_max, torch.tanh))]
+    batched = [example(x, bg.batched_func(lin), bg.batched_func(scale_by_max),
+                       bg.batched_func(torch.tanh)) for x in xs]
+    got = [v for values in bg.run_all(batched, make_policy=policy) for v in values]
+    assert len(policies) == 1 and policies[0].stats is not None
+    assert (policies[0].stats.launches, policies[0].stats.unbatched_calls) == (3, 0)
+    assert len(got) == len(eager) == 32
+    for g, e in zip(got, eager, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    params = list(lin.parameters())
+    for g, e in zip(_weighted_grads(got, params), _weighted_grads(eager, params), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
