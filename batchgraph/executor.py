@@ -5,8 +5,9 @@ are appended to ``graph.stores``. Inputs are gathered by the step's plans
 (``batchgraph.gathering``): the sources concatenated (usually a pool's carried rows
 and the outputs made since), then one ``index_select`` that puts the step's rows in
 node order followed by the rows later steps still need, carried to the pool's next
-gather. A source that is used in order is taken as a view, and an input that is
-one run of rows of one source is passed as that view (a direct plan). All of these are
+gather. A source that is used in order is taken as a view; an input whose rows are
+one run of one source is passed as that view, and one whose rows all lie in one
+source as one ``index_select`` of them, without the cat (a direct plan). All of these are
 differentiable, so gradients flow from any computed value back to the parameters
 and constants that produced it.
 
@@ -310,7 +311,8 @@ class Executor:
         spans = self._spans
         for step in schedule.steps:
             for plan in step.gathers:
-                for rows in (plan.perm, *(r for _, _, r in plan.parts)):
+                direct = plan.direct or ()
+                for rows in (plan.perm, *(r for _, _, r in plan.parts), *(r for _, r in direct)):
                     if type(rows) is list:
                         spans[id(rows)] = (rows, len(flat))
                         flat.fromlist(rows)
@@ -350,11 +352,19 @@ class Executor:
         return pieces
 
     def _direct(self, plan: GatherPlan, size: int) -> list[torch.Tensor]:
-        """Each position's rows of a direct plan, as a view of its part (no copy)."""
+        """Each position's rows of a direct plan: a view of its part, or their copy."""
         assert plan.direct is not None
         pieces = self._pieces(plan)
-        return [pieces[part] if start == 0 and len(pieces[part]) == size
-                else pieces[part][start : start + size] for part, start in plan.direct]
+        out = []
+        for part, rows in plan.direct:
+            piece = pieces[part]
+            if isinstance(rows, list):
+                out.append(piece.index_select(0, self._index(rows, piece.device)))
+            elif rows == 0 and len(piece) == size:
+                out.append(piece)
+            else:
+                out.append(piece[rows : rows + size])
+        return out
 
     def _gather(self, plan: GatherPlan) -> torch.Tensor:
         pieces = self._pieces(plan)

@@ -21,10 +21,12 @@ A gather then reads one carry and the few stores made since its pool was last
 gathered: two ops in the usual case, however deep the step. Rows read only much later
 (more than ``CARRY_HORIZON`` steps ahead) stay in their stores once they are more than
 a few: carried, they would be copied at every gather until then. Where nothing survives
-and each input position's rows are one run, in order, of one source (a decoder step:
-the embedded tokens, and the state rows of the examples still running), the plan is
-*direct*: each position takes a view of its source, with no ``cat`` or
-``index_select`` (copying both sources into one tensor only to split it again).
+and each input position's rows lie in one source (a decoder step: the embedded
+tokens, and the state rows of the examples still running), the plan may be *direct*:
+each position takes a view of its source where its rows are one run of it, else an
+``index_select`` of its rows, with no ``cat`` (copying both sources into one tensor
+only to split it again). It is taken when it launches no more copies than the cat and
+permutation would.
 
 Rows of older stores (earlier computes of a coroutine run, per-example lists) come
 as a slice, the whole store when at least half of it is used (to share the cat; a
@@ -53,6 +55,9 @@ LEAF_MASK = (1 << (STORE_SHIFT - LEAF_SHIFT)) - 1
 # an explicit list of rows; or (CARRY, pool, range) for the rows a pool carries.
 Part = tuple[int, int, Any]
 CARRY = -1
+# A direct plan: per input position, its part and either the first of its run of rows
+# (a view) or its rows (an index_select of that part).
+Direct = list[tuple[int, "int | list[int]"]]
 
 # Carrying a row costs a copy at every gather of its pool until its last use (and, in
 # backward, one more); leaving it in its store costs one more part (an op) where it is
@@ -72,8 +77,8 @@ class GatherPlan:
     The gathered tensor is ``cat(parts)[perm]`` (no ``perm`` when already in order):
     ``len(positions) * B`` rows, position by position, each in node order, then
     ``keep`` surviving rows that become the new carry of ``pool``. A ``direct`` plan
-    has no ``perm``: position ``i`` is rows ``start:start + B`` of part ``part``,
-    ``(part, start) = direct[i]``, taken as a view.
+    has no ``perm`` and no cat: with ``(part, rows) = direct[i]``, position ``i`` is
+    rows ``rows:rows + B`` of part ``part`` (a view) or, for a list, those rows of it.
     """
 
     positions: list[int]
@@ -81,7 +86,7 @@ class GatherPlan:
     perm: list[int] | None
     keep: int = 0
     pool: int = -1
-    direct: list[tuple[int, int]] | None = None
+    direct: Direct | None = None
 
 
 def _store_parts(
@@ -205,43 +210,58 @@ class GatherPlanner:
             perm.extend(map(row_of.__getitem__, survivors))
             self.carry[pool] = survivors
             return GatherPlan(positions, parts, perm, len(survivors), pool)
-        if len(parts) > 1 or not _identity(perm, total):
+        identity = _identity(perm, total)
+        if len(parts) > 1 or not identity:
+            # A direct plan is taken when it launches no more copies than this one (its
+            # parts' selects, a cat, a perm); it never copies more rows.
+            launches = _copies(parts) + (len(parts) > 1) + (not identity)
             size = len(codes) // len(positions)
-            direct = _runs(parts, perm, size)
-            if direct is None and older:
+            direct = _direct(parts, perm, size, launches - _copies(parts))
+            if direct is not None:
+                return GatherPlan(positions, parts, None, 0, pool, direct)
+            if older:
                 # An older store taken whole shares the cat with the other parts; in a
-                # plan with no cat (no perm), its rows alone are copied.
+                # plan with no cat, only its rows are copied.
                 more, where, _ = _store_parts(older, self.sizes, offset, whole=False)
                 row_of.update(where)
-                direct = _runs(parts[:pooled] + more, list(map(row_of.__getitem__, codes)), size)
+                rows = parts[:pooled] + more
+                direct = _direct(rows, list(map(row_of.__getitem__, codes)), size,
+                                 launches - _copies(rows))
                 if direct is not None:
-                    return GatherPlan(positions, parts[:pooled] + more, None, 0, pool, direct)
-            elif direct is not None:
-                return GatherPlan(positions, parts, None, 0, pool, direct)
-        if _identity(perm, total):
-            return GatherPlan(positions, parts, None, 0, pool)
-        return GatherPlan(positions, parts, perm, 0, pool)
+                    return GatherPlan(positions, rows, None, 0, pool, direct)
+        return GatherPlan(positions, parts, None if identity else perm, 0, pool)
 
 
-def _runs(parts: list[Part], perm: list[int], size: int) -> list[tuple[int, int]] | None:
-    """``(part, start)`` per block of ``size`` rows of ``perm`` when each block is one
-    run of rows, in order, inside one part (so a view of it); else None."""
+def _copies(parts: list[Part]) -> int:
+    """Launches that take ``parts`` (an ``index_select`` for each explicit row list)."""
+    return sum(type(rows) is list for _, _, rows in parts)
+
+
+def _direct(parts: list[Part], perm: list[int], size: int, selects: int) -> Direct | None:
+    """Per block of ``size`` rows of ``perm`` (one input position): ``(part, start)``
+    when it is one run of rows, in order, of one part (a view), or ``(part, rows)``
+    when its rows all lie in one part (an ``index_select`` of them). None when a block
+    spans parts, or more than ``selects`` blocks need an ``index_select``."""
     starts: list[int] = []
     offset = 0
     for _, _, rows in parts:
         starts.append(offset)
         offset += len(rows)
-    runs: list[tuple[int, int]] = []
+    starts.append(offset)
+    plan: Direct = []
     for begin in range(0, len(perm), size):
-        first = perm[begin]
+        block = perm[begin : begin + size]
+        first = block[0]
         part = bisect_right(starts, first) - 1
-        start = first - starts[part]
-        if start + size > len(parts[part][2]) or perm[begin : begin + size] != list(
-            range(first, first + size)
-        ):
+        base, end = starts[part], starts[part + 1]
+        if first + size <= end and block == list(range(first, first + size)):
+            plan.append((part, first - base))
+        elif selects > 0 and base <= min(block) and max(block) < end:
+            selects -= 1
+            plan.append((part, [r - base for r in block]))
+        else:
             return None
-        runs.append((part, start))
-    return runs
+    return plan
 
 
 def record_uses(last_use: dict[int, int], codes: list[int], step: int) -> None:
