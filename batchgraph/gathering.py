@@ -241,7 +241,10 @@ def _direct(parts: list[Part], perm: list[int], size: int, selects: int) -> Dire
     """Per block of ``size`` rows of ``perm`` (one input position): ``(part, start)``
     when it is one run of rows, in order, of one part (a view), or ``(part, rows)``
     when its rows all lie in one part (an ``index_select`` of them). None when a block
-    spans parts, or more than ``selects`` blocks need an ``index_select``."""
+    spans parts, or more than ``selects`` blocks need an ``index_select`` (no plan when
+    ``selects`` is negative: taking the parts alone would already launch too many)."""
+    if selects < 0:
+        return None
     starts: list[int] = []
     offset = 0
     for _, _, rows in parts:

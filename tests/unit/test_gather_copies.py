@@ -187,3 +187,47 @@ def test_decoders_gather_each_step_with_two_launches_at_most(
         assert counts.launches["index_select"] <= max(lengths) - 1
     if vocab == 1:
         assert "cat" not in counts.launches
+
+
+def test_three_inputs_from_older_stores_with_a_hole_share_one_cat() -> None:
+    # a, b and c of the 4 examples come from three stores of the first compute; the
+    # second step runs examples 0, 2 and 3 only. Each input's rows (0, 2, 3) would
+    # need a select of its own (3 launches): the three stores join one cat whole
+    # (views) and one index_select takes the 9 rows, 2 launches. Values and weighted
+    # gradients must equal eager.
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(6, 6).double() for _ in range(3)]
+    xs = [torch.randn(6, dtype=torch.float64) for _ in range(4)]
+    counts = GatherCopies()
+    first_compute: list[Counter[str]] = []
+
+    async def example(i: int, la: Any, lb: Any, lc: Any, mix: Any) -> list[Any]:
+        a, b, c = la(xs[i]), lb(xs[i]), lc(xs[i])
+        first = await bg.value(a + b + c)
+        if i == 0:
+            first_compute.extend([counts.launches.copy(), counts.bytes.copy()])
+        if i == 1:
+            return [first]
+        return [first, await bg.value(mix(a, b, c))]
+
+    eager = [run_eagerly(example(i, *lins, torch.addcmul)) for i in range(4)]
+    batched = [bg.batched_func(m) for m in lins]
+    first_compute.clear()
+    with counts:
+        got = bg.run_all([example(i, *batched, bg.batched_func(torch.addcmul))
+                          for i in range(4)])
+    assert [len(g) for g in got] == [2, 1, 2, 2]
+    flat_got = [v for values in got for v in values]
+    flat_eager = [v for values in eager for v in values]
+    params = [p for m in lins for p in m.parameters()]
+    grads = []
+    for run in (flat_eager, flat_got):
+        for p in params:
+            p.grad = None
+        sum((i + 1) * v.sum() for i, v in enumerate(run)).backward()
+        grads.append([p.grad for p in params])
+    for g, e in zip([*flat_got, *grads[1]], [*flat_eager, *grads[0]], strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    launches, written = first_compute
+    assert counts.launches - launches == {"cat": 1, "index_select": 1}
+    assert counts.bytes - written == {"cat": 3 * 4 * 6 * 8, "index_select": 3 * 3 * 6 * 8}
