@@ -26,7 +26,9 @@ tokens, and the state rows of the examples still running), the plan may be *dire
 each position takes a view of its source where its rows are one run of it, else an
 ``index_select`` of its rows, with no ``cat`` (copying both sources into one tensor
 only to split it again). It is taken when it launches no more copies than the cat and
-permutation would.
+permutation would. And an output that later steps read whole (an input that q, k and
+v projections all read) is not carried when the gather copies nothing without it: it
+stays in place, a view for each step that reads it.
 
 Rows of older stores (earlier computes of a coroutine run, per-example lists) come
 as a slice, the whole store when at least half of it is used (to share the cat; a
@@ -157,12 +159,9 @@ class GatherPlanner:
         self.sizes = sizes
         self.last_use = last_use
         self.pools = pool_specs
+        self.row_numel = {pool: prod(spec.shape) for spec, pool in pool_specs.items()}
         self.carry: dict[int, list[int]] = {}  # pool -> codes of its carried rows
         self.fresh: dict[int, list[tuple[int, int]]] = {}  # pool -> outputs since
-
-    @staticmethod
-    def _numel(spec: TensorSpec) -> int:
-        return prod(spec.shape)
 
     def produced(self, store: int, leaf_specs: list[OutSpec]) -> None:
         """Store ``store`` (a stacked step's outputs) joins the pools of its leaves."""
@@ -175,15 +174,63 @@ class GatherPlanner:
     def gather(self, step: int, positions: list[int], codes: list[int], spec: Any) -> GatherPlan:
         """The plan for ``codes`` (rows of ``spec``) needed by step ``step``."""
         pool = self.pools[spec]
+        carried = self.carry.pop(pool, None)
+        fresh = self.fresh.pop(pool, [])
+        if fresh:
+            # Fresh outputs that later steps need whole are left for them, not carried,
+            # when this gather then copies nothing: carried, they would cost a select
+            # (and a cat) here. Those this step reads it takes in place; the others it
+            # leaves out (q, k and v projections of one input: three views).
+            whole = self._needed_whole(step, fresh)
+            if whole:
+                read = {c >> LEAF_SHIFT for c in codes}
+                taken = [f for f in fresh if _column(f) not in whole or _column(f) in read]
+                plan, survivors = self._plan(step, positions, codes, pool, carried, taken,
+                                             whole)
+                if not survivors and self._copy_free(plan):
+                    self.fresh[pool] = [f for f in fresh if _column(f) in whole]
+                    return plan
+        plan, survivors = self._plan(step, positions, codes, pool, carried, fresh, set())
+        if survivors:
+            self.carry[pool] = survivors
+        return plan
+
+    def _needed_whole(self, step: int, fresh: list[tuple[int, int]]) -> set[int]:
+        """The columns (``code >> LEAF_SHIFT``) of the ``fresh`` outputs every row of
+        which a step after ``step`` reads."""
+        used_until = self.last_use.get
+        whole = set()
+        for store, leaf in fresh:
+            column = _column((store, leaf))
+            first = column << LEAF_SHIFT
+            if all(used_until(c, -1) > step for c in range(first, first + self.sizes[store])):
+                whole.add(column)
+        return whole
+
+    def _copy_free(self, plan: GatherPlan) -> bool:
+        """Whether ``plan`` passes views only (no cat, select or stack)."""
+        if plan.perm is not None or _copies(plan.parts) or any(
+            sid != CARRY and self.sizes[sid] < 0 for sid, _, _ in plan.parts
+        ):
+            return False
+        if plan.direct is None:
+            return len(plan.parts) == 1
+        return all(type(rows) is int for _, rows in plan.direct)
+
+    def _plan(
+        self, step: int, positions: list[int], codes: list[int], pool: int,
+        carried: list[int] | None, fresh: list[tuple[int, int]], whole: set[int],
+    ) -> tuple[GatherPlan, list[int]]:
+        """The plan from the ``carried`` rows, the ``fresh`` outputs and older stores,
+        and the rows it carries on (the survivors, but for the columns in ``whole``)."""
         parts: list[Part] = []
         row_of: dict[int, int] = {}
         offset = 0
-        carried = self.carry.pop(pool, None)
         if carried:
             offset = len(carried)
             parts.append((CARRY, pool, range(0, offset)))
             row_of.update(zip(carried, range(offset)))
-        for store, leaf in self.fresh.pop(pool, ()):
+        for store, leaf in fresh:
             size = self.sizes[store]
             first = (store << STORE_SHIFT) | (leaf << LEAF_SHIFT)
             parts.append((store, leaf, range(0, size)))
@@ -200,16 +247,16 @@ class GatherPlanner:
             row_of.update(where)
             perm = list(map(row_of.__getitem__, codes))
         used_until = self.last_use.get
-        survivors = [c for c in row_of if used_until(c, -1) > step]
-        if survivors and len(survivors) * self._numel(spec) > CARRY_FAR_ELEMENTS:
+        survivors = [c for c in row_of if used_until(c, -1) > step
+                     and (not whole or c >> LEAF_SHIFT not in whole)]
+        if survivors and len(survivors) * self.row_numel[pool] > CARRY_FAR_ELEMENTS:
             horizon = step + CARRY_HORIZON
             near = [c for c in survivors if used_until(c, -1) <= horizon]
-            if (len(survivors) - len(near)) * self._numel(spec) > CARRY_FAR_ELEMENTS:
+            if (len(survivors) - len(near)) * self.row_numel[pool] > CARRY_FAR_ELEMENTS:
                 survivors = near
         if survivors:
             perm.extend(map(row_of.__getitem__, survivors))
-            self.carry[pool] = survivors
-            return GatherPlan(positions, parts, perm, len(survivors), pool)
+            return GatherPlan(positions, parts, perm, len(survivors), pool), survivors
         identity = _identity(perm, total)
         if len(parts) > 1 or not identity:
             # A direct plan is taken when it launches no more copies than this one (its
@@ -218,7 +265,7 @@ class GatherPlanner:
             size = len(codes) // len(positions)
             direct = _direct(parts, perm, size, launches - _copies(parts))
             if direct is not None:
-                return GatherPlan(positions, parts, None, 0, pool, direct)
+                return GatherPlan(positions, parts, None, 0, pool, direct), []
             if older:
                 # An older store taken whole shares the cat with the other parts; in a
                 # plan with no cat, only its rows are copied.
@@ -228,8 +275,13 @@ class GatherPlanner:
                 direct = _direct(rows, list(map(row_of.__getitem__, codes)), size,
                                  launches - _copies(rows))
                 if direct is not None:
-                    return GatherPlan(positions, rows, None, 0, pool, direct)
-        return GatherPlan(positions, parts, None if identity else perm, 0, pool)
+                    return GatherPlan(positions, rows, None, 0, pool, direct), []
+        return GatherPlan(positions, parts, None if identity else perm, 0, pool), []
+
+
+def _column(output: tuple[int, int]) -> int:
+    """The column of a (store, leaf) output: the high bits its value codes share."""
+    return (output[0] << (STORE_SHIFT - LEAF_SHIFT)) | output[1]
 
 
 def _copies(parts: list[Part]) -> int:
