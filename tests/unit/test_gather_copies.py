@@ -76,8 +76,9 @@ def test_a_chain_of_calls_over_a_batch_passes_each_output_on_as_is() -> None:
     model = Chain()
     xs = [torch.randn(4, dtype=torch.float64) for _ in range(8)]
     with GatherCopies() as counts:
-        report = assert_batched_matches_eager(model, xs, rtol=1e-12, atol=1e-12)
+        report = assert_batched_matches_eager(model, xs, module=model, rtol=1e-12, atol=1e-12)
     assert report.stats is not None and report.stats.launches == 3
+    assert report.gradients_compared == 4
     assert counts.launches == {}
 
 
@@ -94,10 +95,12 @@ def test_projections_of_one_input_each_read_it_in_place() -> None:
     # q, k and v read the same batched input, and the * and + the projections: each
     # a view. Copying what the next calls still need into a carried pool at each
     # gather cost 3 cats and 4 index_selects (152 rows) for 8 examples.
+    model = Projections()
     xs = [torch.randn(4, dtype=torch.float64) for _ in range(8)]
     with GatherCopies() as counts:
-        report = assert_batched_matches_eager(Projections(), xs, rtol=1e-12, atol=1e-12)
+        report = assert_batched_matches_eager(model, xs, module=model, rtol=1e-12, atol=1e-12)
     assert report.stats is not None and report.stats.launches == 5
+    assert report.gradients_compared == 6
     assert counts.launches == {}
 
 
@@ -111,6 +114,7 @@ def test_a_treelstm_batch_gathers_each_level_with_one_cat_and_one_select() -> No
     with GatherCopies() as counts:
         report = assert_batched_matches_eager(model.logits, _fixed_trees(32, seed=7))
     assert report.stats is not None and report.stats.launches == 11
+    assert report.gradients_compared == len(list(model.parameters()))
     assert counts.launches == {"cat": 9, "index_select": 9}
     cell_inputs, roots, carried = 4 * (91 + 67 + 45 + 29 + 20 + 15 + 7 + 3), 32, 462
     row = 6 * 4  # float32
