@@ -18,12 +18,19 @@ import torch
 __all__ = ["compute_pool", "usable_cores"]
 
 
-def compute_pool(prefix: str, workers: int = 1) -> ThreadPoolExecutor:
+def compute_pool(
+    prefix: str, workers: int = 1, device: torch.device | None = None
+) -> ThreadPoolExecutor:
     """A thread pool whose threads use the calling thread's intra-op thread count.
 
     Args:
         prefix: the threads' name prefix (shown by debuggers and ``py-spy``).
         workers: the number of threads.
+        device: a CUDA device the threads make their current one (as torchgpipe's
+            device threads do): the current device is per thread, and kernels a
+            stage's code launches without naming a device (``torch.zeros(3,
+            device="cuda")``, a custom kernel), its allocations and its default
+            stream then belong to the stage's GPU, not GPU 0. Other devices: ignored.
 
     Example:
         >>> torch.set_num_threads(1)
@@ -31,12 +38,19 @@ def compute_pool(prefix: str, workers: int = 1) -> ThreadPoolExecutor:
         ...     pool.submit(torch.get_num_threads).result()
         1
     """
+    cuda = device if device is not None and device.type == "cuda" else None
     return ThreadPoolExecutor(
         max_workers=workers,
         thread_name_prefix=prefix,
-        initializer=torch.set_num_threads,
-        initargs=(torch.get_num_threads(),),
+        initializer=_start_thread,
+        initargs=(torch.get_num_threads(), cuda),
     )
+
+
+def _start_thread(intra_op_threads: int, cuda: torch.device | None) -> None:
+    torch.set_num_threads(intra_op_threads)
+    if cuda is not None:
+        torch.cuda.set_device(cuda)
 
 
 def usable_cores() -> int:

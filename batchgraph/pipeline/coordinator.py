@@ -142,9 +142,11 @@ class Coordinator:
         }
         for stage in self.stages:
             stage.split_backward = stage.index in split
+        # Each device's thread runs its kernels with the caller's intra-op threads, and
+        # on CUDA with its stages' GPU as its current device.
+        where = {schedule.device_of(stage.index): stage.device for stage in self.stages}
         self._workers = {
-            # Each device's thread runs its kernels with the caller's intra-op threads.
-            d: compute_pool(f"batchgraph-pipeline-device{d}")
+            d: compute_pool(f"batchgraph-pipeline-device{d}", device=where.get(d))
             for d in range(schedule.devices)
         }
         # Per device, each action with its stage and message keys, for training and for

@@ -73,3 +73,28 @@ def test_cpu_inputs_are_moved_to_the_first_stage(schedule: str) -> None:
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want_grads)
+
+
+class _NotesCurrentDevice(nn.Module):
+    """Notes the thread's current CUDA device whenever it runs."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.cuda.current_device())
+        out: torch.Tensor = self.lin(x)
+        return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_each_stage_thread_runs_with_its_gpu_current() -> None:
+    first: list[int] = []
+    second: list[int] = []
+    model = nn.Sequential(_NotesCurrentDevice(first), _NotesCurrentDevice(second))
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss(),
+                  devices=["cuda:0", "cuda:1"], timeout=60) as pipe:
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4, device="cuda:1"))
+    assert set(first) == {0} and set(second) == {1}
