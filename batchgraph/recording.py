@@ -27,6 +27,7 @@ from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
+from batchgraph.lazy_modules import materialize_lazy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
@@ -377,7 +378,8 @@ class CallSite:
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
         if isinstance(self.fn, torch.nn.Module):
-            _materialize_lazy(self.fn, call)
+            with not_recording():
+                materialize_lazy(self.fn, call)
         with not_recording():
             spec, draws_random, kind = self._infer_spec(call)
         key = choose_key(self.fn, call, policy.rules)
@@ -395,40 +397,6 @@ class CallSite:
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
         """See ``batchgraph.inference.infer_spec``."""
         return infer_spec(self.fn, self.name, call)
-
-
-def _materialize_lazy(module: torch.nn.Module, call: CallSignature) -> None:
-    """Initialize a lazy module (``nn.LazyLinear``) called with uninitialized
-    parameters, as its first eager call would: shaped by this call's inputs and
-    initialized now (drawing random numbers here, where eagerly the call is). Shape
-    inference runs on fake tensors, where it could only make meta parameters.
-
-    A lazy submodule inside the called module is initialized by the module's own
-    forward, which cannot run before the batch does: that is refused, saying how to
-    initialize it first.
-    """
-    from torch.nn.modules.lazy import LazyModuleMixin
-
-    lazy_self: Any = module  # LazyModuleMixin's methods are typed for its protocol
-    if isinstance(module, LazyModuleMixin) and lazy_self.has_uninitialized_params():
-        zeros = [torch.zeros(s.shape, dtype=s.dtype, device=s.device)
-                 for s in call.input_specs if s is not None]
-
-        def infer(*args: Any, **kwargs: Any) -> None:
-            lazy_self._infer_parameters(module, args, kwargs)
-
-        with not_recording():
-            call.apply(infer, zeros)
-    lazy = [name or type(module).__name__ for name, m in module.named_modules()
-            if isinstance(m, LazyModuleMixin) and cast(Any, m).has_uninitialized_params()]
-    if lazy:
-        raise ValueError(
-            f"{callable_name(module)} holds lazy modules whose parameters are not "
-            f"initialized yet ({', '.join(lazy[:5])}): they take their shapes from their "
-            "first call, which here runs only when the batch computes. Run one example "
-            "eagerly first (outside the BatchingPolicy), or call the lazy module itself "
-            "from the per-example code."
-        )
 
 
 def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:
