@@ -200,6 +200,14 @@ class Example:
                 _set_grad_enabled(grad)
 
 
+def _clone_outside_inference(value: torch.Tensor) -> torch.Tensor:
+    """``value.clone()`` made outside inference mode: made inside it, the copy of a plain
+    tensor is an inference tensor, which keeps no version to check and cannot be saved
+    for backward as the original could."""
+    with torch.inference_mode(False):
+        return value.clone()
+
+
 class Lane:
     """A policy and the examples recording into it (see the module docstring).
 
@@ -243,11 +251,15 @@ class Lane:
         """
         graph = self.policy.graph
         constants, versions, held = graph.constants, graph.constant_versions, self.held
+        clone = _clone_outside_inference if _inference_enabled() else torch.Tensor.clone
         for n, value in constants.items():
             # Only plain tensors: a subclass's copy might not behave as the original.
-            if (n not in held and type(value) is torch.Tensor and not value.requires_grad
-                    and versions.get(n) == value._version and not is_placeholder(value)):
-                copy = value.clone()
+            if n in held or type(value) is not torch.Tensor or value.requires_grad:
+                continue
+            # None: an inference tensor, whose version cannot even be read.
+            version = versions.get(n)
+            if version is not None and version == value._version and not is_placeholder(value):
+                copy = clone(value)
                 constants[n], versions[n] = copy, copy._version
                 held.add(n)
         held.intersection_update(constants)  # computed ones are dropped from constants

@@ -73,3 +73,19 @@ def test_a_change_before_the_step_started_is_refused() -> None:
 
     with pytest.raises(bg.ConstantChangedError, match="changed in place before it was computed"):
         asyncio.run(main())
+
+
+@pytest.mark.parametrize("input_in_inference", [True, False])
+def test_inputs_of_a_loop_in_inference_mode(input_in_inference: bool) -> None:
+    # An inference tensor has no version to read (reading it raised RuntimeError when
+    # the step started), and a plain one copied in inference mode became one.
+    with torch.inference_mode(input_in_inference):
+        x = torch.ones(3, dtype=torch.float64)
+
+    async def main() -> torch.Tensor:
+        async with bg.AsyncBatcher(max_latency=0.0) as batcher:
+            return await asyncio.wait_for(batcher.run(_doubled(x)), 30)
+
+    with torch.inference_mode():
+        got = asyncio.run(main())
+    torch.testing.assert_close(got, x * 2)
