@@ -41,6 +41,11 @@ with one intra-op thread (64 examples, two groups against one), a GRU decoder wi
 
 A lane is touched by one thread at a time: its examples are all suspended while it
 computes. Results are identical to one group (the same calls, batched differently).
+Other lanes' examples are not suspended, though, and may change in place a tensor the
+step reads (one both groups use, or a value handed out and passed on): on executor
+threads a step reads copies of its input tensors made when it is handed over
+(``Lane.hold_inputs``), so a change after that does not reach it and one before is
+refused, as with one group. Inline, nothing runs while a step computes.
 
 Memory: after each step a lane releases the values that nothing can read any more
 (no handle to them is left and no pending call takes them; see
@@ -259,6 +264,9 @@ def _drive_threaded(lanes: list[Lane], mode: GradMode, workers: int) -> None:
         last_random: list[Future[None] | None] = [None]
 
         def submit(lane: Lane) -> None:
+            # The driver goes on resuming other lanes, whose examples may change in
+            # place a tensor this step reads: it reads copies made now.
+            lane.hold_inputs()
             if workers > 1 and lane.policy.graph.draws_random:
                 if last_random[0] is not None:
                     last_random[0].exception()  # waits; its errors are re-raised below

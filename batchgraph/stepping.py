@@ -240,14 +240,15 @@ class Lane:
         """Copy the tensors the lane's next step reads as they are now, on the driver
         thread, before the step computes on another one.
 
-        Other code of the driver's thread (an asyncio task of the loop) may change such
-        a tensor in place while the step runs: the step checks each tensor's version
-        just before reading it, so a change landing between the check and the read
-        went unseen, and the step read values eager code never saw. Copied here, where
-        nothing else runs, a tensor changed before this point still fails the check
-        (its copy is not made), and a later change does not reach the copy. Tensors
-        that require grad are not copied (changing them in place is refused by torch
-        where it matters), nor are inference tensors (nothing tracks their changes).
+        Other code of the driver's thread (another task of an AsyncBatcher's loop, the
+        examples of run_all's other groups) may change such a tensor in place while
+        the step runs: the step checks each tensor's version just before reading it,
+        so a change landing between the check and the read went unseen, and the step
+        read values eager code never saw. Copied here, where nothing else runs, a
+        tensor changed before this point still fails the check (its copy is not
+        made), and a later change does not reach the copy. Tensors that require grad
+        are not copied (changing them in place is refused by torch where it matters),
+        nor are inference tensors (nothing tracks their changes).
         """
         graph = self.policy.graph
         constants, versions, held = graph.constants, graph.constant_versions, self.held
