@@ -46,6 +46,7 @@ from batchgraph.keys import (
 from batchgraph.module import BatchedModule
 from batchgraph.policy import BatchingPolicy
 from batchgraph.portable import PortableBatch, export
+from batchgraph.rowwise import RowwiseKey
 from batchgraph.rules import BatchedHooksWarning
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, ScheduleStats
@@ -87,6 +88,7 @@ __all__ = [
     "PortableBatch",
     "ReductionKey",
     "ResultHandle",
+    "RowwiseKey",
     "Schedule",
     "ScheduleCache",
     "ScheduleMismatchError",
