@@ -14,6 +14,20 @@ same weights (one ``state_dict`` copied into each), batches, loss and optimizer 
 - ``agenda`` / ``depth``: the per-sentence code under ``bg.BatchingPolicy`` with the
   agenda or the by-depth scheduler.
 
+A second model (``--models layers``; both run by default), ``SeqTagger``, is written
+per sentence at the sequence level: one ``nn.Embedding`` call on the sentence's ``(T,)``
+word ids, one ``nn.LSTM(bidirectional=True)`` call on its ``(T, E)`` embeddings (batched
+by the built-in ``PackedSequenceKey`` whatever the lengths) and one call of the tag MLP
+on its ``(T, 2H)`` outputs. Its variants, compared among themselves (``x eager`` and
+``x hand`` against ``seq-eager`` and ``seq-hand``):
+
+- ``seq-eager``: ``SeqTagger.logits`` per sentence, no policy;
+- ``seq-hand``: one embedding call on every word, one packed LSTM call, one MLP call;
+- ``seq-default``: the per-sentence code under the default keys, where the embedding
+  and the MLP batch only among sentences of equal length (a launch per length);
+- ``seq-rows``: the same, with the embedding and the MLP marked row-wise
+  (``batch_key = bg.RowwiseKey`` on the two instances): one launch each.
+
 Sentences are synthetic with lengths like the Penn Treebank's (mean about 24 words,
 3 to 60), Zipf-distributed word ids and 45 tags. Sizes (ours, not DyNet's exact
 configuration): embedding 128, LSTM hidden 128 per direction, MLP hidden 64. One
@@ -43,10 +57,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
 import batchgraph as bg
 
 VARIANTS = ("eager", "hand", "agenda", "depth")
+SEQ_VARIANTS = ("seq-eager", "seq-hand", "seq-default", "seq-rows")
+# Per model: its variants, and the names its speeds are compared with.
+FAMILIES = {"cells": (VARIANTS, "eager", "hand"),
+            "layers": (SEQ_VARIANTS, "seq-eager", "seq-hand")}
 MODES = ("inference", "training")
 RESULTS = Path(__file__).resolve().parent / "results" / "tagger.json"
 TAGS = 45
@@ -71,8 +90,8 @@ def sentences(count: int, vocab: int, seed: int, max_len: int = 60) -> list[Sent
     return out
 
 
-class TagMLP(nn.Module):
-    """Tag scores from a word's forward and backward states (``(2h,)`` or ``(B, 2h)``)."""
+class _TagLayers(nn.Module):
+    """The tag MLP's layers: ``2h`` BiLSTM features -> ``mlp`` (tanh) -> tag scores."""
 
     batch_key = bg.StackKey  # written for a leading batch dimension
 
@@ -80,6 +99,10 @@ class TagMLP(nn.Module):
         super().__init__()
         self.hidden = nn.Linear(2 * hidden, mlp)
         self.out = nn.Linear(mlp, tags)
+
+
+class TagMLP(_TagLayers):
+    """Tag scores from a word's forward and backward states (``(2h,)`` or ``(B, 2h)``)."""
 
     def forward(self, fwd: torch.Tensor, bwd: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.out(torch.tanh(self.hidden(torch.cat([fwd, bwd], dim=-1))))
@@ -101,6 +124,40 @@ class Tagger(bg.BatchedModule):
         xs = [self.embed(bg.batched_value(w)) for w in words]
         return [self.mlp(f, b) for f, b in zip(_run(self.fwd, xs),
                                                   reversed(_run(self.bwd, xs[::-1])))]
+
+
+class TagHead(_TagLayers):
+    """Tag scores from ``(..., 2h)`` BiLSTM outputs: a sentence's ``(T, 2h)`` at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(torch.tanh(self.hidden(x)))
+        return out
+
+
+class SeqTagger(bg.BatchedModule):
+    """The BiLSTM tagger written for one sentence with sequence-level calls."""
+
+    def __init__(self, vocab: int, embed: int, hidden: int, mlp: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, bidirectional=True)
+        self.mlp = TagHead(hidden, mlp, TAGS)
+
+    def logits(self, words: Sequence[int]) -> Any:
+        """The sentence's ``(T, tags)`` scores (a handle while recording)."""
+        out, _ = self.lstm(self.embed(torch.tensor(words)))
+        return self.mlp(out)
+
+
+def seq_hand_logits(model: SeqTagger, batch: Sequence[Sentence]) -> torch.Tensor:
+    """``(words of the batch, tags)`` scores of ``SeqTagger``, batched by hand."""
+    lengths = [len(s.words) for s in batch]
+    x = model.embed(torch.tensor([w for s in batch for w in s.words]))
+    out, _ = model.lstm(pack_sequence(list(x.split(lengths)), enforce_sorted=False))
+    padded, _ = pad_packed_sequence(out, batch_first=True)
+    keep = torch.arange(padded.shape[1]) < torch.tensor(lengths).unsqueeze(1)
+    scores: torch.Tensor = model.mlp(padded[keep])
+    return scores
 
 
 def _run(cell: nn.Module, xs: Sequence[Any]) -> list[Any]:
@@ -154,11 +211,13 @@ def _hand_direction(cell: nn.LSTMCell, x: torch.Tensor, alive: list[int],
 @dataclass
 class Variant:
     name: str
-    model: Tagger
+    model: Any  # Tagger, or SeqTagger for the seq- variants
     optimizer: torch.optim.Optimizer
     last: bg.ScheduleStats | None = None  # the last batch's (its lower bound is lazy)
 
     def logits(self, batch: Sequence[Sentence]) -> torch.Tensor:
+        if self.name.startswith("seq-"):
+            return self._seq_logits(batch)
         if self.name == "eager":
             return torch.stack([s for sent in batch for s in self.model.logits(sent.words)])
         if self.name == "hand":
@@ -167,6 +226,17 @@ class Variant:
             handles = [h for sent in batch for h in self.model.logits(sent.words)]
         out = torch.stack(bg.compute(handles))
         self.last = policy.stats  # read after timing: the lower bound is worked out then
+        return out
+
+    def _seq_logits(self, batch: Sequence[Sentence]) -> torch.Tensor:
+        if self.name == "seq-eager":
+            return torch.cat([self.model.logits(sent.words) for sent in batch])
+        if self.name == "seq-hand":
+            return seq_hand_logits(self.model, batch)
+        with bg.BatchingPolicy() as policy:
+            handles = [self.model.logits(sent.words) for sent in batch]
+        out = torch.cat(bg.compute(handles))
+        self.last = policy.stats
         return out
 
     def loss(self, batch: Sequence[Sentence]) -> torch.Tensor:
@@ -186,12 +256,18 @@ class Variant:
 
 def make_variants(vocab: int, embed: int, hidden: int, mlp: int, names: Sequence[str],
                   lr: float = 0.01) -> list[Variant]:
+    kind = SeqTagger if names[0].startswith("seq-") else Tagger
     torch.manual_seed(0)
-    state = Tagger(vocab, embed, hidden, mlp).state_dict()
+    state = kind(vocab, embed, hidden, mlp).state_dict()
     variants = []
     for name in names:
-        model = Tagger(vocab, embed, hidden, mlp)
+        model = kind(vocab, embed, hidden, mlp)
         model.load_state_dict(state)
+        if name == "seq-rows":
+            # These two instances treat rows independently: all the sentences' words
+            # run as one call (an instance's batch_key comes before its class's).
+            model.embed.batch_key = bg.RowwiseKey
+            model.mlp.batch_key = bg.RowwiseKey
         variants.append(Variant(name, model, torch.optim.SGD(model.parameters(), lr=lr)))
     return variants
 
@@ -250,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--mlp", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=60)
+    parser.add_argument("--models", nargs="+", choices=tuple(FAMILIES), default=list(FAMILIES),
+                        help="cells: LSTMCell chains, word by word; layers: SeqTagger")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -259,30 +337,32 @@ def main(argv: list[str] | None = None) -> None:
           f"torch {torch.__version__}; intra-op threads {torch.get_num_threads()}; "
           f"embed {args.embed} hidden {args.hidden} mlp {args.mlp} vocab {args.vocab}; "
           f"medians of {rounds} rounds")
-    print(f"{'mode':10} {'batch':>5} {'variant':8} {'sent/s':>9} {'x eager':>8} {'x hand':>7} "
+    print(f"{'mode':10} {'batch':>5} {'variant':11} {'sent/s':>9} {'x eager':>8} {'x hand':>7} "
           f"{'launches':>9} {'bound':>6}")
     rows: list[dict[str, Any]] = []
     worst = 0.0
     for size in sizes:
         pool = sentences(size * args.batches, args.vocab, seed=size, max_len=args.max_len)
         batches = [pool[i: i + size] for i in range(0, len(pool), size)]
-        variants = make_variants(args.vocab, args.embed, args.hidden, args.mlp, VARIANTS)
-        worst = max(worst, check_equal(variants, batches[0]))
-        for mode in MODES:
-            speeds = measure(variants, batches, mode, rounds)
-            for v in variants:
-                launches = v.last.launches if v.last is not None else None
-                bound = v.last.lower_bound if v.last is not None else None
-                row = {"mode": mode, "batch": size, "variant": v.name,
-                       "sentences_per_s": speeds[v.name],
-                       "vs_eager": speeds[v.name] / speeds["eager"],
-                       "vs_hand": speeds[v.name] / speeds["hand"],
-                       "launches": launches, "lower_bound": bound,
-                       "mean_words": statistics.mean(len(s.words) for s in pool)}
-                rows.append(row)
-                print(f"{mode:10} {size:5} {v.name:8} {row['sentences_per_s']:9.1f} "
-                      f"{row['vs_eager']:7.1f}x {row['vs_hand']:6.2f}x "
-                      f"{launches or '':>9} {bound or '':>6}", flush=True)
+        for family in args.models:
+            names, eager, hand = FAMILIES[family]
+            variants = make_variants(args.vocab, args.embed, args.hidden, args.mlp, names)
+            worst = max(worst, check_equal(variants, batches[0]))
+            for mode in MODES:
+                speeds = measure(variants, batches, mode, rounds)
+                for v in variants:
+                    launches = v.last.launches if v.last is not None else None
+                    bound = v.last.lower_bound if v.last is not None else None
+                    row = {"mode": mode, "batch": size, "variant": v.name,
+                           "sentences_per_s": speeds[v.name],
+                           "vs_eager": speeds[v.name] / speeds[eager],
+                           "vs_hand": speeds[v.name] / speeds[hand],
+                           "launches": launches, "lower_bound": bound,
+                           "mean_words": statistics.mean(len(s.words) for s in pool)}
+                    rows.append(row)
+                    print(f"{mode:10} {size:5} {v.name:11} {row['sentences_per_s']:9.1f} "
+                          f"{row['vs_eager']:7.1f}x {row['vs_hand']:6.2f}x "
+                          f"{launches or '':>9} {bound or '':>6}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
