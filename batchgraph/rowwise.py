@@ -18,8 +18,16 @@ from typing import Any, ClassVar
 import torch
 
 from batchgraph.errors import BatchedCallError, ShapeMismatchError
+from batchgraph.inference import fake_apply
 from batchgraph.keys import BatchKey, callable_name
-from batchgraph.specs import CallSignature, TensorSpec, rebuild_sequence, sequence_kind
+from batchgraph.recording import not_recording
+from batchgraph.specs import (
+    CallSignature,
+    TensorSpec,
+    flatten_output,
+    rebuild_sequence,
+    sequence_kind,
+)
 
 __all__ = ["RowwiseKey"]
 
@@ -76,8 +84,9 @@ class RowwiseKey(BatchKey):
     ``(T,)`` inputs are ``T`` rows of single values (word ids into ``nn.Embedding``).
     Static arguments must be equal (a ``length=T`` argument keeps lengths apart).
     Examples with no rows (``T == 0``) are fine where the callable takes 0 rows.
-    Every output tensor must have the rows as its leading dimension, checked when the
-    batch runs (``BatchedCallError`` otherwise).
+    Every output tensor must have the rows as its leading dimension: where a new
+    signature is recorded, the call runs once on fake tensors with one row more, and
+    one that then fails or returns other rows is refused (``ShapeMismatchError``).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -117,6 +126,15 @@ class RowwiseKey(BatchKey):
                 "without rows (a vector added to every row) cannot be concatenated row by "
                 "row: repeat it to the rows first (v.expand(T, -1)), or leave this "
                 "callable to the default keys."
+            )
+        problem = _rows_problem(fn, call, lengths.pop())
+        if problem is not None:
+            raise ShapeMismatchError(
+                f"RowwiseKey[{name}] runs a call on every example's rows at once, but "
+                f"{problem}: it does not take its inputs' leading dimension as rows (a "
+                "per-example (F,) vector into nn.Linear is F rows of single values to "
+                "RowwiseKey), or it reduces or reshapes them. Leave this call to the "
+                "default keys."
             )
         super().__init__(fn, call, deterministic=deterministic)
 
@@ -160,8 +178,8 @@ class RowwiseKey(BatchKey):
                 return
             mine: list[torch.Tensor] = []
             theirs: list[torch.Tensor] = []
-            _leaves(results[i], mine)
-            _leaves(alone, theirs)
+            flatten_output(results[i], mine)
+            flatten_output(alone, theirs)
             for j, (got, want) in enumerate(zip(mine, theirs)):
                 error = _difference(got.detach(), want)
                 if error is not None:
@@ -177,12 +195,33 @@ class RowwiseKey(BatchKey):
         checked.add(identity)
 
 
-def _leaves(value: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _leaves(v, out)
+def _rows_problem(fn: Callable[..., Any], call: CallSignature, rows: int) -> str | None:
+    """What goes wrong when the call gets one row more on fake tensors (once per
+    signature, where it is recorded), or None: each output must have the rows, and
+    only the rows may change (run at both lengths: one may match by chance)."""
+    more = tuple(None if s is None else s._replace(shape=(rows + 1, *s.shape[1:]))
+                 for s in call.input_specs)
+    with not_recording():
+        try:
+            out = fake_apply(fn, call)
+        except Exception:  # not on fake tensors at all: its recording tells
+            return None
+        try:
+            out_more = fake_apply(fn, CallSignature(call.args, call.kwargs, more, call.statics))
+        except Exception as err:
+            return f"given {rows + 1} rows where the call has {rows}, it raised {err}"
+    leaves: list[torch.Tensor] = []
+    leaves_more: list[torch.Tensor] = []
+    try:
+        flatten_output(out, leaves)
+        flatten_output(out_more, leaves_more)
+    except TypeError:  # not tensors: its recording says so
+        return None
+    for j, (leaf, other) in enumerate(zip(leaves, leaves_more)):
+        if leaf.dim() == 0 or leaf.shape[0] != rows or other.shape != (rows + 1, *leaf.shape[1:]):
+            return (f"its output {j} has shape {tuple(leaf.shape)} for {rows} rows and "
+                    f"{tuple(other.shape)} for {rows + 1}, not the rows leading")
+    return None
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str | None:

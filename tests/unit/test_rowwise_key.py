@@ -95,12 +95,19 @@ def test_zero_dim_inputs_are_refused_where_recorded() -> None:
         lookup(torch.tensor(3))
 
 
-def test_a_reduction_over_the_rows_fails_with_advice() -> None:
-    f = bg.batched_func(lambda x: x.sum(0))
-    with bg.BatchingPolicy(rules={f: bg.RowwiseKey}):
-        hs = [f(torch.randn(n, 4)) for n in (2, 3)]
-    with pytest.raises(bg.BatchedCallError, match="rows of its inputs as its leading"):
-        bg.compute(hs)
+@pytest.mark.parametrize(("fn", "shape", "says"), [
+    (lambda x: x.sum(0), (3, 4), r"output 0 has shape \(4,\) for 3 rows and \(4,\) for 4"),
+    (nn.Linear(4, 2), (4,), "given 5 rows where the call has 4, it raised"),
+])
+def test_callables_without_rows_are_refused_where_recorded(
+    fn: object, shape: tuple[int, ...], says: str
+) -> None:
+    # A reduction over the rows, and a per-example vector into a Linear (4 rows of
+    # one value to RowwiseKey): both run alone, neither batches by rows.
+    f = bg.batched_func(fn)
+    with (bg.BatchingPolicy(rules={f: bg.RowwiseKey}),
+          pytest.raises(bg.ShapeMismatchError, match=says)):
+        f(torch.randn(shape))
 
 
 def test_a_module_mixing_rows_is_caught_on_its_first_batch() -> None:
@@ -131,10 +138,11 @@ def test_the_row_check_runs_once_and_outside_the_stats() -> None:
         with bg.BatchingPolicy() as policy:
             bg.compute([f(torch.randn(n, 3)) for n in (2, 4, 1)])
         assert policy.stats is not None and policy.stats.launches == 1
-    # Recording infers each new length's shape (fake tensors: 2, 4, 1); the first
-    # batch checks two examples alone (2, 4) after its one call (7); the second
-    # batch makes its one call only.
-    assert calls == [2, 4, 1, 7, 2, 4, 7]
+    # Recording infers each new length's shape, and RowwiseKey checks it takes one
+    # row more (fake tensors: 2, then 2 and 3; 4, 4, 5; 1, 1, 2); the first batch
+    # checks two examples alone (2, 4) after its one call (7); the second batch
+    # makes its one call only.
+    assert calls == [2, 2, 3, 4, 4, 5, 1, 1, 2, 7, 2, 4, 7]
 
 
 def test_dropout_in_training_is_not_taken_for_mixing() -> None:
