@@ -31,11 +31,22 @@ from batchgraph.specs import (
 
 __all__ = ["RowwiseKey"]
 
-# Identities whose first batch was checked against runs of single examples (see
+# Identities (all but the lengths) whose rows were probed on fake tensors where
+# recorded, and whose first batch was checked against runs of single examples (see
 # RowwiseKey._check_rows): per callable, dropped with it; callables that cannot be
 # weakly referenced (builtins, which live as long as the process) in a plain set.
+_PROBED: weakref.WeakKeyDictionary[Any, set[Hashable]] = weakref.WeakKeyDictionary()
 _CHECKED: weakref.WeakKeyDictionary[Any, set[Hashable]] = weakref.WeakKeyDictionary()
-_CHECKED_STRONG: set[Hashable] = set()
+_STRONG: dict[str, set[Hashable]] = {"probed": set(), "checked": set()}
+
+
+def _done(table: weakref.WeakKeyDictionary[Any, set[Hashable]], fn: Any,
+          what: str) -> set[Hashable]:
+    """The identities of ``fn`` that had ``what`` done (a set to add to)."""
+    try:
+        return table.setdefault(fn, set())
+    except TypeError:  # not weakly referenceable: a builtin, never freed
+        return _STRONG[what]
 
 # How far the batched rows of one example may be from its call run alone, relative to
 # the largest value, before the callable is taken to mix rows: batched matrix products
@@ -84,9 +95,10 @@ class RowwiseKey(BatchKey):
     ``(T,)`` inputs are ``T`` rows of single values (word ids into ``nn.Embedding``).
     Static arguments must be equal (a ``length=T`` argument keeps lengths apart).
     Examples with no rows (``T == 0``) are fine where the callable takes 0 rows.
-    Every output tensor must have the rows as its leading dimension: where a new
-    signature is recorded, the call runs once on fake tensors with one row more, and
-    one that then fails or returns other rows is refused (``ShapeMismatchError``).
+    Every output tensor must have the rows as its leading dimension: where the first
+    call of a signature (all but the lengths) is recorded, it runs on fake tensors at
+    its length and one row more, and one that then fails or returns other rows is
+    refused (``ShapeMismatchError``).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -127,6 +139,13 @@ class RowwiseKey(BatchKey):
                 "row: repeat it to the rows first (v.expand(T, -1)), or leave this "
                 "callable to the default keys."
             )
+        super().__init__(fn, call, deterministic=deterministic)
+        # Once per identity, not per length: a new length is a new signature, and
+        # fake runs cost milliseconds (every sentence length of a corpus).
+        probed = _done(_PROBED, fn, "probed")
+        identity = self.identity()
+        if identity in probed:
+            return
         problem = _rows_problem(fn, call, lengths.pop())
         if problem is not None:
             raise ShapeMismatchError(
@@ -136,7 +155,7 @@ class RowwiseKey(BatchKey):
                 "RowwiseKey), or it reduces or reshapes them. Leave this call to the "
                 "default keys."
             )
-        super().__init__(fn, call, deterministic=deterministic)
+        probed.add(identity)
 
     def identity(self) -> Hashable:
         # The callable and the whole signature but each input's leading length.
@@ -159,10 +178,7 @@ class RowwiseKey(BatchKey):
         """Once per identity, the first two examples with rows, run alone, against
         their rows of the batched call: a callable that mixes rows differs."""
         identity = self.identity()
-        try:
-            checked = _CHECKED.setdefault(fn, set())
-        except TypeError:  # not weakly referenceable: a builtin, never freed
-            checked = _CHECKED_STRONG
+        checked = _done(_CHECKED, fn, "checked")
         if identity in checked:
             return
         rows = [i for i, n in enumerate(lengths) if n > 0][:2]
