@@ -139,6 +139,8 @@ class RowwiseKey(BatchKey):
                 "row: repeat it to the rows first (v.expand(T, -1)), or leave this "
                 "callable to the default keys."
             )
+        # Kept: keys are compared by identity each time a call of them is recorded.
+        self._identity = (id(fn), _rows_only(call.statics))
         super().__init__(fn, call, deterministic=deterministic)
         # Once per identity, not per length: a new length is a new signature, and
         # fake runs cost milliseconds (every sentence length of a corpus).
@@ -159,7 +161,7 @@ class RowwiseKey(BatchKey):
 
     def identity(self) -> Hashable:
         # The callable and the whole signature but each input's leading length.
-        return (id(self.fn), _rows_only(self.call.statics))
+        return self._identity
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
         columns = [list(column) for column in inputs]
