@@ -159,3 +159,37 @@ def test_not_chosen_by_default() -> None:
     with bg.BatchingPolicy() as policy:
         bg.compute([lin(torch.randn(n, 3)) for n in (2, 3)])
     assert policy.stats is not None and policy.stats.launches == 2
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=6),
+       st.sampled_from(["agenda", "depth"]))
+def test_a_chain_of_rowwise_calls_with_ids_pairs_and_tuples(
+    lengths: list[int], scheduler: str
+) -> None:
+    # ids -> embedding, a two-input gate returning a tuple, a Linear on one part and
+    # the sum of both: three RowwiseKey calls and one elementwise add per example,
+    # whatever the lengths (0 included); values and weighted gradients as eager.
+    torch.manual_seed(sum(lengths))
+    embed, proj = nn.Embedding(9, 4).double(), nn.Linear(4, 4).double()
+    e, p = bg.batched_func(embed), bg.batched_func(proj)
+
+    def pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(x) * y, x - y
+
+    g = bg.batched_func(pair)
+
+    def per_example(ids: torch.Tensor) -> object:
+        x = e(ids)
+        a, b = g(x, p(x))
+        return p(a) + b
+
+    ids = [torch.randint(0, 9, (n,)) for n in lengths]
+    rules = {nn.Embedding: bg.RowwiseKey, nn.Linear: bg.RowwiseKey, pair: bg.RowwiseKey}
+    report = assert_batched_matches_eager(
+        per_example, ids, module=nn.ModuleList([embed, proj]), rtol=0, atol=1e-10,
+        rules=rules, scheduler=scheduler,
+    )
+    assert report.gradients_compared == 3
+    distinct = len(set(lengths))  # the add batches by shape, as by default
+    assert report.stats is not None and report.stats.launches == 4 + distinct
