@@ -193,3 +193,13 @@ def test_a_chain_of_rowwise_calls_with_ids_pairs_and_tuples(
     assert report.gradients_compared == 3
     distinct = len(set(lengths))  # the add batches by shape, as by default
     assert report.stats is not None and report.stats.launches == 4 + distinct
+
+
+def test_a_batch_whose_output_loses_rows_fails_when_it_runs() -> None:
+    # Row-wise at each length it was recorded with (and one more), but not at the
+    # batch's 9 rows: the split refuses rather than hand out wrong rows.
+    f = bg.batched_func(lambda x: x[:1] if x.shape[0] > 8 else x * 2)
+    with bg.BatchingPolicy(rules={f: bg.RowwiseKey}):
+        hs = [f(torch.randn(n, 2)) for n in (3, 6)]
+    with pytest.raises(bg.BatchedCallError, match=r"returned a \(1, 2\) tensor for 2 "):
+        bg.compute(hs)
