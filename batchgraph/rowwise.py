@@ -21,6 +21,7 @@ from batchgraph.errors import BatchedCallError, ShapeMismatchError
 from batchgraph.inference import fake_apply
 from batchgraph.keys import BatchKey, callable_name
 from batchgraph.recording import not_recording
+from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
     TensorSpec,
@@ -83,7 +84,8 @@ class RowwiseKey(BatchKey):
     alone.** One that mixes rows (attention over the sequence, a sum, mean or
     ``cumsum`` over dim 0, ``BatchNorm`` in training mode) would see all the examples'
     rows as one sequence and compute something else. The first batch of each signature
-    that holds two examples with rows is checked against the first two run alone
+    (all but the lengths) that holds two examples with rows is checked against the
+    first two run alone
     (without grad, outside the stats) and a mismatch fails with ``BatchedCallError``;
     that catches the usual misuse, not every one (a callable drawing random numbers is
     not checked). Set ``check_rows = False`` in a subclass to skip it.
@@ -126,8 +128,9 @@ class RowwiseKey(BatchKey):
                 raise ShapeMismatchError(
                     f"RowwiseKey[{name}]: tensor input {i} is 0-d, which has no rows to "
                     "concatenate with other examples'. Pass it as one row (x.view(1)), or "
-                    "leave this call to the default keys (a 0-d id into nn.Embedding "
-                    "batches by stacking)."
+                    "register RowwiseKey for the module instances that get rows only "
+                    "(rules={model.embed: bg.RowwiseKey}): by default a 0-d id into "
+                    "nn.Embedding batches by stacking."
                 )
         lengths = {s.shape[0] for s in specs if s is not None}
         if len(lengths) > 1:
@@ -186,8 +189,6 @@ class RowwiseKey(BatchKey):
         rows = [i for i, n in enumerate(lengths) if n > 0][:2]
         if len(rows) < 2:
             return  # nothing to tell: a later batch checks
-        from batchgraph.rules import RandomDraws  # it imports the keys
-
         for i in rows:
             with torch.no_grad(), RandomDraws() as draws:
                 alone = self.call.apply(fn, [c[i] for c in columns])
