@@ -27,6 +27,7 @@ call instead.
 from __future__ import annotations
 
 import contextvars
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -202,7 +203,7 @@ class StateNames:
         return IncompatibleKeys(missing, unexpected)
 
 
-class CheckpointMethods:
+class CheckpointMethods(ABC):
     """``state_dict``, ``load_state_dict`` and ``gather_state_dict`` of a pipeline
     (``Pipeline``, ``DistributedPipeline``), from its ``_names``, ``own_modules`` and
     ``gather_state``."""
@@ -210,11 +211,13 @@ class CheckpointMethods:
     _names: StateNames
 
     @property
+    @abstractmethod
     def own_modules(self) -> dict[int, nn.Module]:
-        raise NotImplementedError
+        """This process's stage modules, by stage index."""
 
+    @abstractmethod
     def gather_state(self, part: dict[str, Any], dst: int = 0) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """Every process's ``part`` merged on process ``dst`` (None on the others)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The stages' parameters and buffers under the names ``model.state_dict()``
