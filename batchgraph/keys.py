@@ -359,8 +359,8 @@ class UnbatchedKey(BatchKey):
     """Runs the calls one at a time (the callable cannot batch). Stats count these.
 
     So do calls whose output is unknown until they run (a host read, a data-dependent
-    shape), and calls recorded on such a result before it has run. Calls recorded on
-    it after a compute batch (``batchgraph.signatures.computed_spec``).
+    shape), and calls recorded on such a result before it has run; calls recorded on
+    it after a compute do batch (``batchgraph.signatures.computed_spec``).
 
     Example:
         >>> import batchgraph as bg, torch
