@@ -85,10 +85,10 @@ class RowwiseKey(BatchKey):
     ``cumsum`` over dim 0, ``BatchNorm`` in training mode) would see all the examples'
     rows as one sequence and compute something else. The first batch of each signature
     (all but the lengths) that holds two examples with rows is checked against the
-    first two run alone
-    (without grad, outside the stats) and a mismatch fails with ``BatchedCallError``;
-    that catches the usual misuse, not every one (a callable drawing random numbers is
-    not checked). Set ``check_rows = False`` in a subclass to skip it.
+    first two run alone (without grad, outside the stats) and a mismatch fails with
+    ``BatchedCallError``; that catches the usual misuse, not every one (a callable
+    drawing random numbers is not checked). Set ``check_rows = False`` in a subclass
+    to skip it.
 
     Rules, checked where a call is recorded (``ShapeMismatchError``): every tensor
     input has at least one dimension, and all of an example's tensor inputs have the

@@ -155,9 +155,12 @@ class StateNames:
                     out.setdefault(name, value.detach() if isinstance(value, Tensor) else value)
         return self.ordered(out)
 
-    def _unexpected(self, name: str, own: Mapping[int, Mapping[str, tuple[str, ...]]]) -> bool:
-        """Whether no stage of the model has ``name`` (as far as this process can tell)."""
-        if any(name in names for keys in own.values() for names in keys.values()):
+    def _unexpected(
+        self, name: str, own: Mapping[int, Mapping[str, tuple[str, ...]]], known: set[str]
+    ) -> bool:
+        """Whether no stage of the model has ``name`` (as far as this process can tell);
+        ``known``: the names of the stages in ``own``."""
+        if name in known:
             return False
         if self._order is not None:
             return name not in self._order
@@ -181,7 +184,8 @@ class StateNames:
         own = {s: self.names_of(s, m) for s, m in modules.items()}
         wanted = [n for s in sorted(own) for names in own[s].values() for n in names]
         missing = [n for n in dict.fromkeys(wanted) if n not in state_dict]
-        unexpected = [k for k in state_dict if self._unexpected(k, own)]
+        known = set(wanted)  # once, not per key: a large model has thousands
+        unexpected = [k for k in state_dict if self._unexpected(k, own, known)]
         if strict and (missing or unexpected):
             where = ", ".join(map(str, sorted(own)))
             errors = [f"missing key(s): {_listed(missing)}"] if missing else []
