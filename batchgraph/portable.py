@@ -397,10 +397,11 @@ def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
 
 
 def grad_mode() -> RecordedGrad:
-    """The grad mode now, as recorded calls note it: True, False or ``INFERENCE``."""
-    if torch.is_grad_enabled():
-        return True
-    return INFERENCE if torch.is_inference_mode_enabled() else False
+    """The grad mode now, as recorded calls note it: True, False or ``INFERENCE``
+    (inference mode, even with grad enabled inside it: no autograd graph either way)."""
+    if torch.is_inference_mode_enabled():
+        return INFERENCE
+    return torch.is_grad_enabled()
 
 
 def _portable_constant(value: Any, node: int) -> Any:

@@ -250,9 +250,9 @@ class CallSite:
                         self.last = (sig, entry)
             refs = tuple(inputs)
         memo = entry.memo
-        grad: RecordedGrad = _grad_enabled()
-        if not grad and _inference_enabled():
-            grad = INFERENCE  # its calls give inference tensors, as eagerly
+        # Inference mode first: inside it even torch.enable_grad() builds no autograd
+        # graph (eager calls give inference tensors that do not require grad).
+        grad: RecordedGrad = INFERENCE if _inference_enabled() else _grad_enabled()
         module = self.mode_module
         training = None if module is None else module.training
         # The stamp changes with every compute and optimizer step: a module's first

@@ -236,3 +236,30 @@ def test_calls_recorded_in_inference_mode_run_without_grad_wherever_computed() -
             handles = [lin(bg.batched_value(torch.ones(3, dtype=torch.float64)))
                        for _ in range(2)]
         assert all(v.is_inference() for v in policy.compute(handles))
+
+
+def test_calls_recorded_with_grad_enabled_inside_inference_mode_get_no_gradient() -> None:
+    """Inside ``torch.inference_mode()`` even ``torch.enable_grad()`` builds no autograd
+    graph: eager values are inference tensors that do not require grad. Before, such
+    a call was recorded as made with grad, and its batched value required grad (a
+    backward through it reached the weights, where eager code had nothing to
+    backpropagate); a coroutine example entering ``enable_grad`` under an inference
+    mode caller got it too."""
+    lin = _linear()
+    x = torch.ones(3, dtype=torch.float64)
+    with torch.inference_mode(), torch.enable_grad():
+        assert not lin(x).requires_grad  # the eager reference
+        with bg.BatchingPolicy():
+            handle = lin(bg.batched_value(x))
+        value = bg.compute(handle)
+    assert not value.requires_grad
+    torch.testing.assert_close(value, lin(x).detach())
+
+    async def example(i: int) -> bool:
+        with torch.enable_grad():
+            v = await bg.value(lin(bg.batched_value(x * i)))
+        return v.requires_grad
+
+    with torch.inference_mode():
+        eager = [run_eagerly(example(i)) for i in range(3)]
+        assert bg.run_all([example(i) for i in range(3)]) == eager == [False] * 3
