@@ -93,7 +93,7 @@ from batchgraph.autocasting import in_autocast_state
 from batchgraph.bridge_calls import Call, LaneState, cancel_all, resolve, take_cancels
 from batchgraph.inference import warm_up
 from batchgraph.policy import BatchingPolicy
-from batchgraph.stepping import Example, Lane
+from batchgraph.stepping import Example, Lane, check_max_steps
 from batchgraph.threads import compute_pool
 
 __all__ = ["AsyncBatcher"]
@@ -112,7 +112,8 @@ class AsyncBatcher:
             every example runs as if wrapped in ``torch.no_grad()``: values come back
             without history; with True, with grad on (an example's own ``no_grad`` or
             ``inference_mode`` blocks still hold).
-        max_steps: fail an example after this many awaits (``DeadlockError``).
+        max_steps: fail an example after this many awaits (``DeadlockError``);
+            None (the default) or an int >= 0.
         max_graph_nodes: retire a lane once its graph holds this many nodes.
         make_policy: builds each lane's ``BatchingPolicy``.
 
@@ -148,6 +149,7 @@ class AsyncBatcher:
                 f"seconds; got max_batch={max_batch!r}, groups={groups!r}, "
                 f"max_latency={max_latency!r}"
             )
+        check_max_steps(max_steps)
         self.max_batch = max_batch
         self.max_latency = max_latency
         self.groups = groups

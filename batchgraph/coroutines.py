@@ -67,7 +67,7 @@ import torch
 
 from batchgraph.awaiting import CoroutineExampleError, value
 from batchgraph.policy import BatchingPolicy
-from batchgraph.stepping import Example, GradMode, Lane, grad_mode
+from batchgraph.stepping import Example, GradMode, Lane, check_max_steps, grad_mode
 from batchgraph.threads import compute_pool, usable_cores
 
 __all__ = ["run_all", "value"]
@@ -114,8 +114,8 @@ def run_all(
             names the first failing example, chains its exception and carries every
             result (``.results``) and error (``.errors``).
         TypeError: if an item is not a coroutine, or ``groups`` is not positive.
-        ValueError: for an unknown ``overlap``, or a ``make_policy`` that returns one
-            policy for two groups.
+        ValueError: for an unknown ``overlap``, a ``max_steps`` that is not None or an
+            int >= 0, or a ``make_policy`` that returns one policy for two groups.
 
     Example:
         >>> import batchgraph as bg, torch
@@ -139,10 +139,16 @@ def run_all(
                 f"example {i} is {type(c).__name__}, not a coroutine: pass coroutine objects "
                 "(call the async function: [example(x) for x in batch])"
             )
-    if not isinstance(groups, int) or groups < 1:
-        raise TypeError(f"groups must be a positive int, got {groups!r}")
-    if overlap not in _OVERLAPS:
-        raise ValueError(f"overlap must be one of {sorted(_OVERLAPS)}, got {overlap!r}")
+    try:
+        if not isinstance(groups, int) or groups < 1:
+            raise TypeError(f"groups must be a positive int, got {groups!r}")
+        if overlap not in _OVERLAPS:
+            raise ValueError(f"overlap must be one of {sorted(_OVERLAPS)}, got {overlap!r}")
+        check_max_steps(max_steps)
+    except (TypeError, ValueError):
+        for c in items:  # never started: no "never awaited" warnings either
+            c.close()
+        raise
     examples = [Example(i, c) for i, c in enumerate(items)]
     if not examples:
         return []

@@ -1,9 +1,11 @@
 """A coroutine object given twice, or one already started, is refused: resuming it
-would hand it None as the value it awaited."""
+would hand it None as the value it awaited. Bad arguments (groups, overlap,
+max_steps) are refused before any example starts, and the coroutines are closed."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import pytest
@@ -73,3 +75,30 @@ def test_async_batcher_refuses_a_coroutine_given_twice() -> None:
     assert isinstance(got[0], torch.Tensor)
     assert isinstance(got[1], TypeError) and _STARTED in str(got[1])
     assert all(isinstance(v, torch.Tensor) for v in seen)
+
+
+@pytest.mark.parametrize("max_steps", ["3", -1, 2.5, True])
+def test_a_bad_max_steps_is_refused_up_front(max_steps: Any) -> None:
+    """Before: a str failed each example's first await with "'>' not supported
+    between instances of 'int' and 'str'" (in an AsyncBatcher, from its worker task),
+    and a negative limit failed every example at its first await."""
+    example, _ = _decoder()
+    coros = [example(x) for x in STATES]
+    with pytest.raises(ValueError, match=r"max_steps must be None \(no limit\) or an int >= 0"):
+        bg.run_all(coros, max_steps=max_steps)
+    # Closed, as for other bad arguments: no "coroutine was never awaited" warnings.
+    assert all(inspect.getcoroutinestate(c) == inspect.CORO_CLOSED for c in coros)
+    with pytest.raises(ValueError, match=r"max_steps must be None"):
+        bg.AsyncBatcher(max_steps=max_steps)
+
+
+def test_bad_groups_or_overlap_close_the_coroutines() -> None:
+    example, _ = _decoder()
+    for kwargs in ({"groups": 0}, {"groups": 2, "overlap": "threads"}):
+        coros = [example(x) for x in STATES]
+        with pytest.raises((TypeError, ValueError)):
+            bg.run_all(coros, **kwargs)
+        assert all(inspect.getcoroutinestate(c) == inspect.CORO_CLOSED for c in coros)
+    # 0 is a limit, not a bad argument: every example fails at its first await.
+    got = bg.run_all([example(x) for x in STATES], max_steps=0, return_exceptions=True)
+    assert all(isinstance(g, bg.DeadlockError) for g in got)
