@@ -20,6 +20,7 @@ once without yielding, so the very same coroutine also runs eagerly
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Generator
 from typing import Any
@@ -182,6 +183,8 @@ def resolve(obj: Any) -> Any:
         return [resolve(x) for x in obj]
     if isinstance(obj, tuple):
         values = [resolve(x) for x in obj]
+        if all(map(operator.is_, values, obj)):
+            return obj  # no handle in it: kept as it is (a torch.Size stays one)
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return rebuild_mapping(obj, ((k, resolve(v)) for k, v in obj.items()))

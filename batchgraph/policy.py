@@ -10,6 +10,7 @@ times; later computes reuse everything computed before.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 import weakref
 from collections import Counter
@@ -325,6 +326,10 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
         return [_rebuild(x, views) for x in obj]
     if isinstance(obj, tuple):
         values = [_rebuild(x, views) for x in obj]
+        if all(map(operator.is_, values, obj)):
+            # No handle in it: kept as it is. Rebuilt, a tuple subclass that is neither
+            # a namedtuple nor a structseq (a torch.Size) would become a plain tuple.
+            return obj
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return rebuild_mapping(obj, ((k, _rebuild(v, views)) for k, v in obj.items()))

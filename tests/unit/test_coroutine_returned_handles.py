@@ -1,5 +1,6 @@
 """Handles an example returns unawaited are computed by its driver; when that compute
-fails, the example gets the call's own error."""
+fails, the example gets the call's own error. The rest of a result comes back as it
+was returned."""
 
 from __future__ import annotations
 
@@ -39,3 +40,30 @@ def test_a_failing_returned_handle_fails_its_example_with_the_calls_error(
             assert "ValueError: negative input" in str(result)
         else:
             assert torch.equal(result, torch.tensor(v * 2, dtype=torch.float64))
+
+
+class _Pair(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that is neither a namedtuple nor a structseq."""
+
+
+def test_tuples_without_handles_in_a_result_come_back_as_they_are() -> None:
+    """Before: a ``torch.Size`` in an example's result came back a plain tuple (its
+    ``numel()`` gone), as did any such tuple subclass, whether the result held
+    handles (computed with the last step) or not."""
+    tanh = bg.batched_func(torch.tanh)
+    pair = _Pair((1, 2))
+
+    async def example(x: torch.Tensor, with_handle: bool) -> tuple[object, ...]:
+        value = await bg.value(tanh(x))
+        shape = value.shape
+        return (shape, pair, tanh(x + 1)) if with_handle else (shape, pair)  # not merged
+
+    xs = [torch.zeros(2, 3), torch.ones(2, 3)]
+    for with_handle in (False, True):
+        got = bg.run_all([example(x, with_handle) for x in xs])
+        for x, result in zip(xs, got):
+            shape, same = result[:2]
+            assert type(shape) is torch.Size and shape.numel() == 6
+            assert same is pair
+            if with_handle:
+                torch.testing.assert_close(result[2], torch.tanh(x + 1))
