@@ -113,7 +113,8 @@ def run_all(
         CoroutineExampleError: when an example raised and ``return_exceptions`` is False; it
             names the first failing example, chains its exception and carries every
             result (``.results``) and error (``.errors``).
-        TypeError: if an item is not a coroutine, or ``groups`` is not positive.
+        TypeError: if an item is not a coroutine, ``groups`` is not positive, or
+            ``make_policy`` returns something other than a ``BatchingPolicy``.
         ValueError: for an unknown ``overlap``, a ``max_steps`` that is not None or an
             int >= 0, or a ``make_policy`` that returns one policy for two groups.
 

@@ -233,6 +233,12 @@ class Lane:
 
     def __init__(self, policy: BatchingPolicy, examples: list[Example],
                  max_steps: int | None = None) -> None:
+        if not isinstance(policy, BatchingPolicy):  # else: "... has no attribute 'graph'"
+            raise TypeError(
+                f"make_policy returned {type(policy).__name__} ({policy!r:.60}), not a "
+                "bg.BatchingPolicy: it must build and return a new policy per call, as "
+                "make_policy=lambda: bg.BatchingPolicy(...) does"
+            )
         self.policy = policy
         self.live = examples
         self.max_steps = max_steps

@@ -102,3 +102,21 @@ def test_bad_groups_or_overlap_close_the_coroutines() -> None:
     # 0 is a limit, not a bad argument: every example fails at its first await.
     got = bg.run_all([example(x) for x in STATES], max_steps=0, return_exceptions=True)
     assert all(isinstance(g, bg.DeadlockError) for g in got)
+
+
+@pytest.mark.parametrize("made", [None, bg.BatchingPolicy])  # forgot to return; or to call
+def test_a_make_policy_that_returns_no_policy_is_a_clear_error(made: Any) -> None:
+    """Before: AttributeError "'NoneType' object has no attribute 'graph'" (or "type
+    object 'BatchingPolicy' has no attribute 'graph'"), from deep in the driver."""
+    example, _ = _decoder()
+    coros = [example(x) for x in STATES]
+    with pytest.raises(TypeError, match=r"make_policy returned .* not a bg.BatchingPolicy"):
+        bg.run_all(coros, make_policy=lambda: made)
+    assert all(inspect.getcoroutinestate(c) == inspect.CORO_CLOSED for c in coros)
+
+    async def main() -> Any:
+        batcher = bg.AsyncBatcher(make_policy=lambda: made)
+        return await batcher.run(example(STATES[0]))
+
+    with pytest.raises(TypeError, match=r"make_policy returned .* not a bg.BatchingPolicy"):
+        asyncio.run(main())
