@@ -102,7 +102,8 @@ def run_all(
             and ``SystemExit`` are not kept: they stop the run at once (the other
             examples are closed), as they stop an asyncio event loop.
         max_steps: fail an example that awaits more often than this (a coroutine that
-            never finishes) with ``DeadlockError``; ``None`` for no limit.
+            never finishes) with ``DeadlockError``, raised at its await; one that
+            catches it and awaits again is closed. ``None`` for no limit.
         make_policy: builds each lane's policy (for custom rules or a scheduler);
             default ``BatchingPolicy()``.
 

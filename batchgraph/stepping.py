@@ -129,9 +129,8 @@ GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-
 
 
 def check_max_steps(max_steps: object) -> None:
-    """Refuse a ``max_steps`` that is not None or an int >= 0, where it is given: else
-    the first await failed with a comparison error from deep in the driver (or
-    every example failed its first await, for a negative limit)."""
+    """Refuse a ``max_steps`` that is not None or an int >= 0 where it is given, not
+    at the first await (a comparison error there; a negative one failed them all)."""
     if max_steps is not None and (
         not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0
     ):
@@ -391,6 +390,18 @@ class Lane:
             if outer_cast is not None or _autocast_enabled():
                 _keep_autocast(ex, outer_cast)
             throw = None
+            # Refused awaits count too: one that catches their error and awaits again
+            # looped here forever, max_steps or not.
+            ex.steps += 1
+            if self.max_steps is not None and ex.steps > self.max_steps:
+                if ex.steps == self.max_steps + 1:  # it may clean up, or end, on this
+                    throw = DeadlockError(
+                        f"example {ex.index} is still running after {self.max_steps} awaits "
+                        "(max_steps); it may never finish. Raise max_steps if it needs more."
+                    )
+                    continue
+                self._stop_runaway(ex)
+                return
             if type(yielded) is not Wait:
                 # A bare None is what asyncio.sleep(0) yields: name it, "None" says little.
                 what = ("None (asyncio.sleep(0) yields it)" if yielded is None
@@ -412,15 +423,19 @@ class Lane:
                 )
                 add_note(throw, _OWN_LANE)
                 continue
-            ex.steps += 1
-            if self.max_steps is not None and ex.steps > self.max_steps:
-                throw = DeadlockError(
-                    f"example {ex.index} is still running after {self.max_steps} awaits "
-                    "(max_steps); it may never finish. Raise max_steps if it needs more."
-                )
-                continue
             ex.wait = yielded
             return
+
+    def _stop_runaway(self, ex: Example) -> None:
+        # It caught max_steps' DeadlockError and awaited on: closing it is all that
+        # ends a `while True: try: ... except Exception: ...` loop.
+        error = DeadlockError(
+            f"example {ex.index} went on awaiting after max_steps ({self.max_steps}) "
+            "stopped it with a DeadlockError, which it caught; it was closed. Let "
+            "DeadlockError through, or raise max_steps if it needs more awaits."
+        )
+        ex.close()
+        error.__context__, ex.error = ex.error, error  # a finally block's error, if any
 
     def _finish(self, ex: Example, result: Any) -> None:
         # A result may hold handles nobody awaited: compute them with the next step.
