@@ -36,6 +36,7 @@ __all__ = [
     "DeadlockError",
     "UnsupportedAwaitError",
     "Wait",
+    "check_max_steps",
     "value",
 ]
 
@@ -157,6 +158,18 @@ def value(obj: Any) -> Wait:
     pending: list[ResultHandle] = []
     _pending(obj, pending)
     return Wait(obj, pending)
+
+
+def check_max_steps(max_steps: object) -> None:
+    """Refuse a ``max_steps`` that is not None or an int >= 0 where it is given, not
+    at the first await (a comparison error there; a negative one failed them all)."""
+    if max_steps is not None and (
+        not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0
+    ):
+        raise ValueError(
+            f"max_steps must be None (no limit) or an int >= 0 (the awaits an example may "
+            f"make), got {max_steps!r}"
+        )
 
 
 def _pending(obj: Any, out: list[ResultHandle]) -> None:

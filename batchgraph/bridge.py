@@ -90,10 +90,11 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import in_autocast_state
+from batchgraph.awaiting import check_max_steps
 from batchgraph.bridge_calls import Call, LaneState, cancel_all, resolve, take_cancels
 from batchgraph.inference import warm_up
 from batchgraph.policy import BatchingPolicy
-from batchgraph.stepping import Example, Lane, check_max_steps
+from batchgraph.stepping import Example, Lane
 from batchgraph.threads import compute_pool
 
 __all__ = ["AsyncBatcher"]

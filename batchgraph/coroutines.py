@@ -65,9 +65,9 @@ from typing import Any
 
 import torch
 
-from batchgraph.awaiting import CoroutineExampleError, value
+from batchgraph.awaiting import CoroutineExampleError, check_max_steps, value
 from batchgraph.policy import BatchingPolicy
-from batchgraph.stepping import Example, GradMode, Lane, check_max_steps, grad_mode
+from batchgraph.stepping import Example, GradMode, Lane, grad_mode
 from batchgraph.threads import compute_pool, usable_cores
 
 __all__ = ["run_all", "value"]

@@ -52,7 +52,7 @@ from batchgraph.recording import _ACTIVE
 from batchgraph.releasing import StoreReleaser
 from batchgraph.specs import TensorSpec
 
-__all__ = ["Example", "GradMode", "Lane", "check_max_steps"]
+__all__ = ["Example", "GradMode", "Lane"]
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -127,17 +127,6 @@ _T = TypeVar("_T")
 
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
 
-
-def check_max_steps(max_steps: object) -> None:
-    """Refuse a ``max_steps`` that is not None or an int >= 0 where it is given, not
-    at the first await (a comparison error there; a negative one failed them all)."""
-    if max_steps is not None and (
-        not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0
-    ):
-        raise ValueError(
-            f"max_steps must be None (no limit) or an int >= 0 (the awaits an example may "
-            f"make), got {max_steps!r}"
-        )
 
 
 def grad_mode() -> GradMode:
