@@ -42,7 +42,7 @@ from batchgraph.awaiting import (
     _pending,
     resolve,
 )
-from batchgraph.errors import NotComputedError, PolicyMismatchError
+from batchgraph.errors import PolicyMismatchError
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
 from batchgraph.pinning import unpin_stubs
@@ -151,6 +151,17 @@ def _recording_into(policy: BatchingPolicy | None, fn: Callable[..., _T],
         return fn(*args)
     finally:
         _ACTIVE.reset(token)
+
+
+def _foreign(ex: Example, does: str, handle: ResultHandle, policy: str) -> PolicyMismatchError:
+    """The error of an example that awaits or returns a handle its driver cannot compute."""
+    err = PolicyMismatchError(
+        f"example {ex.index} {does} {handle!r}, not computed and recorded outside its own "
+        f"policy {policy!r}; a driver computes only what its examples record. Create "
+        "handles inside the example coroutine (or compute others first)."
+    )
+    add_note(err, _OWN_LANE)
+    return err
 
 
 class Example:
@@ -405,12 +416,7 @@ class Lane:
                 continue
             foreign = next((h for h in yielded.pending if h._graph is not graph), None)
             if foreign is not None:
-                throw = PolicyMismatchError(
-                    f"example {ex.index} awaits {foreign!r}, recorded outside its own policy "
-                    f"{graph.name!r}; a driver computes only what its examples record. "
-                    "Create handles inside the example coroutine (or compute others first)."
-                )
-                add_note(throw, _OWN_LANE)
+                throw = _foreign(ex, "awaits", foreign, graph.name)
                 continue
             ex.wait = yielded
             return
@@ -431,15 +437,13 @@ class Lane:
         pending: list[ResultHandle] = []
         _pending(result, pending)
         graph = self.policy.graph
-        pending = [h for h in pending if h._graph is graph]
-        if pending:
+        foreign = next((h for h in pending if h._graph is not graph), None)
+        if foreign is not None:  # it would never be computed here (another group's)
+            ex.done, ex.error = True, _foreign(ex, "returned", foreign, graph.name)
+        elif pending:
             ex.wait, ex.final = Wait(result, pending), True
         else:  # computed handles (of any policy) become their values
-            try:
-                ex.result = resolve(result)
-            except NotComputedError as err:
-                ex.error = err
-            ex.done = True
+            ex.result, ex.done = resolve(result), True
 
     # -- compute thread ----------------------------------------------------------------
     def compute(self, examples: list[Example], mode: GradMode) -> None:

@@ -67,3 +67,27 @@ def test_tuples_without_handles_in_a_result_come_back_as_they_are() -> None:
             assert same is pair
             if with_handle:
                 torch.testing.assert_close(result[2], torch.tanh(x + 1))
+
+
+def test_returning_another_groups_handle_says_why() -> None:
+    """Before: NotComputedError ("call bg.compute(...) on it"), though nothing the
+    caller could do would compute it, and not a word about groups (with one group
+    the same examples work: the handle is computed with the result)."""
+    tanh = bg.batched_func(torch.tanh)
+    cache: dict[str, object] = {}
+
+    async def example(i: int) -> object:
+        if i == 0:  # group 0 records the handle and never awaits it
+            cache["h"] = tanh(torch.ones(2))
+            await bg.value(tanh(torch.zeros(2)))
+            return 0
+        await bg.value(tanh(torch.full((2,), float(i))))
+        return cache["h"]  # group 1 returns it
+
+    got = bg.run_all([example(i) for i in range(2)])
+    torch.testing.assert_close(got[1], torch.tanh(torch.ones(2)))
+    cache.clear()
+    got = bg.run_all([example(i) for i in range(2)], groups=2, return_exceptions=True)
+    assert isinstance(got[1], bg.PolicyMismatchError)
+    assert "example 1 returned" in str(got[1]) and "outside its own policy" in str(got[1])
+    assert any("Each group of run_all" in note for note in got[1].__notes__)
