@@ -304,9 +304,12 @@ def _results(examples: list[Example], return_exceptions: bool) -> list[Any]:
         first = min(errors)
         err = errors[first]
         others = sorted(errors)[1:]
-        more = f"; examples {', '.join(map(str, others[:10]))} failed too" if others else ""
+        listed = ", ".join(map(str, others[:10])) + (
+            f" and {len(others) - 10} more" if len(others) > 10 else "")
+        more = f"; examples {listed} failed too" if others else ""
+        said = str(err).rstrip(". ")  # its own full stop would end the sentence twice
         raise CoroutineExampleError(
-            f"example {first} of {len(examples)} raised {type(err).__name__}: {err}{more}. "
+            f"example {first} of {len(examples)} raised {type(err).__name__}: {said}{more}. "
             "The other examples finished; their results are in .results (pass "
             "return_exceptions=True to get them with each error in its slot).",
             first,

@@ -120,3 +120,19 @@ def test_a_make_policy_that_returns_no_policy_is_a_clear_error(made: Any) -> Non
 
     with pytest.raises(TypeError, match=r"make_policy returned .* not a bg.BatchingPolicy"):
         asyncio.run(main())
+
+
+def test_the_error_of_failed_examples_reads_as_one_sentence_and_counts_them() -> None:
+    """Before: "... Compute it first.. The other examples ..." (the example's own full
+    stop, then ours), and of 14 other failing examples only the first 10 were named,
+    with no word of the rest."""
+
+    async def fails(i: int) -> None:
+        raise ValueError(f"bad input {i}.")
+
+    with pytest.raises(bg.CoroutineExampleError) as info:
+        bg.run_all([fails(i) for i in range(15)])
+    message = str(info.value)
+    assert "raised ValueError: bad input 0; examples 1, 2, " in message
+    assert "9, 10 and 4 more failed too. The other examples" in message
+    assert ".." not in message
