@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from batchgraph.errors import BatchgraphError, NotComputedError
+from batchgraph.errors import BatchgraphError, NotComputedError, PolicyMismatchError
 from batchgraph.handle import ResultHandle
+from batchgraph.notes import add_note
 from batchgraph.specs import rebuild_mapping, rebuild_sequence
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "UnsupportedAwaitError",
     "Wait",
     "check_max_steps",
+    "explain",
+    "foreign_handle_error",
     "value",
 ]
 
@@ -170,6 +173,59 @@ def check_max_steps(max_steps: object) -> None:
             f"max_steps must be None (no limit) or an int >= 0 (the awaits an example may "
             f"make), got {max_steps!r}"
         )
+
+
+# Added to a PolicyMismatchError raised in a driven example. Examples sharing a cache
+# of handles (an encoder output per source sentence, say) work with one group, where
+# every example records into one policy, and fail with several: say why, and what to do.
+OWN_LANE = (
+    "Each group of run_all(groups=k), and each lane of an AsyncBatcher, records into a "
+    "policy of its own, so a handle can only be used by the examples of the group that "
+    "recorded it. To share work between examples of different groups, share computed "
+    "tensors (await the handle and keep its value), or run them as one group."
+)
+
+# Added to the error of a run_all example that awaited asyncio work (asyncio.sleep,
+# an Event, a lock): asyncio itself raises, with no word of why there is no loop.
+_NO_LOOP = (
+    "Example {} used asyncio, but run_all steps its examples without an event loop, "
+    "and a batched example can only await bg.value(...) or handles anyway. Do the "
+    "asyncio work before or after run_all, or, inside a running event loop, hand each "
+    "example to a bg.AsyncBatcher and do that work around batcher.run(...)."
+)
+
+# Added to torch's error in an example whose own backward found saved tensors freed:
+# it ran backward once, but another example of the same batched step had freed them.
+_SHARED_GRAPH = (
+    "Values computed in one batched step share one autograd graph: an example that "
+    "calls backward() or torch.autograd.grad() on its values frees that graph for every "
+    "example of the step. Pass retain_graph=True to backward inside examples."
+)
+
+
+def explain(err: BaseException, index: int) -> None:
+    """Add a note saying why to ``err``, raised in driven example ``index``, where the
+    cause is the batching and the error's own message cannot say so."""
+    if isinstance(err, PolicyMismatchError):
+        add_note(err, OWN_LANE)
+    elif isinstance(err, RuntimeError):
+        if str(err) == "no running event loop":
+            add_note(err, _NO_LOOP.format(index))
+        elif "graph a second time" in str(err):
+            add_note(err, _SHARED_GRAPH)
+
+
+def foreign_handle_error(index: int, does: str, handle: ResultHandle,
+                         policy: str) -> PolicyMismatchError:
+    """The error of example ``index`` that awaits or returns (``does``) a handle its
+    driver cannot compute: not computed, and recorded in another policy."""
+    err = PolicyMismatchError(
+        f"example {index} {does} {handle!r}, not computed and recorded outside its own "
+        f"policy {policy!r}; a driver computes only what its examples record. Create "
+        "handles inside the example coroutine (or compute others first)."
+    )
+    add_note(err, OWN_LANE)
+    return err
 
 
 def _pending(obj: Any, out: list[ResultHandle]) -> None:

@@ -40,9 +40,10 @@ from batchgraph.awaiting import (
     UnsupportedAwaitError,
     Wait,
     _pending,
+    explain,
+    foreign_handle_error,
     resolve,
 )
-from batchgraph.errors import PolicyMismatchError
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
 from batchgraph.pinning import unpin_stubs
@@ -61,15 +62,6 @@ _inference_enabled = torch.is_inference_mode_enabled
 _autocast_enabled = autocast_enabled
 
 
-# Added to a PolicyMismatchError raised in a driven example. Examples sharing a cache
-# of handles (an encoder output per source sentence, say) work with one group, where
-# every example records into one policy, and fail with several: say why, and what to do.
-_OWN_LANE = (
-    "Each group of run_all(groups=k), and each lane of an AsyncBatcher, records into a "
-    "policy of its own, so a handle can only be used by the examples of the group that "
-    "recorded it. To share work between examples of different groups, share computed "
-    "tensors (await the handle and keep its value), or run them as one group."
-)
 
 
 def _keep_modes(ex: Example, outer: bool, outer_inference: bool) -> None:
@@ -109,15 +101,6 @@ def _resume_modes(ex: Example) -> None:
         cast.__exit__(None, None, None)
 
 
-# Added to the error of a run_all example that awaited asyncio work (asyncio.sleep,
-# an Event, a lock): asyncio itself raises, with no word of why there is no loop.
-_NO_LOOP = (
-    "Example {} used asyncio, but run_all steps its examples without an event loop, "
-    "and a batched example can only await bg.value(...) or handles anyway. Do the "
-    "asyncio work before or after run_all, or, inside a running event loop, hand each "
-    "example to a bg.AsyncBatcher and do that work around batcher.run(...)."
-)
-
 # Raised inside an example, these stop its driver (run_all raises them; an
 # AsyncBatcher's event loop stops), as they stop an asyncio event loop: the user asked
 # the program to end. Every other exception is the example's own error.
@@ -151,17 +134,6 @@ def _recording_into(policy: BatchingPolicy | None, fn: Callable[..., _T],
         return fn(*args)
     finally:
         _ACTIVE.reset(token)
-
-
-def _foreign(ex: Example, does: str, handle: ResultHandle, policy: str) -> PolicyMismatchError:
-    """The error of an example that awaits or returns a handle its driver cannot compute."""
-    err = PolicyMismatchError(
-        f"example {ex.index} {does} {handle!r}, not computed and recorded outside its own "
-        f"policy {policy!r}; a driver computes only what its examples record. Create "
-        "handles inside the example coroutine (or compute others first)."
-    )
-    add_note(err, _OWN_LANE)
-    return err
 
 
 class Example:
@@ -378,10 +350,7 @@ class Lane:
                 # (CancelledError, GeneratorExit, one of the user's own), as an asyncio
                 # Task keeps them: escaping the driver, they ended every example of a
                 # run_all, and left an AsyncBatcher's other callers waiting forever.
-                if isinstance(err, PolicyMismatchError):
-                    add_note(err, _OWN_LANE)
-                elif isinstance(err, RuntimeError) and str(err) == "no running event loop":
-                    add_note(err, _NO_LOOP.format(ex.index))
+                explain(err, ex.index)
                 ex.done, ex.error = True, err
                 return
             if (_grad_enabled() is not outer or ex.grad is not None
@@ -416,7 +385,7 @@ class Lane:
                 continue
             foreign = next((h for h in yielded.pending if h._graph is not graph), None)
             if foreign is not None:
-                throw = _foreign(ex, "awaits", foreign, graph.name)
+                throw = foreign_handle_error(ex.index, "awaits", foreign, graph.name)
                 continue
             ex.wait = yielded
             return
@@ -439,7 +408,8 @@ class Lane:
         graph = self.policy.graph
         foreign = next((h for h in pending if h._graph is not graph), None)
         if foreign is not None:  # it would never be computed here (another group's)
-            ex.done, ex.error = True, _foreign(ex, "returned", foreign, graph.name)
+            ex.done, ex.error = True, foreign_handle_error(
+                ex.index, "returned", foreign, graph.name)
         elif pending:
             ex.wait, ex.final = Wait(result, pending), True
         else:  # computed handles (of any policy) become their values
