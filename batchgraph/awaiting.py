@@ -20,6 +20,7 @@ once without yielding, so the very same coroutine also runs eagerly
 
 from __future__ import annotations
 
+import asyncio
 import operator
 import threading
 from collections.abc import Generator
@@ -40,6 +41,7 @@ __all__ = [
     "check_max_steps",
     "explain",
     "foreign_handle_error",
+    "unsupported_await",
     "value",
 ]
 
@@ -191,7 +193,8 @@ _NO_LOOP = (
     "Example {} used asyncio, but run_all steps its examples without an event loop, "
     "and a batched example can only await bg.value(...) or handles anyway. Do the "
     "asyncio work before or after run_all, or, inside a running event loop, hand each "
-    "example to a bg.AsyncBatcher and do that work around batcher.run(...)."
+    "example to a bg.AsyncBatcher and do that work around batcher.run(...). To wait "
+    "for several handles at once, await bg.value([h1, h2]), not asyncio.gather."
 )
 
 # Added to torch's error in an example whose own backward found saved tensors freed:
@@ -203,16 +206,43 @@ _SHARED_GRAPH = (
 )
 
 
+# Added where an example awaited an asyncio future: most often asyncio.gather of
+# sub-coroutines or handles, written to wait for several at once.
+_GATHER = (
+    "asyncio.gather, wait_for and create_task run their awaitables as tasks outside the "
+    "batchgraph driver, which cannot compute them. To wait for several handles at once, "
+    "await bg.value([h1, h2]) (or a dict or tuple of them); await sub-coroutines one "
+    "after another: the other examples still batch with each of their steps."
+)
+
+
 def explain(err: BaseException, index: int) -> None:
     """Add a note saying why to ``err``, raised in driven example ``index``, where the
     cause is the batching and the error's own message cannot say so."""
     if isinstance(err, PolicyMismatchError):
         add_note(err, OWN_LANE)
     elif isinstance(err, RuntimeError):
-        if str(err) == "no running event loop":
+        if str(err) == "no running event loop" or str(err).startswith(
+                "There is no current event loop"):  # asyncio.gather, wait_for
             add_note(err, _NO_LOOP.format(index))
         elif "graph a second time" in str(err):
             add_note(err, _SHARED_GRAPH)
+
+
+def unsupported_await(index: int, yielded: Any) -> UnsupportedAwaitError:
+    """The error of example ``index``, whose await yielded ``yielded``, not a Wait."""
+    # A bare None is what asyncio.sleep(0) yields: name it, "None" says little.
+    what = ("None (asyncio.sleep(0) yields it)" if yielded is None
+            else f"{yielded!r:.80} ({type(yielded).__name__})")
+    err = UnsupportedAwaitError(
+        f"example {index} awaited {what}, which a batchgraph driver cannot resolve: every "
+        "other example would wait for it forever. Inside a batched example await only "
+        "bg.value(...) or handles; do other asynchronous work outside it (with "
+        "AsyncBatcher, around batcher.run)."
+    )
+    if isinstance(yielded, asyncio.Future):  # gather, wait_for, a task: the usual slip
+        add_note(err, _GATHER)
+    return err
 
 
 def foreign_handle_error(index: int, does: str, handle: ResultHandle,

@@ -37,12 +37,12 @@ from batchgraph.autocasting import (
 from batchgraph.awaiting import (
     DRIVING,
     DeadlockError,
-    UnsupportedAwaitError,
     Wait,
     _pending,
     explain,
     foreign_handle_error,
     resolve,
+    unsupported_await,
 )
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
@@ -372,16 +372,7 @@ class Lane:
                 self._stop_runaway(ex)
                 return
             if type(yielded) is not Wait:
-                # A bare None is what asyncio.sleep(0) yields: name it, "None" says little.
-                what = ("None (asyncio.sleep(0) yields it)" if yielded is None
-                        else f"{yielded!r:.80} ({type(yielded).__name__})")
-                throw = UnsupportedAwaitError(
-                    f"example {ex.index} awaited {what}, "
-                    "which a batchgraph driver cannot resolve: every other example would "
-                    "wait for it forever. Inside a batched example await only bg.value(...) "
-                    "or handles; do other asynchronous work outside it (with AsyncBatcher, "
-                    "around batcher.run)."
-                )
+                throw = unsupported_await(ex.index, yielded)
                 continue
             foreign = next((h for h in yielded.pending if h._graph is not graph), None)
             if foreign is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any
 
 import pytest
@@ -71,3 +72,27 @@ def test_asyncio_sleep_0_inside_an_example_is_named() -> None:
     (error,) = bg.run_all([example(STATES[0])], return_exceptions=True)
     assert isinstance(error, bg.UnsupportedAwaitError)
     assert "example 0 awaited None (asyncio.sleep(0) yields it)" in str(error)
+
+
+def test_asyncio_gather_inside_an_example_says_how_to_wait_for_several_handles() -> None:
+    """Before: only "awaited <_GatheringFuture pending>" (where asyncio finds an event
+    loop set, though not running) or asyncio's "There is no current event loop", with
+    no word of why gather fails or of bg.value([h1, h2]), which waits for several
+    handles in one step."""
+    step = _step()
+
+    async def example(x: torch.Tensor) -> Any:
+        return await asyncio.gather(bg.value(step(x)), bg.value(step(x * 2)))
+
+    for loop in (None, asyncio.new_event_loop()):  # none set, or one not running
+        asyncio.set_event_loop(loop)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # gather without a loop
+                (error,) = bg.run_all([example(STATES[0])], return_exceptions=True)
+        finally:
+            asyncio.set_event_loop(None)
+            if loop is not None:
+                loop.close()
+        assert isinstance(error, (bg.UnsupportedAwaitError, RuntimeError))
+        assert any("await bg.value([h1, h2])" in note for note in error.__notes__)
