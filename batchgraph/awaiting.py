@@ -205,7 +205,6 @@ _SHARED_GRAPH = (
     "example of the step. Pass retain_graph=True to backward inside examples."
 )
 
-
 # Added where an example awaited an asyncio future: most often asyncio.gather of
 # sub-coroutines or handles, written to wait for several at once.
 _GATHER = (

@@ -62,8 +62,6 @@ _inference_enabled = torch.is_inference_mode_enabled
 _autocast_enabled = autocast_enabled
 
 
-
-
 def _keep_modes(ex: Example, outer: bool, outer_inference: bool) -> None:
     """After ``ex`` suspended: keep its autograd modes, give the driver back its own."""
     if _inference_enabled() is not outer_inference:
@@ -109,7 +107,6 @@ _STOPS_THE_DRIVER = (KeyboardInterrupt, SystemExit)
 _T = TypeVar("_T")
 
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
-
 
 
 def grad_mode() -> GradMode:
