@@ -299,6 +299,10 @@ class AsyncBatcher:
         """The worker stops (its event loop shuts down, or a bug): fail every caller,
         close their examples and forget the lanes and the thread, so that a later
         ``run`` (in this event loop or the next ``asyncio.run``'s) starts afresh."""
+        # Gone from now: a stopping worker may still wait for its steps to end, and
+        # calls made meanwhile were queued for it and waited forever. They start a
+        # new worker (with a new thread) instead.
+        self._worker = None
         arrivals, self._arrivals = self._arrivals, []
         lanes, self._lanes = self._lanes, []
         calls = [*arrivals, *(c for s in lanes for c in s.calls.values())]

@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 import batchgraph as bg
+from tests.integration.bridge_helpers import held_add, wait_until
 
 square = bg.batched_func(torch.square)
 add = bg.batched_func(torch.add)
+
+_T = TypeVar("_T")
 
 
 async def _powers(x: float, steps: int) -> float:
@@ -144,3 +148,46 @@ def test_a_loop_ending_during_a_step_closes_the_examples_not_in_it_too() -> None
 
     asyncio.run(leave_two_running())
     assert sorted(closed) == [1.0, 2.0]
+
+
+def _within(seconds: float, main: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """``asyncio.run(main())`` on a daemon thread; fail if it has not ended after
+    ``seconds`` (a call the batcher never answers cannot be cancelled either: it
+    waits for the batcher to end it, so the loop would never shut down)."""
+    out: list[_T] = []
+    thread = threading.Thread(target=lambda: out.append(asyncio.run(main())), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    assert out, "asyncio.run raised (see the thread's traceback above)"
+    return out[0]
+
+
+def test_a_call_made_while_a_cancelled_worker_waits_for_its_step_is_served() -> None:
+    # The worker, cancelled during a step, waits for that step to end before it
+    # stops; a call made meanwhile was queued for it and waited forever.
+    add, release = held_add()
+
+    async def held(x: float) -> float:
+        return float(await bg.value(add(torch.tensor(x))))
+
+    async def main() -> tuple[list[Any], float]:
+        batcher = bg.AsyncBatcher(max_latency=0.0)
+        first = asyncio.ensure_future(batcher.run(held(1.0)))
+        await wait_until(lambda: sum(batcher.batch_sizes.values()) == 1)
+        for task in asyncio.all_tasks():  # a shutdown routine cancelling everything
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.sleep(0.01)
+        later = asyncio.ensure_future(batcher.run(_powers(3.0, 1)))
+        await asyncio.sleep(0.05)
+        release.set()
+        done, _ = await asyncio.wait({later}, timeout=10)  # wait_for would cancel it
+        assert later in done, "the call made meanwhile was never served"
+        outcome = await asyncio.gather(first, return_exceptions=True)
+        await batcher.aclose()
+        return outcome, later.result()
+
+    outcome, late = _within(30, main)
+    assert isinstance(outcome[0], (RuntimeError, asyncio.CancelledError)), outcome
+    assert late == 9.0
