@@ -218,10 +218,14 @@ class AsyncBatcher:
 
     async def aclose(self) -> None:
         """Finish every example already submitted, then stop the worker and its thread."""
-        self._closing = True
+        self._forget_closed_loop()
         worker = self._worker
         if worker is not None and not worker.done():
+            # Before closing: an aclose refused here must not close the batcher
+            # under the loop that owns it (its next run would be refused).
             self._check_loop(worker)
+        self._closing = True
+        if worker is not None and not worker.done():
             self._poke()
             await worker
         self._worker = None
@@ -239,12 +243,16 @@ class AsyncBatcher:
         await self.aclose()
 
     # -- worker (event loop thread) --------------------------------------------------
-    def _ensure_worker(self) -> None:
+    def _forget_closed_loop(self) -> None:
+        """Abandon a worker whose loop was closed without cancelling it
+        (``run_until_complete``, then ``close``): nothing will ever run it again."""
         worker = self._worker
         if worker is not None and not worker.done() and worker.get_loop().is_closed():
-            # Its loop was closed without cancelling it (run_until_complete, close).
             self._abandon(RuntimeError("the event loop was closed"))
-            worker = None
+
+    def _ensure_worker(self) -> None:
+        self._forget_closed_loop()
+        worker = self._worker
         if worker is not None and not worker.done():
             self._check_loop(worker)
         else:  # never started, or stopped with its event loop: start one in this loop

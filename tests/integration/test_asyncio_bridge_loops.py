@@ -150,6 +150,51 @@ def test_a_loop_ending_during_a_step_closes_the_examples_not_in_it_too() -> None
     assert sorted(closed) == [1.0, 2.0]
 
 
+def test_aclose_after_its_loop_was_closed_stops_the_batcher() -> None:
+    # aclose said the batcher ran "in another event loop, which has not finished"
+    # (that loop was closed), and left the batcher's thread running.
+    before = set(threading.enumerate())
+    batcher = bg.AsyncBatcher(max_latency=0.01)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(_run(batcher, 2.0)) == 4.0
+    finally:
+        loop.close()  # the worker task is left pending in the closed loop
+    asyncio.run(batcher.aclose())
+    for thread in set(threading.enumerate()) - before:
+        thread.join(10)  # the batcher's thread, told to stop
+        assert not thread.is_alive(), thread.name
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(_run(batcher, 3.0))
+
+
+def test_an_aclose_refused_in_another_loop_leaves_the_batcher_open() -> None:
+    # The refused aclose had marked the batcher closed: its own loop's next run was
+    # refused ("this AsyncBatcher is closed").
+    batcher = bg.AsyncBatcher(max_latency=0.0)
+    started, release = threading.Event(), threading.Event()
+    got: list[float] = []
+
+    async def own_loop() -> None:
+        got.append(await _run(batcher, 2.0))
+        started.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        got.append(await _run(batcher, 3.0))
+        await batcher.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(own_loop(),))
+    thread.start()
+    try:
+        assert started.wait(10)
+        with pytest.raises(RuntimeError, match="running in another event loop"):
+            asyncio.run(batcher.aclose())
+    finally:
+        release.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert got == [4.0, 9.0]
+
+
 def _within(seconds: float, main: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     """``asyncio.run(main())`` on a daemon thread; fail if it has not ended after
     ``seconds`` (a call the batcher never answers cannot be cancelled either: it
