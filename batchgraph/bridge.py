@@ -90,8 +90,14 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import in_autocast_state
-from batchgraph.awaiting import check_max_steps
-from batchgraph.bridge_calls import Call, LaneState, cancel_all, resolve, take_cancels
+from batchgraph.bridge_calls import (
+    Call,
+    LaneState,
+    cancel_all,
+    check_settings,
+    resolve,
+    take_cancels,
+)
 from batchgraph.inference import warm_up
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
@@ -141,16 +147,8 @@ class AsyncBatcher:
         max_graph_nodes: int = 200_000,
         make_policy: Callable[[], BatchingPolicy] | None = None,
     ) -> None:
-        # `not max_latency >= 0` also refuses NaN, with which no step ever came due
-        # (the first call waited forever); a float max_batch failed in the worker.
-        if (not isinstance(max_batch, int) or not isinstance(groups, int)
-                or max_batch < 1 or groups < 1 or not max_latency >= 0):
-            raise ValueError(
-                f"need integers max_batch >= 1 and groups >= 1, and max_latency >= 0 "
-                f"seconds; got max_batch={max_batch!r}, groups={groups!r}, "
-                f"max_latency={max_latency!r}"
-            )
-        check_max_steps(max_steps)
+        check_settings(max_batch, max_latency, groups, grad, max_steps, max_graph_nodes,
+                       make_policy)
         self.max_batch = max_batch
         self.max_latency = max_latency
         self.groups = groups

@@ -1,5 +1,6 @@
 """An ``AsyncBatcher``'s bookkeeping: one ``run`` call, one lane, and how a caller's
-cancellation and an example's outcome pass between them (``batchgraph.bridge``).
+cancellation and an example's outcome pass between them (``batchgraph.bridge``);
+and the check of its settings.
 
 A cancelled caller's example gets a ``CancelledError`` at its await (``take_cancels``
 sets it to raise one when it resumes); the outcome then goes to the caller
@@ -25,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from batchgraph.awaiting import check_max_steps
+from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
 
-__all__ = ["Call", "LaneState", "cancel_all", "resolve", "take_cancels"]
+__all__ = ["Call", "LaneState", "cancel_all", "check_settings", "resolve", "take_cancels"]
 
 
 class Call:
@@ -98,3 +101,37 @@ def cancel_all(state: LaneState) -> None:
         ex.throw = asyncio.CancelledError()
     state.lane.resume(examples)
     state.lane.close([ex for ex in examples if not ex.done])
+
+
+def check_settings(max_batch: int, max_latency: float, groups: int, grad: bool,
+                   max_steps: int | None, max_graph_nodes: int,
+                   make_policy: Callable[[], BatchingPolicy] | None) -> None:
+    """Refuse ``AsyncBatcher`` settings its worker would fail on: it failed every
+    caller then, with an error that did not name the setting (or, with a non-bool
+    ``grad``, not at all: the calls waited forever, and a timeout could not end them)."""
+    # `not max_latency >= 0` also refuses NaN, with which no step ever came due
+    # (the first call waited forever); a float max_batch failed in the worker.
+    if (not _is_int(max_batch) or not _is_int(groups) or max_batch < 1 or groups < 1
+            or not isinstance(max_latency, (int, float)) or not max_latency >= 0):
+        raise ValueError(
+            f"need integers max_batch >= 1 and groups >= 1, and max_latency >= 0 "
+            f"seconds; got max_batch={max_batch!r}, groups={groups!r}, "
+            f"max_latency={max_latency!r}"
+        )
+    if not isinstance(grad, bool):
+        raise TypeError(f"grad must be True or False, got {grad!r}")
+    check_max_steps(max_steps)  # as run_all's
+    if not (_is_int(max_graph_nodes) and max_graph_nodes >= 1):
+        raise ValueError(
+            f"need an integer max_graph_nodes >= 1, got max_graph_nodes={max_graph_nodes!r}"
+        )
+    if make_policy is not None and not callable(make_policy):
+        raise TypeError(
+            f"make_policy must build a new BatchingPolicy per call (a class or a "
+            f"function, such as lambda: bg.BatchingPolicy(...)), got "
+            f"{type(make_policy).__name__}"
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

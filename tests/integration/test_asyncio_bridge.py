@@ -189,6 +189,24 @@ def test_bad_settings_are_refused_when_the_batcher_is_made(bad: dict[str, Any]) 
         bg.AsyncBatcher(**bad)
 
 
+@pytest.mark.parametrize(("bad", "error", "match"), [
+    ({"grad": "no"}, TypeError, "grad must be True or False"),
+    ({"max_steps": "3"}, ValueError, "max_steps must be None"),
+    ({"max_steps": -1}, ValueError, "max_steps must be None"),
+    ({"max_graph_nodes": 1.5}, ValueError, "integer max_graph_nodes >= 1"),
+    ({"make_policy": bg.BatchingPolicy()}, TypeError, "a new BatchingPolicy per call"),
+    ({"max_latency": "0.1"}, ValueError, "max_latency >= 0"),
+    ({"max_batch": True}, ValueError, "integers max_batch >= 1"),
+])
+def test_settings_the_worker_would_fail_on_are_refused_when_the_batcher_is_made(
+    bad: dict[str, Any], error: type[Exception], match: str,
+) -> None:
+    # They were taken, and failed each call in the worker with an error that named no
+    # setting; with grad="no" the calls waited forever and wait_for could not end them.
+    with pytest.raises(error, match=match):
+        bg.AsyncBatcher(**bad)
+
+
 async def run_none() -> None:
     return None
 
