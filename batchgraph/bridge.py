@@ -298,7 +298,10 @@ class AsyncBatcher:
             self._abandon(err)
             # Steps still computing close their examples when they end (finish): wait
             # for them, so that a loop shutting down runs the examples' finally blocks.
-            await asyncio.gather(*steps, return_exceptions=True)
+            # Not with gather: cancelled again, it cancelled the steps' futures, and
+            # their examples were closed while the steps still computed their graphs.
+            if steps:
+                await asyncio.wait(steps)
             raise
 
     def _abandon(self, err: BaseException) -> None:

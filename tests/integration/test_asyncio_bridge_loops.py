@@ -236,3 +236,34 @@ def test_a_call_made_while_a_cancelled_worker_waits_for_its_step_is_served() -> 
     outcome, late = _within(30, main)
     assert isinstance(outcome[0], (RuntimeError, asyncio.CancelledError)), outcome
     assert late == 9.0
+
+
+def test_a_worker_cancelled_twice_during_a_step_leaves_its_examples_to_the_step() -> None:
+    # The second cancel cancelled the step's future, so its examples were closed
+    # (their finally blocks ran, and could record) on the loop thread while the step
+    # still computed their lane's graph on the batcher's thread.
+    add, release = held_add()
+    finally_ran_after_the_step: list[bool] = []
+
+    async def held(x: float) -> float:
+        try:
+            return float(await bg.value(add(torch.tensor(x))))
+        finally:
+            finally_ran_after_the_step.append(release.is_set())
+
+    async def main() -> list[Any]:
+        batcher = bg.AsyncBatcher(max_latency=0.0)
+        task = asyncio.ensure_future(batcher.run(held(1.0)))
+        await wait_until(lambda: sum(batcher.batch_sizes.values()) == 1)
+        for _ in range(2):  # a shutdown routine that cancels every task twice
+            for other in asyncio.all_tasks():
+                if other is not asyncio.current_task():
+                    other.cancel()
+            await asyncio.sleep(0.02)
+        release.set()
+        await wait_until(lambda: bool(finally_ran_after_the_step))
+        return list(await asyncio.gather(task, return_exceptions=True))
+
+    outcome = asyncio.run(main())
+    assert finally_ran_after_the_step == [True]
+    assert isinstance(outcome[0], (RuntimeError, asyncio.CancelledError)), outcome
