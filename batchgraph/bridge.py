@@ -90,6 +90,7 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import in_autocast_state
+from batchgraph.awaiting import DRIVING, UnsupportedAwaitError
 from batchgraph.bridge_calls import (
     Call,
     LaneState,
@@ -182,11 +183,23 @@ class AsyncBatcher:
                 an example that swallows it goes on, and its result is returned).
             RuntimeError: after ``aclose``.
             TypeError: if ``coro`` is not a coroutine.
+            UnsupportedAwaitError: if awaited inside a batched example.
         """
         if not inspect.iscoroutine(coro):
             raise TypeError(
                 f"AsyncBatcher.run takes a coroutine object (call the async function: "
                 f"batcher.run(example(x))), got {type(coro).__name__}"
+            )
+        if DRIVING.active:  # awaited by an example's own code, as it records
+            coro.close()
+            # Else it awaited run's future ("awaited <Future pending ...>, which a
+            # driver cannot resolve"), and the batcher still ran the inner example.
+            raise UnsupportedAwaitError(
+                "AsyncBatcher.run was awaited inside a batched example; an example "
+                "can only await bg.value(...), handles, or coroutines that await "
+                "them. To batch a sub-example as part of this one, await it directly "
+                "(await sub(x), not await batcher.run(sub(x))); call batcher.run from "
+                "ordinary asyncio code around the examples."
             )
         if self._closing:
             coro.close()

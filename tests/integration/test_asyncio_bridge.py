@@ -189,6 +189,34 @@ def test_bad_settings_are_refused_when_the_batcher_is_made(bad: dict[str, Any]) 
         bg.AsyncBatcher(**bad)
 
 
+def test_run_awaited_inside_an_example_is_refused_without_running_the_inner_one() -> None:
+    # The example awaited run's future: "awaited <Future pending ...>, which a driver
+    # cannot resolve", and the batcher ran the inner example anyway, for nobody.
+    ran: list[float] = []
+    square = bg.batched_func(torch.square)
+
+    async def inner(x: float) -> float:
+        ran.append(x)
+        return float(await bg.value(square(torch.tensor(x))))
+
+    async def outer(batcher: bg.AsyncBatcher, x: float) -> float:
+        result: float = await batcher.run(inner(x))
+        return result
+
+    async def main() -> list[Any]:
+        async with bg.AsyncBatcher(max_latency=0.0) as batcher:
+            got = await asyncio.wait_for(asyncio.gather(
+                batcher.run(outer(batcher, 2.0)), batcher.run(inner(3.0)),
+                return_exceptions=True), 30)
+        return list(got)
+
+    got = asyncio.run(main())
+    assert isinstance(got[0], bg.UnsupportedAwaitError)
+    assert "await sub(x), not await batcher.run(sub(x))" in str(got[0])
+    assert got[1] == 9.0
+    assert ran == [3.0]
+
+
 @pytest.mark.parametrize(("bad", "error", "match"), [
     ({"grad": "no"}, TypeError, "grad must be True or False"),
     ({"max_steps": "3"}, ValueError, "max_steps must be None"),
