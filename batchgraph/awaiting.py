@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
-from batchgraph.errors import BatchgraphError, NotComputedError, PolicyMismatchError
+from batchgraph.errors import (
+    BatchgraphError,
+    NotComputedError,
+    PolicyClosedError,
+    PolicyMismatchError,
+)
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
 from batchgraph.specs import rebuild_mapping, rebuild_sequence
@@ -197,6 +202,15 @@ _NO_LOOP = (
     "for several handles at once, await bg.value([h1, h2]), not asyncio.gather."
 )
 
+# Added to a PolicyClosedError raised in a driven example: its message speaks of a
+# `with` block, which a server handing requests to an AsyncBatcher never wrote.
+_ENDED_LANE = (
+    "An AsyncBatcher drops a lane's policy once its examples have finished (a run_all's "
+    "policies end with it), so a handle kept from an earlier example (a cache shared "
+    "by requests) cannot be used by a later one. Keep its value instead: await the "
+    "handle and store the tensor."
+)
+
 # Added to torch's error in an example whose own backward found saved tensors freed:
 # it ran backward once, but another example of the same batched step had freed them.
 _SHARED_GRAPH = (
@@ -220,6 +234,8 @@ def explain(err: BaseException, index: int) -> None:
     cause is the batching and the error's own message cannot say so."""
     if isinstance(err, PolicyMismatchError):
         add_note(err, OWN_LANE)
+    elif isinstance(err, PolicyClosedError):
+        add_note(err, _ENDED_LANE)
     elif isinstance(err, RuntimeError):
         if str(err) == "no running event loop" or str(err).startswith(
                 "There is no current event loop"):  # asyncio.gather, wait_for

@@ -89,3 +89,30 @@ def test_inputs_of_a_loop_in_inference_mode(input_in_inference: bool) -> None:
     with torch.inference_mode():
         got = asyncio.run(main())
     torch.testing.assert_close(got, x * 2)
+
+
+def test_a_handle_cached_by_an_earlier_request_says_to_cache_its_value() -> None:
+    # The error spoke of "a BatchingPolicy whose `with` block has ended": a server
+    # handing requests to an AsyncBatcher never wrote one.
+    cache: dict[str, Any] = {}
+
+    async def request(x: torch.Tensor) -> torch.Tensor:
+        if "h" not in cache:
+            cache["h"] = double(x, 2.0)  # a handle, kept across requests
+        value: torch.Tensor = await bg.value(double(cache["h"], 3.0))
+        return value
+
+    async def main() -> list[Any]:
+        x = torch.ones(2, dtype=torch.float64)
+        async with bg.AsyncBatcher(max_latency=0.0) as batcher:
+            # Its lane is dropped as its result is handed back (it has no others).
+            first = await asyncio.wait_for(batcher.run(request(x)), 30)
+            later = await asyncio.gather(
+                asyncio.wait_for(batcher.run(request(x)), 30), return_exceptions=True)
+        return [first, *later]
+
+    first, later = asyncio.run(main())
+    torch.testing.assert_close(first, torch.full((2,), 6.0, dtype=torch.float64))
+    assert isinstance(later, bg.PolicyClosedError)
+    assert any("await the handle and store the tensor" in note
+               for note in getattr(later, "__notes__", []))
