@@ -269,7 +269,11 @@ class AsyncBatcher:
         else:  # never started, or stopped with its event loop: start one in this loop
             self._wakeup = asyncio.Event()
             self._pool = compute_pool("batchgraph-async")
-            self._worker = asyncio.get_running_loop().create_task(self._work())
+            # In a context of its own: a task copies its creator's, and the worker
+            # kept the ContextVars of whichever request started it (its request
+            # object, a tracing span) alive for as long as it ran.
+            loop = asyncio.get_running_loop()
+            self._worker = contextvars.Context().run(loop.create_task, self._work())
 
     @staticmethod
     def _check_loop(worker: asyncio.Task[None]) -> None:

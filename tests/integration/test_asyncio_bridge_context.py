@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
+import weakref
 
 import torch
 from hypothesis import given, settings
@@ -54,3 +56,28 @@ def test_each_example_sees_its_own_callers_context(steps: list[int]) -> None:
         assert seen == [i] * steps[i]
         assert own == [i * 10] * steps[i]
         assert value == 2.0 ** steps[i]
+
+
+def test_the_request_that_starts_the_batcher_is_not_kept_alive_by_it() -> None:
+    # The worker task copied the context of the request whose run() started it, and
+    # kept that request's ContextVars (here its request object) for as long as it ran.
+    class Request:
+        pass
+
+    held: contextvars.ContextVar[Request] = contextvars.ContextVar("held")
+
+    async def handle(batcher: bg.AsyncBatcher) -> weakref.ref[Request]:
+        request = Request()
+        held.set(request)
+        await batcher.run(_example(1))
+        return weakref.ref(request)
+
+    async def main() -> bool:
+        batcher = bg.AsyncBatcher(max_latency=0.0)  # started by the first request
+        ref = await asyncio.wait_for(asyncio.ensure_future(handle(batcher)), 30)
+        gc.collect()
+        alive = ref() is not None
+        await batcher.aclose()
+        return alive
+
+    assert not asyncio.run(main())
