@@ -25,6 +25,7 @@ sets it to raise one when it resumes); the outcome then goes to the caller
 from __future__ import annotations
 
 import asyncio
+import numbers
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -112,7 +113,7 @@ def check_settings(max_batch: int, max_latency: float, groups: int, grad: bool,
     # `not max_latency >= 0` also refuses NaN, with which no step ever came due
     # (the first call waited forever); a float max_batch failed in the worker.
     if (not _is_int(max_batch) or not _is_int(groups) or max_batch < 1 or groups < 1
-            or not isinstance(max_latency, (int, float)) or not max_latency >= 0):
+            or not isinstance(max_latency, numbers.Real) or not max_latency >= 0):
         raise ValueError(
             f"need integers max_batch >= 1 and groups >= 1, and max_latency >= 0 "
             f"seconds; got max_batch={max_batch!r}, groups={groups!r}, "
@@ -134,4 +135,5 @@ def check_settings(max_batch: int, max_latency: float, groups: int, grad: bool,
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # Integral takes numpy's integers too; a bool is an int, but not a count.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -235,6 +235,15 @@ def test_settings_the_worker_would_fail_on_are_refused_when_the_batcher_is_made(
         bg.AsyncBatcher(**bad)
 
 
+def test_numpy_numbers_are_taken_as_settings() -> None:
+    # A numpy integer max_batch (from a config array) was refused as not an integer.
+    import numpy as np
+
+    batcher = bg.AsyncBatcher(max_batch=np.int64(2), max_latency=np.float32(0.01),
+                              max_steps=np.int32(3), max_graph_nodes=np.int64(10))
+    assert batcher.max_batch == 2
+
+
 async def run_none() -> None:
     return None
 
