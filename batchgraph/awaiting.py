@@ -21,6 +21,7 @@ once without yielding, so the very same coroutine also runs eagerly
 from __future__ import annotations
 
 import asyncio
+import numbers
 import operator
 import threading
 from collections.abc import Generator
@@ -173,8 +174,10 @@ def value(obj: Any) -> Wait:
 def check_max_steps(max_steps: object) -> None:
     """Refuse a ``max_steps`` that is not None or an int >= 0 where it is given, not
     at the first await (a comparison error there; a negative one failed them all)."""
+    # Any integral number but bool (a numpy integer read from a config array).
     if max_steps is not None and (
-        not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0
+        not isinstance(max_steps, numbers.Integral) or isinstance(max_steps, bool)
+        or max_steps < 0
     ):
         raise ValueError(
             f"max_steps must be None (no limit) or an int >= 0 (the awaits an example may "
