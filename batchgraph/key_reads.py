@@ -100,6 +100,15 @@ class KeyReads:
         ``model.double()`` makes new buffer tensors, where parameters stay)."""
         self._module_parts.pop(id(fn), None)
 
+    def modes_of(self, fn: Any) -> tuple[bool, ...] | None:
+        """The train/eval modes of a module and of its submodules, in order (None for
+        a function). A call's output spec and key may depend on them (dropout drawing
+        or not, batch or running statistics), so a call site's cached signatures are
+        resolved per modes."""
+        if not isinstance(fn, torch.nn.Module):
+            return None
+        return (fn.training, *[m.training for m in self._parts_of(fn).submodules])
+
     def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
         """The dtype and device of each tensor ``fn`` reads besides its arguments: a
         module's parameters, a function's captured tensors (listed once per graph).

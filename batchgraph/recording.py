@@ -95,7 +95,8 @@ class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
     __slots__ = (
-        "children", "dedupe", "key", "kind", "layout", "memo", "rules_token", "single", "spec",
+        "children", "dedupe", "key", "kind", "layout", "memo", "modes", "rules_token", "sig",
+        "single", "spec",
     )
 
     def __init__(
@@ -128,6 +129,10 @@ class _Entry:
         # The dtype and device of each tensor the callable reads besides its arguments
         # (Graph.layout_of), when the spec was inferred: see CallSite.__call__.
         self.layout: tuple[tuple[torch.dtype, torch.device], ...] = ()
+        # The modes of the module and its submodules when resolved (Graph.modes_of),
+        # and its cache key (None: not cached): see CallSite._switch_modes.
+        self.modes: tuple[bool, ...] | None = None
+        self.sig: Any = None
 
 
 class CallSite:
@@ -143,8 +148,8 @@ class CallSite:
     """
 
     __slots__ = (
-        "__weakref__", "autocast", "cache", "fn", "last", "last1", "mode_module", "name",
-        "shadows",
+        "__weakref__", "autocast", "by_modes", "cache", "fn", "last", "last1", "mode_module",
+        "name", "shadows",
     )
 
     def __init__(self, fn: Callable[..., Any], autocast: AutocastState | None = None) -> None:
@@ -154,6 +159,9 @@ class CallSite:
         # off, batch or running statistics), as they would have run eagerly.
         self.mode_module = fn if isinstance(fn, torch.nn.Module) else None
         self.cache: dict[Any, _Entry] = {}
+        # Entries resolved in other train/eval modes than the cached ones, by
+        # (signature, modes): switching back and forth resolves each signature once.
+        self.by_modes: dict[tuple[Any, tuple[bool, ...]], _Entry] = {}
         # Calls made under autocast record through a shadow site per autocast state,
         # with its own caches: their specs (and keys) are that state's.
         self.autocast = autocast
@@ -273,6 +281,11 @@ class CallSite:
                 # the graph lists them anew, so the new ones are watched.
                 graph.forget_parts(self.fn)
                 return self(*args, **kwargs)
+            if entry.modes is not None and entry.modes != graph.modes_of(self.fn):
+                # The module or a submodule was switched (train/eval) since this
+                # signature was resolved: see _switch_modes. Checked as the layout is.
+                self._switch_modes(policy, entry, args, kwargs)
+                return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training)
             entry.memo = (graph.stamp, kid, grad, training)
             if not entry.dedupe:  # never merged: it may draw random numbers
@@ -334,6 +347,29 @@ class CallSite:
         """Drop every cached signature (each is replaced whole: sites are shared by
         threads, and one reading the old cache meanwhile still gets a whole entry)."""
         self.cache = {}
+        self.by_modes = {}
+        self.last = (None, None)
+        self.last1 = (None, None)
+
+    def _switch_modes(
+        self, policy: BatchingPolicy, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Cache ``entry``'s signature resolved in the modes of now (kept from an
+        earlier switch, or resolved now) in place of ``entry``, kept for a switch back.
+
+        The spec, key and randomness found in one mode may not hold in the other: a
+        BatchNorm vmapped in eval mode cannot run so in training, and a layer adding
+        noise only in training, found deterministic, had identical calls merged into
+        one draw. (An uncached entry, of an unhashable static argument, is resolved
+        at each call, so only cached ones get here.)"""
+        sig, old, modes = entry.sig, entry.modes, policy.graph.modes_of(self.fn)
+        assert sig is not None and old is not None and modes is not None
+        other = self.by_modes.get((sig, modes))
+        if other is None or other.rules_token != policy.rules_token:
+            other = self._resolve(policy, args, kwargs, sig)
+            other.sig = sig
+        self.by_modes[(sig, old)] = entry
+        self.cache[sig] = other
         self.last = (None, None)
         self.last1 = (None, None)
 
@@ -362,6 +398,7 @@ class CallSite:
         if entry is None or entry.rules_token != policy.rules_token:
             entry = self._resolve(policy, args, kwargs, key_sig)
             if cacheable:
+                entry.sig = key_sig
                 self.cache[key_sig] = entry
         return entry
 
@@ -392,6 +429,7 @@ class CallSite:
             key = UnbatchedKey(self.fn, call)
         entry = _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
         entry.layout = policy.graph.layout_of(self.fn)
+        entry.modes = policy.graph.modes_of(self.fn)
         return entry
 
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:

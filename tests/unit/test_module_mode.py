@@ -234,3 +234,75 @@ def test_a_submodule_switched_between_two_calls_without_a_compute_counts_for_bot
         later = site(xs[1])
     with pytest.raises(bg.ModuleModeChangedError):
         policy.compute(later)
+
+
+class NoisyInTraining(nn.Module):
+    """Adds noise in training mode only: its run on fake tensors in eval mode meets
+    no random op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn_like(x) if self.training else x
+
+
+class AuxInTraining(nn.Module):
+    """Returns a second output in training mode only (as Inception's aux logits)."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return (x * 2.0, x.sum()) if self.training else x * 2.0
+
+
+def test_a_batchnorm_computed_in_eval_mode_then_trained_gives_eager_values() -> None:
+    # Used to fail in vmap at the compute after the switch: the call's key, chosen
+    # (and cached) in eval mode, was a vmap that cannot update running statistics.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(3).double().eval()
+    site = bg.batched_func(norm)
+    xs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    with bg.BatchingPolicy() as policy:
+        policy.compute([site(x) for x in xs])
+    norm.train()
+    with torch.no_grad():
+        state = {k: v.clone() for k, v in norm.state_dict().items()}
+        want = [norm(x) for x in xs]
+        norm.load_state_dict(state)
+    with bg.BatchingPolicy() as policy:
+        got = policy.compute([site(x) for x in xs])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_layer_drawing_only_in_training_draws_per_example_after_a_switch() -> None:
+    # Used to merge the identical calls recorded after the switch (found deterministic
+    # in eval mode): both examples got one draw.
+    site = bg.batched_func(NoisyInTraining().eval())
+    x = torch.zeros(5)
+    with bg.BatchingPolicy() as policy:
+        policy.compute([site(x), site(x)])
+    site.fn.train()
+    with bg.BatchingPolicy() as policy:
+        a, b = policy.compute([site(x), site(x)])
+    assert not torch.equal(a, b)
+    site.fn.eval()  # and back: no draw, the calls merge again
+    with bg.BatchingPolicy() as policy:
+        a, b = policy.compute([site(x), site(x)])
+    assert torch.equal(a, x) and torch.equal(b, x)
+    assert policy.stats.nodes == 1
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_module_whose_outputs_differ_by_mode_gives_eager_outputs_after_a_switch(
+    first: bool,
+) -> None:
+    # Used to fail with BatchedCallError ("returned 2 tensors for a batch"): the
+    # output spec was the one found in the first mode.
+    module = AuxInTraining().train(first)
+    site = bg.batched_func(module)
+    xs = _inputs(3)
+    for training in (first, not first, first):
+        module.train(training)
+        with bg.BatchingPolicy() as policy:
+            got = policy.compute([site(x) for x in xs])
+        for g, x in zip(got, xs, strict=True):
+            want = module(x)
+            assert type(g) is type(want)
+            torch.testing.assert_close(g, want)
