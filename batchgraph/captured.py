@@ -50,12 +50,17 @@ def captured_tensors(fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
 
 def captured_parts(
     fn: Callable[..., Any],
-) -> tuple[tuple[torch.Tensor, ...], list[tuple[str, torch.Tensor]]]:
-    """``captured_tensors(fn)`` and ``captured_buffers(fn)`` from one look."""
+) -> tuple[tuple[torch.Tensor, ...], list[tuple[str, torch.Tensor]],
+           list[tuple[str, torch.nn.Module]]]:
+    """``captured_tensors(fn)``, ``captured_buffers(fn)`` and the modules ``fn`` reads
+    with all their submodules, each named ``Class`` or ``Class.path`` (their
+    train/eval modes are part of what its calls compute with), from one look."""
     found: dict[int, torch.Tensor] = {}
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
-    _visit(fn, found, set(), 0, buffers)
-    return tuple(found.values()), [named for key, named in buffers.items() if key not in found]
+    modules: dict[int, tuple[str, torch.nn.Module]] = {}
+    _visit(fn, found, set(), 0, buffers, modules)
+    return (tuple(found.values()), [named for key, named in buffers.items() if key not in found],
+            list(modules.values()))
 
 
 def captured_buffers(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
@@ -72,9 +77,12 @@ def captured_buffers(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
     return captured_parts(fn)[1]
 
 
+Modules = dict[int, tuple[str, torch.nn.Module]]
+
+
 def _visit(
     obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int,
-    buffers: dict[int, tuple[str, torch.Tensor]] | None = None,
+    buffers: dict[int, tuple[str, torch.Tensor]] | None = None, modules: Modules | None = None,
 ) -> None:
     if id(obj) in seen or depth > _MAX_DEPTH:
         return
@@ -90,10 +98,15 @@ def _visit(
             owner = type(obj).__name__
             for name, b in obj.named_buffers():
                 buffers.setdefault(id(b), (f"{owner}.{name}", b))
+        if modules is not None:
+            owner = type(obj).__name__
+            for name, m in obj.named_modules():
+                modules.setdefault(id(m), (f"{owner}.{name}" if name else owner, m))
     elif isinstance(obj, functools.partial):
-        _visit_all((obj.func, *obj.args, *obj.keywords.values()), found, seen, depth + 1, buffers)
+        _visit_all((obj.func, *obj.args, *obj.keywords.values()), found, seen, depth + 1, buffers,
+                   modules)
     elif isinstance(obj, types.MethodType):
-        _visit_all((obj.__self__, obj.__func__), found, seen, depth + 1, buffers)
+        _visit_all((obj.__self__, obj.__func__), found, seen, depth + 1, buffers, modules)
     elif isinstance(obj, types.FunctionType):
         cells = []
         for cell in obj.__closure__ or ():
@@ -104,19 +117,19 @@ def _visit(
         names = obj.__globals__
         named = [names[n] for n in _names(obj.__code__) if n in names]
         defaults = (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values())
-        _visit_all((*cells, *named, *defaults), found, seen, depth + 1, buffers)
+        _visit_all((*cells, *named, *defaults), found, seen, depth + 1, buffers, modules)
     elif isinstance(obj, (list, tuple)):
-        _visit_all(obj[:_MAX_ITEMS], found, seen, depth + 1, buffers)
+        _visit_all(obj[:_MAX_ITEMS], found, seen, depth + 1, buffers, modules)
     elif isinstance(obj, dict):
-        _visit_all(list(obj.values())[:_MAX_ITEMS], found, seen, depth + 1, buffers)
+        _visit_all(list(obj.values())[:_MAX_ITEMS], found, seen, depth + 1, buffers, modules)
 
 
 def _visit_all(
     objs: Iterable[Any], found: dict[int, torch.Tensor], seen: set[int], depth: int,
-    buffers: dict[int, tuple[str, torch.Tensor]] | None = None,
+    buffers: dict[int, tuple[str, torch.Tensor]] | None = None, modules: Modules | None = None,
 ) -> None:
     for obj in objs:
-        _visit(obj, found, seen, depth, buffers)
+        _visit(obj, found, seen, depth, buffers, modules)
 
 
 def _names(code: types.CodeType) -> list[str]:

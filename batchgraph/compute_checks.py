@@ -21,12 +21,14 @@ __all__ = ["check_buffers", "check_modes", "check_parameters"]
 
 
 def check_modes(graph: Graph, schedule: Schedule) -> None:
-    """Refuse a step whose module (or a submodule) was switched between train() and
-    eval() since its calls were recorded."""
+    """Refuse a step whose module (or a submodule; for a function, a module it reads)
+    was switched between train() and eval() since its calls were recorded."""
     modes, keys = graph.key_training, graph.keys
     for step in schedule.steps:
         recorded = modes.get(step.key)
         if recorded is None:
+            if step.key in graph.key_submodes:  # a function reading modules
+                _check_submodules(graph, step)
             continue
         module = keys[step.key].fn
         if getattr(module, "training", recorded) == recorded:
@@ -46,8 +48,11 @@ def check_modes(graph: Graph, schedule: Schedule) -> None:
 def _check_submodules(graph: Graph, step: Step) -> None:
     switched = graph.switched_submodules(step.key)
     if switched:
+        fn = graph.keys[step.key].fn
+        whose = "of" if isinstance(fn, torch.nn.Module) else "read by"
         raise ModuleModeChangedError(
-            f"submodule(s) {', '.join(switched[:5])} of {graph.keys[step.key].label} in "
+            f"{'sub' if whose == 'of' else ''}module(s) {', '.join(switched[:5])} {whose} "
+            f"{graph.keys[step.key].label} in "
             f"{graph.name!r} were switched between train() and eval() after its calls "
             f"in this batch ({len(step.nodes)}) were recorded and before they were "
             "computed. Eagerly those calls ran in the old modes (dropout and batch "

@@ -92,7 +92,7 @@ class Executor:
                 f"schedule starts at store {schedule.base_store} but the graph has "
                 f"{len(graph.stores)}; schedules must run in the order they were built"
             )
-        if graph.key_training:
+        if graph.key_training or graph.key_submodes:
             check_modes(graph, schedule)
         if graph.key_versions:
             check_parameters(graph, schedule)

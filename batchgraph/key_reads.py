@@ -101,13 +101,15 @@ class KeyReads:
         self._module_parts.pop(id(fn), None)
 
     def modes_of(self, fn: Any) -> tuple[bool, ...] | None:
-        """The train/eval modes of a module and of its submodules, in order (None for
-        a function). A call's output spec and key may depend on them (dropout drawing
-        or not, batch or running statistics), so a call site's cached signatures are
-        resolved per modes."""
+        """The train/eval modes of a module and of its submodules, in order; for a
+        function, of the modules it reads (None where it reads none). A call's output
+        spec and key may depend on them (dropout drawing or not, batch or running
+        statistics), so a call site's cached signatures are resolved per modes."""
+        submodules = self._parts_of(fn).submodules
         if not isinstance(fn, torch.nn.Module):
-            return None
-        return (fn.training, *[m.training for m in self._parts_of(fn).submodules])
+            # A function: the modules it reads, if any.
+            return tuple([m.training for m in submodules]) if submodules else None
+        return (fn.training, *[m.training for m in submodules])
 
     def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
         """The dtype and device of each tensor ``fn`` reads besides its arguments: a
@@ -118,8 +120,9 @@ class KeyReads:
         return tuple([(p.dtype, p.device) for p in self._parts_of(fn).params])
 
     def switched_submodules(self, kid: int) -> list[str]:
-        """The submodules of module key ``kid`` switched between train and eval mode
-        since its calls were recorded (named as in ``named_modules``).
+        """The submodules of module key ``kid`` (for a function, the modules it reads,
+        named ``Class.path``) switched between train and eval mode since its calls
+        were recorded (named as in ``named_modules``).
 
         Exact where the switch came between computes; a switch between two calls
         recorded with no compute in between counts for both."""
@@ -176,7 +179,8 @@ class KeyReads:
 class ModuleParts:
     """A module's parameters, buffers (watched: batchgraph.buffers) and submodules
     (with their names), listed once; for a function, the tensors it reads besides its
-    arguments, and the buffers of the modules it reads (``captured_parts``)."""
+    arguments, and the buffers and modules (submodules too) of the modules it reads
+    (``captured_parts``)."""
 
     __slots__ = ("buffer_names", "buffers", "names", "params", "submodules")
 
@@ -187,8 +191,7 @@ class ModuleParts:
             named = [(name, m) for name, m in module.named_modules() if m is not module]
             named_buffers: list[tuple[str, torch.Tensor]] = list(module.named_buffers())
         else:
-            self.params, named_buffers = captured_parts(module)
-            named = []
+            self.params, named_buffers, named = captured_parts(module)
         self.names = [name for name, _ in named]
         self.submodules = tuple(m for _, m in named)
         self.buffer_names, self.buffers = watches_of(named_buffers)

@@ -306,3 +306,47 @@ def test_a_module_whose_outputs_differ_by_mode_gives_eager_outputs_after_a_switc
             want = module(x)
             assert type(g) is type(want)
             torch.testing.assert_close(g, want)
+
+
+_MOODY = Moody()
+
+
+def _reads_moody(x: torch.Tensor) -> torch.Tensor:
+    """A function reading a module (a global here), recorded as one call."""
+    return _MOODY(x) + 1.0
+
+
+def test_a_function_whose_module_is_switched_before_compute_is_refused() -> None:
+    # Used to compute in the module's new mode, silently unlike the eager run.
+    _MOODY.train()
+    site = bg.batched_func(_reads_moody)
+    xs = _inputs(3)
+    with torch.no_grad():
+        want = [_reads_moody(x) for x in xs]
+        with bg.BatchingPolicy() as policy:
+            hs = [site(x) for x in xs]
+        _MOODY.eval()
+        with pytest.raises(bg.ModuleModeChangedError, match=r"module\(s\) Moody, Moody.lin read by"):
+            policy.compute(hs)
+        _MOODY.train()
+        for got, w in zip(policy.compute(hs), want, strict=True):
+            torch.testing.assert_close(got, w)
+
+
+def test_a_function_reading_a_batchnorm_computed_in_eval_mode_then_trained_gives_eager_values() -> None:
+    # Used to fail in vmap at the compute after the switch (the key found in eval mode).
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(3).double().eval()
+    site = bg.batched_func(lambda x: norm(x) * 2.0)
+    xs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    with bg.BatchingPolicy() as policy:
+        policy.compute([site(x) for x in xs])
+    norm.train()
+    with torch.no_grad():
+        state = {k: v.clone() for k, v in norm.state_dict().items()}
+        want = [norm(x) * 2.0 for x in xs]
+        norm.load_state_dict(state)
+    with bg.BatchingPolicy() as policy:
+        got = policy.compute([site(x) for x in xs])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
