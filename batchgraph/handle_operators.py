@@ -1,4 +1,4 @@
-"""The operators of ``ResultHandle``: ``h + 1``, ``h > 0``, ``h += g``, ``~mask``.
+"""The operators of ``ResultHandle``: ``h + 1``, ``h > 0``, ``h += g``, ``h[i] = v``, ``~mask``.
 
 Each records the torch function the tensor operator calls (``torch.add`` for ``+``,
 ``torch.bitwise_and`` for ``&``), with the same operand order, so a handle's operators
@@ -163,6 +163,14 @@ class TensorOperators:
     def __irshift__(self, other: Any) -> Any:
         return _in_place(cast("ResultHandle", self), torch.bitwise_right_shift, other, ">>=")
 
+    # `h[index] = value` changes a tensor in place too: the handle stands for a copy
+    # with the item set (``set_item``), with the same refusals as `+=`.
+    def __setitem__(self, index: Any, item: Any) -> None:
+        handle = cast("ResultHandle", self)
+        _refuse_shared(handle, "h[index] = value",
+                       "h = h.clone() first, then h[index] = value on the copy")
+        _rebind(handle, _record(set_item, (handle, index, item), {}))
+
     def __matmul__(self, other: Any) -> Any:
         return _binary(torch.matmul, (self, other))
 
@@ -208,21 +216,7 @@ def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: 
     grow it, or a dtype it cannot be cast back to, fails). Refused where the change
     would reach other tensors eagerly: the tensor given to ``bg.batched_value``, and
     values sharing memory with the handle's (views; see ``batchgraph.aliasing``)."""
-    graph = handle._graph
-    constant = graph.constants.get(handle.node)
-    if isinstance(constant, torch.Tensor):
-        shared: str | None = (
-            "it is the tensor given to bg.batched_value, which eagerly returns that "
-            "tensor itself"
-        )
-    else:
-        shared = shares_memory(graph, handle.node, handle.leaf)
-    if shared is not None:
-        raise TypeError(
-            f"`{symbol}` on {handle!r} would change in place a value other tensors share "
-            f"memory with ({shared}): eagerly the change reaches them too, which cannot "
-            f"be recorded. Make a new value instead: h = h {symbol[:-1]} other."
-        )
+    _refuse_shared(handle, symbol, f"h = h {symbol[:-1]} other")
     result = _binary(fn, (handle, other))
     if result is NotImplemented:
         return NotImplemented
@@ -240,6 +234,45 @@ def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: 
                     f"{spec.dtype} (`{symbol}` on {handle!r} keeps its dtype, as on a tensor)"
                 )
             result = result.to(spec.dtype)
+    return _rebind(handle, result)
+
+
+def set_item(value: torch.Tensor, index: Any, item: Any) -> torch.Tensor:
+    """``value`` with ``[index] = item`` done on a copy: what ``h[index] = item``
+    records (``h`` then stands for it, as for ``h += g``).
+
+    Example:
+        >>> set_item(torch.zeros(3), 1, 5.0)
+        tensor([0., 5., 0.])
+    """
+    out = value.clone()
+    out[index] = item
+    return out
+
+
+def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> None:
+    """Refuse to change ``handle`` in place (by ``symbol``) where eagerly the change
+    would reach other tensors: the tensor given to ``bg.batched_value``, and values
+    sharing memory with the handle's (views; see ``batchgraph.aliasing``)."""
+    graph = handle._graph
+    constant = graph.constants.get(handle.node)
+    if isinstance(constant, torch.Tensor):
+        shared: str | None = (
+            "it is the tensor given to bg.batched_value, which eagerly returns that "
+            "tensor itself"
+        )
+    else:
+        shared = shares_memory(graph, handle.node, handle.leaf)
+    if shared is not None:
+        raise TypeError(
+            f"`{symbol}` on {handle!r} would change in place a value other tensors share "
+            f"memory with ({shared}): eagerly the change reaches them too, which cannot "
+            f"be recorded. Make a new value instead: {instead}."
+        )
+
+
+def _rebind(handle: ResultHandle, result: ResultHandle) -> ResultHandle:
+    """Make ``handle`` stand for ``result``'s value (its change in place)."""
     handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
     handle._gen, handle._out = result._gen, None
     return handle

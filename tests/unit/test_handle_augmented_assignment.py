@@ -219,3 +219,57 @@ def test_item_assignment_into_a_tensor_with_a_recorded_index_or_value_is_refused
         got = bg.compute(made)
     assert torch.equal(t, torch.zeros(3))
     torch.testing.assert_close(got, torch.tensor([0.0, 5.0, 0.0]))
+
+
+def _set_items(x: Any) -> Any:
+    """Item assignments of every kind of index and value, on a copy of ``x`` (2-d)."""
+    y = x * 1
+    kept = [y]  # bound to another name before the changes: sees them, as eagerly
+    before = y.sum()  # recorded before: the old value
+    y[0] = 5.0
+    y[:, 1] = x[:, 2] * 3  # a recorded value
+    y[..., -1] = x.sum()  # broadcast
+    y[x[:, 0].argmax()] = x[1]  # a recorded index
+    y[[0, 2]] = x[1]
+    y[x > 0.5] = 0.25  # a recorded boolean mask (vmap refuses it: one call at a time)
+    return before, kept[0], y
+
+
+def test_item_assignment_changes_every_name_bound_to_the_value() -> None:
+    # `h[i] = v` used to fail with Python's "'ResultHandle' object does not support
+    # item assignment".
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    eager = [_set_items(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [_set_items(bg.batched_value(x)) for x in xs]
+    got = bg.compute(handles)
+    for values, want in zip(got, eager, strict=True):
+        for g, w in zip(values, want, strict=True):
+            torch.testing.assert_close(g, w)
+
+    def loss(values: list[Any]) -> Any:
+        return sum((i + 1) * sum(v.sum() * (k + 1) for k, v in enumerate(vs))
+                   for i, vs in enumerate(values))
+
+    for g, w in zip(torch.autograd.grad(loss(got), xs), torch.autograd.grad(loss(eager), xs),
+                    strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_item_assignment_keeps_the_dtype_and_refuses_what_eager_code_shares() -> None:
+    with bg.BatchingPolicy():
+        x = bg.batched_value(torch.ones(2, 3))
+        ints = (x * 2).long()
+        ints[0, 0] = 2.7  # cast to the value's dtype, as eagerly
+        with pytest.raises(TypeError, match=r"h\[index\] = value.*bg.batched_value"):
+            x[0] = 1.0
+        y = x * 1
+        with pytest.raises(bg.ShapeMismatchError, match="index 5 is out of bounds"):
+            y[5] = 1.0
+        row = y[0]
+        with pytest.raises(TypeError, match=r"another value is a view of it"):
+            y[0] = 1.0
+    assert ints.dtype == torch.long
+    torch.testing.assert_close(bg.compute(ints), torch.tensor([[2, 2, 2], [2, 2, 2]]))
+    torch.testing.assert_close(bg.compute(row), torch.ones(3))
