@@ -338,13 +338,46 @@ class VmapKey(BatchKey):
             flatten_output(out, leaves)
             return tuple(leaves)
 
+        self._per_example = per_example
         self._batched = torch.func.vmap(per_example, randomness="different")
+        # Set once vmap has failed where the calls run alone: they then run one at a
+        # time (``runs_alone``; the stats count them as unbatched).
+        self.runs_alone = False
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        if self.runs_alone:
+            return self._one_by_one(inputs, size)
+        try:
+            return self.run_vmapped(fn, inputs, size)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            if not inputs:
+                raise
+            # The probe on fake tensors (rules.probe_vmap) passed, but vmap refuses the
+            # real tensors: some ops batch under fake tensors only (an assignment
+            # through a boolean mask, `out[mask] = 0`). Each call still runs alone as
+            # it did eagerly; a call failing alone too fails as the batch did.
+            try:
+                out = self._one_by_one(inputs, size)
+            except Exception:
+                raise err from None
+            self.runs_alone = True
+            return out
+
+    def run_vmapped(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        """``run`` through vmap only (what the probe tries)."""
         if not inputs:  # nothing to map over: every call is the same static call
             out = self.call.apply(fn, ())
             return _expand(out, size)
         return self._batched(*inputs)
+
+    def _one_by_one(self, inputs: Sequence[Any], size: int) -> Any:
+        """The calls run one at a time, their outputs stacked as vmap stacks them."""
+        outs = [self._per_example(*[x[i] for x in inputs]) for i in range(size)]
+        if isinstance(outs[0], torch.Tensor):
+            return torch.stack(outs)
+        return tuple(torch.stack(column) for column in zip(*outs))
 
 
 def _expand(out: Any, size: int) -> Any:

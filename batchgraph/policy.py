@@ -209,7 +209,7 @@ class BatchingPolicy:
             if isinstance(key, ConstantKey):
                 continue
             nodes += len(step.nodes)
-            if key.batchable:
+            if key.batchable and not getattr(key, "runs_alone", False):  # VmapKey's
                 launches += 1
             else:
                 launches += len(step.nodes)

@@ -399,7 +399,7 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
                 for s in key.call.input_specs
                 if s is not None
             ]
-            out = key.run(key.fn, inputs, 2)
+            out = key.run_vmapped(key.fn, inputs, 2)
             if spec is None:
                 return True
             leaves: list[torch.Tensor] = []

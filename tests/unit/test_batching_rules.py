@@ -351,3 +351,45 @@ def test_a_softmax_modules_dim_set_after_its_signature_was_cached_acts_per_examp
     assert policy.stats is not None and policy.stats.launches == 1
     for g, want in zip(got, eager, strict=True):
         torch.testing.assert_close(g, want)
+
+
+def _zero_where_positive(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = x * 2
+    out[mask] = 0.0  # vmap refuses a boolean mask on real tensors, not on fake ones
+    return out
+
+
+def test_a_call_vmap_refuses_only_on_real_tensors_runs_one_at_a_time() -> None:
+    # The record-time probe (on fake tensors) passed, so compute raised
+    # BatchedCallError ("vmap: We do not support batching operators that can support
+    # dynamic shape"), adding that the call fails alone too, for code that runs eagerly.
+    site = bg.batched_func(_zero_where_positive)
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    for _ in range(2):  # and again, once the key knows
+        with bg.BatchingPolicy() as policy:
+            got = policy.compute([site(x, bg.batched_value(x) > 0) for x in xs])
+        assert policy.stats.unbatched_callables == (
+            "tests.unit.test_batching_rules._zero_where_positive",)
+        want = [_zero_where_positive(x, x > 0) for x in xs]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+        loss = sum((i + 1) * g.sum() for i, g in enumerate(got))
+        eager_loss = sum((i + 1) * w.sum() for i, w in enumerate(want))
+        for g, w in zip(torch.autograd.grad(loss, xs), torch.autograd.grad(eager_loss, xs),
+                        strict=True):
+            torch.testing.assert_close(g, w)
+
+
+def test_a_call_failing_alone_too_still_names_the_batch_and_the_example() -> None:
+    def bad_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        out[mask] = torch.ones(2)  # eagerly fails too (the count of True differs)
+        return out
+
+    site = bg.batched_func(bad_mask)
+    with bg.BatchingPolicy() as policy:
+        hs = [site(x, bg.batched_value(x) > 0) for x in [torch.ones(3), -torch.ones(3)]]
+    with pytest.raises(bg.BatchedCallError, match=r"raised in a batched call of 2 calls.*"
+                       r"Run alone, the call of example 0 \(row 0\) fails too"):
+        policy.compute(hs)
