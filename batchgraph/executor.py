@@ -29,6 +29,7 @@ import torch
 from batchgraph.autocasting import autocast_state, in_autocast_state
 from batchgraph.buffers import computing
 from batchgraph.compute_checks import check_buffers, check_modes, check_parameters
+from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
 from batchgraph.gathering import CARRY, GatherPlan
 from batchgraph.graph import INFERENCE, STORE_SHIFT, Graph, RecordedGrad
@@ -177,6 +178,8 @@ class Executor:
                     # chunks' gradients (a slice's backward zero-fills the whole input).
                     for p, chunk in zip(plan.positions, torch.split(gathered, size)):
                         inputs[p] = chunk
+        if key.call.num_inputs:
+            self._detach_borrowed_grad(step, inputs)
         try:
             if grad is None or grad is torch.is_grad_enabled():
                 out = key.run(key.fn, inputs, size)
@@ -206,6 +209,32 @@ class Executor:
         specs = leaf_specs(key, graph.node_spec[first]) if first < len(graph.node_spec) else leaves
         check_stacked(key, leaves, specs, size, autocast=step.key in graph.key_autocast)
         return leaves
+
+    def _detach_borrowed_grad(self, step: Step, inputs: list[Any]) -> None:
+        """Detach each input that requires grad only by the company it was gathered in.
+
+        Inputs are gathered many rows at once (a pool's one ``index_select``; constants
+        of one spec stacked together), so rows whose values require no grad eagerly (a
+        target, a mask) require grad when gathered with rows that do. Some calls refuse
+        that ("The function 'soft_margin_loss' is not differentiable with respect to
+        argument 'target'"), for code that runs eagerly. Detached, nothing is lost:
+        no gradient reaches a leaf through such rows eagerly either. One check per
+        input that requires grad, settled by its first value that does (memoised).
+        """
+        graph, node_inputs, nodes = self.graph, self.graph.node_inputs, step.nodes
+        if len(node_inputs) < len(graph.node_loc):  # bound from a PortableBatch: none kept
+            return
+        for p, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor):
+                if not x.requires_grad:
+                    continue
+            elif not (isinstance(x, list)
+                      and any(isinstance(t, torch.Tensor) and t.requires_grad for t in x)):
+                continue
+            if any(eager_requires_grad(graph, node_inputs[n][p][0]) for n in nodes):
+                continue
+            inputs[p] = (x.detach() if isinstance(x, torch.Tensor)
+                         else [t.detach() if isinstance(t, torch.Tensor) else t for t in x])
 
     def _modes(
         self, schedule: Schedule

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import batchgraph as bg
@@ -132,3 +133,31 @@ def test_coroutine_values_match_eager(count: int) -> None:
     xs = [torch.randn(3, requires_grad=i == 0) for i in range(count)]
     results = bg.run_all([example(x) for x in xs])
     assert results == [(i == 0, i == 0) for i in range(count)]
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's soft_margin_loss
+def test_a_target_gathered_with_values_that_require_grad_is_not_taken_to_require_it() -> None:
+    # The examples' inputs (which require grad) and targets (which do not) have one
+    # spec: stacked together as constants, the targets required grad in the batch,
+    # and soft_margin_loss, which refuses a target that requires grad, failed at
+    # compute with BatchedCallError ("not differentiable with respect to argument
+    # 'target'") for code that runs eagerly.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ys = [torch.randn(3, 4, dtype=torch.float64) for _ in range(3)]
+
+    def loss(x: Any, y: Any) -> Any:
+        return F.soft_margin_loss(bg.batched_func(lin)(x), torch.sigmoid(y))
+
+    want = [loss(x, y) for x, y in zip(xs, ys, strict=True)]
+    with bg.BatchingPolicy():
+        handles = [loss(bg.batched_value(x), bg.batched_value(y)) for x, y in zip(xs, ys, strict=True)]
+    got = bg.compute(handles)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    weighted = [sum((i + 1) * v for i, v in enumerate(vs)) for vs in (got, want)]
+    params = [*xs, *lin.parameters()]
+    for g, w in zip(torch.autograd.grad(weighted[0], params),
+                    torch.autograd.grad(weighted[1], params), strict=True):
+        torch.testing.assert_close(g, w)
