@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
     unset_fake_temporarily,
 )
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.overrides import TorchFunctionMode
 
 from batchgraph.autocasting import without_autocast_cache
@@ -85,6 +86,12 @@ class _FakeRunGuard(TorchFunctionMode):
       ``BatchNorm``'s ``num_batches_tracked`` (which, with ``momentum=None``, weighs
       its running statistics) or a module's call counter. A run on fakes only learns
       shapes, which an in-place change keeps.
+    * The version counters of real tensors given to a call with fake operands stay:
+      an in-place change inside it that the guard cannot see (``F.embedding`` with
+      ``max_norm`` renormalizes its real weight by a call torch makes within) runs on
+      a fake copy, leaving the values, but moved the counter: a new signature's
+      inference then read as an in-place change of the module's parameters
+      (``ParameterChangedError`` at compute) and could fail an earlier backward.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
@@ -104,6 +111,11 @@ class _FakeRunGuard(TorchFunctionMode):
         out = kwargs.get("out")
         if isinstance(out, torch.Tensor) and not isinstance(out, FakeTensor):
             return out
+        operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        real = tuple(a for a in operands if not isinstance(a, FakeTensor))
+        if real and len(real) < len(operands):
+            with _unsafe_preserve_version_counter(real):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

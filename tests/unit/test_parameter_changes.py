@@ -137,3 +137,26 @@ def test_computes_give_eager_values_or_refuse_calls_from_before_a_step(
             for value, (_, eager, _, _) in zip(got, chosen, strict=True):
                 torch.testing.assert_close(value, eager)
             pending = [p for p in pending if not any(p is c for c in chosen)]
+
+
+def test_an_embedding_with_max_norm_is_not_taken_for_changed_by_shape_inference() -> None:
+    # F.embedding renormalizes the weight in place (max_norm) by a call torch makes
+    # within: each new signature's run on fake tensors left the weight's values but
+    # moved its version counter, so the calls of the first signature were refused
+    # at compute (ParameterChangedError) as if the weight had been changed.
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        embed.weight.mul_(3.0)  # rows longer than max_norm: renormalized at lookup
+    eager = nn.Embedding(10, 4, max_norm=1.0)
+    eager.load_state_dict(embed.state_dict())
+    site = bg.batched_func(embed)
+    ids = [torch.tensor([1, 2, 3]), torch.tensor([3, 4]), torch.tensor([7]), torch.tensor([1, 2, 3])]
+    want = [eager(i) for i in ids]
+    version = embed.weight._version
+    with bg.BatchingPolicy() as policy:
+        handles = [site(i) for i in ids]  # three signatures
+    assert embed.weight._version == version
+    for got, w in zip(policy.compute(handles), want, strict=True):
+        torch.testing.assert_close(got, w)
+    torch.testing.assert_close(embed.weight, eager.weight)  # renormalized as eagerly
