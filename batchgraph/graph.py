@@ -478,7 +478,12 @@ def constant_signature(kid: int, value: Any) -> Any:
 
 def exact_number(value: Any) -> Any:
     """A number as constants and calls are merged by: -0.0 and 0.0 are equal in Python
-    but not in arithmetic (1 / -0.0 is -inf), so a float zero carries its sign."""
-    if type(value) is float and value == 0.0:
-        return (value, math.copysign(1.0, value))
+    but not in arithmetic (1 / -0.0 is -inf), so a float zero carries its sign; and a
+    NaN, unequal even to itself (a signature holding one never matched another, so
+    each call was resolved and keyed alone), is a tagged tuple of its sign."""
+    if type(value) is float:
+        if value == 0.0:
+            return (value, math.copysign(1.0, value))
+        if value != value:
+            return ("nan", math.copysign(1.0, value))
     return value

@@ -37,6 +37,7 @@ from batchgraph.signatures import (
     identity_signature,
     in_place_error,
     template_argument,
+    without_nan,
 )
 from batchgraph.specs import (
     NO_TENSOR,
@@ -388,6 +389,9 @@ class CallSite:
         """The cached entry for ``key_sig``, resolved (and cached) when new."""
         try:
             entry = self.cache.get(key_sig)
+            if entry is None and (canonical := without_nan(key_sig)) is not key_sig:
+                key_sig = canonical
+                entry = self.cache.get(key_sig)
             cacheable = True
         except TypeError:
             # An unhashable static argument: key on its identity, and do not cache

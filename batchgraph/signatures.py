@@ -306,6 +306,20 @@ def _owned(a: Any) -> Any:
     return a
 
 
+def without_nan(sig: Any) -> Any:
+    """``sig`` with each float NaN as ``exact_number`` gives it, or ``sig`` itself when
+    it holds none. The recording fast path puts floats in a signature as they are, and
+    a NaN (``float("nan")``, a new object each time) is unequal to itself: each call's
+    signature missed the cache, was resolved on fake tensors and got a key of its own,
+    so such calls never batched. Asked only on a cache miss."""
+    if type(sig) is float:
+        return exact_number(sig) if sig != sig else sig
+    if type(sig) is tuple:
+        parts = tuple([without_nan(s) for s in sig])
+        return sig if all(a is b for a, b in zip(parts, sig)) else parts
+    return sig
+
+
 def identity_signature(sig: Any) -> Any:
     """``sig`` with unhashable parts replaced by their identity (such a call is not cached)."""
     if isinstance(sig, tuple):

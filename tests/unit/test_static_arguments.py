@@ -45,3 +45,25 @@ def test_equal_dicts_batch_into_one_launch() -> None:
     assert policy.stats.launches == 1  # each call's dict is a new object: keyed by value
     for value, x in zip(got, xs, strict=True):
         torch.testing.assert_close(value, x * 2.0 + 1)
+
+
+@pytest.mark.parametrize("where", ["argument", "keyword", "list"])
+def test_calls_with_a_nan_argument_batch_into_one_launch(where: str) -> None:
+    # NaN is unequal to itself, and float("nan") a new object each time: each call's
+    # signature missed the cache (a run on fake tensors per call, a cache entry per
+    # call) and got a key of its own, so the calls never batched (101 launches).
+    xs = [torch.randn(3) for _ in range(100)]
+
+    def example(x: Any) -> Any:
+        if where == "argument":
+            return x.masked_fill(x > 0, float("nan"))
+        if where == "keyword":
+            return torch.nan_to_num(x.log(), nan=float("nan"), posinf=1.0)
+        return torch.nn.functional.pad(x, [1, 1], value=float("nan")) * 2
+
+    with bg.BatchingPolicy() as policy:
+        handles = [example(bg.batched_value(x)) for x in xs]
+    got = policy.compute(handles)
+    assert policy.stats.launches <= 3  # the constants, then one or two calls
+    for g, x in zip(got, xs, strict=True):
+        torch.testing.assert_close(g, example(x), equal_nan=True)
