@@ -120,6 +120,10 @@ class ResultHandle(TensorOperators):
     # _out: the value handed out for it, with that value's version then (see ``value``).
     __slots__ = ("_gen", "_graph", "_out", "leaf", "node", "spec")
 
+    # As a tensor's: NumPy scalars and arrays leave `np.float32(2) * h` to the
+    # handle's reflected operator (without it NumPy tried to convert the handle).
+    __array_priority__ = 1000
+
     def __init__(self, graph: Graph, node: int, leaf: int, spec: OutSpec) -> None:
         # CallSite.__call__ sets these fields itself (faster): keep the two in step.
         self._graph = graph

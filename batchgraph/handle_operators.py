@@ -285,4 +285,16 @@ def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:
     try:
         return _record(fn, args, {})
     except TypeError:
+        if not any(_is_ndarray(a) for a in args):
+            return NotImplemented
+    # A tensor's operators take a NumPy array as a tensor of its dtype (`t + array`),
+    # where torch's functions refuse it: so do these, on this slow path only.
+    try:
+        return _record(fn, tuple(torch.as_tensor(a) if _is_ndarray(a) else a for a in args), {})
+    except TypeError:
         return NotImplemented
+
+
+def _is_ndarray(a: Any) -> bool:
+    kind = type(a)
+    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"

@@ -273,3 +273,27 @@ def test_item_assignment_keeps_the_dtype_and_refuses_what_eager_code_shares() ->
     assert ints.dtype == torch.long
     torch.testing.assert_close(bg.compute(ints), torch.tensor([[2, 2, 2], [2, 2, 2]]))
     torch.testing.assert_close(bg.compute(row), torch.ones(3))
+
+
+def _with_numpy(x: Any) -> Any:
+    import numpy as np
+
+    y = x * 1
+    y += np.full(3, 0.5, dtype=np.float32)  # keeps y's dtype, as on a tensor
+    return (x + np.arange(3.0), np.float64(2.0) * x, x * np.float32(3.0),
+            np.int64(2) + x, y)
+
+
+# Torch's own, from the eager run's NumPy scalar times a tensor.
+@pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context")
+def test_numpy_operands_act_as_on_tensors() -> None:
+    # Used to fail with "a NumPy array of <ResultHandle ...> is not known while
+    # recording": torch.add refuses an array (a tensor's `+` takes it), and NumPy
+    # scalars tried to convert the handle instead of leaving it the operation.
+    xs = [torch.randn(3) for _ in range(3)]
+    with bg.BatchingPolicy():
+        handles = [_with_numpy(bg.batched_value(x)) for x in xs]
+    for got, x in zip(bg.compute(handles), xs, strict=True):
+        for g, w in zip(got, _with_numpy(x), strict=True):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w)
