@@ -151,10 +151,15 @@ class ResultHandle(TensorOperators):
         spec = self.spec
         if isinstance(spec, TensorSpec):
             if not spec.shape:
-                # As for a 0-d tensor; torch.tensor([h, g]) also ends here.
+                # As for a 0-d tensor. torch.tensor([h, g]), torch.tensor(h) and
+                # torch.as_tensor(h) end here too (not dispatched to handles: they
+                # read their data as nested sequences, down to 0-d items).
                 raise TypeError(
-                    "len() of a 0-d tensor handle. To make a tensor of handles, use "
-                    "torch.stack([...]) (torch.tensor([...]) needs their values)"
+                    "len() of a 0-d tensor handle. torch.tensor(...) and "
+                    "torch.as_tensor(...) read their data as (nested) sequences of "
+                    "numbers, which a handle's values are not until computed: for a "
+                    "handle h, use h itself (h.to(dtype), h.clone()); to make a tensor "
+                    "of handles, use torch.stack([...])"
                 )
             if _in_subscript(sys._getframe(1)):
                 # ``t[h]`` on a tensor: torch's C indexing asks for our length before

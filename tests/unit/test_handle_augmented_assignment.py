@@ -297,3 +297,14 @@ def test_numpy_operands_act_as_on_tensors() -> None:
         for g, w in zip(got, _with_numpy(x), strict=True):
             assert g.dtype == w.dtype
             torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("make", ["tensor", "as_tensor"])
+def test_torch_tensor_of_a_handle_says_what_to_use_instead(make: str) -> None:
+    # torch.as_tensor(h) of a (3,) handle said only "len() of a 0-d tensor handle"
+    # (torch had read it as a sequence down to its items).
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3)) * 2
+        with pytest.raises(TypeError, match=r"torch.as_tensor\(...\) read their data as "
+                           r"\(nested\) sequences.*h.to\(dtype\)"):
+            getattr(torch, make)(h)
