@@ -427,9 +427,13 @@ class Executor:
             except Exception as single:
                 example = self._example(n)
                 where = f"example {example}" if example is not None else f"node {n}"
+                # The error of the call as eager code makes it, where it fails so:
+                # a batch of one (through vmap, say) names dimensions of the batch
+                # ("out of bounds for dimension 1" for the example's dimension 0).
+                alone = _eager_error(key, inputs, i) or single
                 failing = (
                     f" Run alone, the call of {where} (row {i}) fails too: "
-                    f"{type(single).__name__}: {single}"
+                    f"{type(alone).__name__}: {alone}"
                 )
                 break
         shown = ", ".join(map(str, examples[:10])) + (" ..." if len(examples) > 10 else "")
@@ -440,6 +444,16 @@ class Executor:
 
     def _example(self, node: int) -> int | None:
         return self._example_of(node) if self._example_of is not None else None
+
+
+def _eager_error(key: BatchKey, inputs: Sequence[Any], i: int) -> Exception | None:
+    """The error of row ``i``'s call made as eager code makes it (its per-example
+    inputs, no batch dimension), or None where that call runs."""
+    try:
+        key.call.apply(key.fn, [x[i] for x in inputs])
+    except Exception as err:
+        return err
+    return None
 
 
 def _long_tensor(rows: array[int]) -> torch.Tensor:

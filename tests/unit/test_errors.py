@@ -266,3 +266,18 @@ def test_torch_tensor_of_handles_points_to_stack() -> None:
         with pytest.raises(TypeError, match=r"use torch\.stack\(\[\.\.\.\]\)"):
             torch.tensor([h, h])
         assert torch.stack([h, h]).shape == (2,)
+
+
+def test_a_failing_call_is_shown_failing_as_eager_code_fails() -> None:
+    # The call run alone was a batch of one through vmap, whose error names the
+    # batch's dimensions: "index 7 is out of bounds for dimension 1" for an index
+    # of the example's dimension 0.
+    with bg.BatchingPolicy():
+        table = bg.batched_value(torch.ones(2, 3))
+        h = table[bg.batched_value(torch.tensor(7))]  # an index by a handle: vmap
+    with pytest.raises(
+        bg.BatchedCallError,
+        match=r"Run alone, the call of example 0 \(row 0\) fails too: IndexError: index 7 "
+        r"is out of bounds for dimension 0 with size 2$",
+    ):
+        bg.compute(h)
