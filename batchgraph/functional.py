@@ -20,6 +20,9 @@ def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``fn`` may be any function or ``nn.Module`` with per-example semantics; functions
     without a fast rule batch through ``torch.func.vmap``.
 
+    Raises:
+        TypeError: ``fn`` is not callable.
+
     Example:
         >>> import batchgraph as bg, torch
         >>> add = bg.batched_func(torch.add)
@@ -30,6 +33,14 @@ def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
         >>> bg.compute(h)
         tensor([2., 2.])
     """
+    if not callable(fn):
+        # Else it failed only at the first call ("'int' object is not callable"),
+        # far from the mistake.
+        raise TypeError(
+            f"batched_func takes the function or nn.Module to defer, got "
+            f"{type(fn).__name__} {fn!r}: pass the callable itself, "
+            "bg.batched_func(my_function), or @bg.batched_func above its def"
+        )
     # The call site itself is the wrapper: one Python call level per recorded call.
     return module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
 

@@ -281,3 +281,11 @@ def test_a_failing_call_is_shown_failing_as_eager_code_fails() -> None:
         r"is out of bounds for dimension 0 with size 2$",
     ):
         bg.compute(h)
+
+
+@pytest.mark.parametrize("thing", [3, "torch.tanh", None])
+def test_batched_func_of_something_not_callable_is_refused_where_made(thing: Any) -> None:
+    # Used to make a call site that failed only when called ("'int' object is not
+    # callable", from inside a recorded call).
+    with pytest.raises(TypeError, match=r"batched_func takes the function or nn.Module"):
+        bg.batched_func(thing)
