@@ -116,6 +116,17 @@ def _augmented(a: Any, b: Any, c: int) -> Any:
     return kept[0] + z
 
 
+def _set_items(a: Any, b: Any, c: int) -> Any:
+    """Item assignment changes the value in place, as augmented assignment does (a
+    row, a broadcast column from another value, a boolean mask)."""
+    y = a * 1
+    kept = [y]
+    y[0] = 0.25 * c
+    y[..., -1:] = a[..., :1] * 2
+    y[a > 0.5] = -0.5
+    return kept[0] + y
+
+
 def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
     """Name -> (applies, op). ``m``'s modules are called through ``batched_func``
     sites made here, which run eagerly when no policy records."""
@@ -155,6 +166,7 @@ def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
         "new_ones": (_always, lambda a, b, c: a.new_ones(a.shape) - a),
         "dropout_eval": (_always, lambda a, b, c: F.dropout(a, 0.5, training=False)),
         "augmented": (_always, _augmented),
+        "set_items": (_rows, _set_items),
         # Full reductions.
         "sum": (_always, lambda a, b, c: a.sum()),
         "mean": (_nonempty, lambda a, b, c: a.mean()),
