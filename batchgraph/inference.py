@@ -221,6 +221,16 @@ def infer_spec(
     try:
         return spec_of(out), draws.seen, sequence_kind(out)
     except TypeError as err:
+        if getattr(torch.Tensor, getattr(fn, "__name__", ""), None) is fn:
+            # A tensor method called on a handle (h.is_contiguous(), h.stride()):
+            # advice about wrapping tensor work would not fit.
+            raise NotATensorError(
+                f"{name} returned {type(out).__name__}{_culprit(out)}, a Python value: "
+                "on a handle it is not known while recording (a handle has a value, and "
+                "a memory layout, only once its batch has run). Compute the handle "
+                "first (bg.compute(h), or `await bg.value(h)` in a coroutine example) "
+                "and call it on the tensor."
+            ) from err
         raise NotATensorError(
             f"{name} returned {type(out).__name__}{_culprit(out)}; a recorded call must "
             "return a tensor or a tuple of tensors (None allowed). Wrap the tensor work "

@@ -289,3 +289,14 @@ def test_batched_func_of_something_not_callable_is_refused_where_made(thing: Any
     # callable", from inside a recorded call).
     with pytest.raises(TypeError, match=r"batched_func takes the function or nn.Module"):
         bg.batched_func(thing)
+
+
+@pytest.mark.parametrize("method", ["is_contiguous", "stride", "storage_offset"])
+def test_a_tensor_method_answering_a_python_value_says_to_compute_first(method: str) -> None:
+    # Used to advise wrapping "the tensor work in a module or function that returns
+    # tensors", which does not fit h.is_contiguous().
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(2, 3)) * 2
+        with pytest.raises(bg.NotATensorError, match=r"a Python value: on a handle it is "
+                           r"not known while recording.*Compute the handle first"):
+            getattr(h, method)()
