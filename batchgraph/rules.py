@@ -204,7 +204,7 @@ def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
             return lambda f, c, **kw: DimArgKey(f, c, dim_position=1, **kw)
     position = DIM_FUNCTIONS.get(fn)
     if (position is not None and isinstance(call.static_arg(position, "dim", 0), int)
-            and (fn in _STACKS or _no_scalars(call))):
+            and (fn in _STACKS or _no_scalars(call)) and not _skips_empty(fn, call)):
         return lambda f, c, **kw: DimArgKey(f, c, dim_position=position, **kw)
     if fn is operator.getitem and _static_index(call):
         return IndexKey
@@ -216,6 +216,21 @@ _NEEDS_DIM = frozenset({torch.logsumexp, torch.Tensor.logsumexp})
 # Their dim counts the *output's* dimensions, which always has one more than a
 # 0-d input: shifting it for the batch dimension stays right.
 _STACKS = frozenset({torch.stack})
+
+
+def _skips_empty(fn: Any, call: CallSignature) -> bool:
+    """Whether a ``cat`` skips an input, as torch does for a 1-d empty one beside
+    inputs of another rank (legacy, and the usual start of rows gathered in a loop:
+    ``acc = torch.cat([acc, row[None]])`` from ``acc = torch.empty(0)``). Batched,
+    that input is 2-d and not skipped ("Tensors must have same number of
+    dimensions"); vmap skips it as eager code does."""
+    if fn not in _CATS:
+        return False
+    specs = [s for s in call.input_specs if s is not None]
+    return any(tuple(s.shape) == (0,) for s in specs) and any(len(s.shape) != 1 for s in specs)
+
+
+_CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
 
 
 def _no_scalars(call: CallSignature) -> bool:

@@ -393,3 +393,19 @@ def test_a_call_failing_alone_too_still_names_the_batch_and_the_example() -> Non
     with pytest.raises(bg.BatchedCallError, match=r"raised in a batched call of 2 calls.*"
                        r"Run alone, the call of example 0 \(row 0\) fails too"):
         policy.compute(hs)
+
+
+def _rows_gathered_in_a_loop(x: Any) -> Any:
+    acc = torch.empty(0, dtype=x.dtype)  # torch.cat skips a 1-d empty input (legacy)
+    for i in range(x.shape[0]):
+        acc = torch.cat([acc, x[i][None] * (i + 1)])
+    return acc
+
+
+def test_rows_gathered_by_cat_from_an_empty_tensor_match_eager() -> None:
+    # The first cat, of the (0,) start and a (1, 4) row, batched by DimArgKey as
+    # (B, 0) and (B, 1, 4), failed at compute: "Tensors must have same number of
+    # dimensions: got 2 and 3". It now runs through vmap, which skips it as torch does.
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    policy = _assert_equal_eager(_rows_gathered_in_a_loop, xs)
+    assert policy.stats.unbatched_calls == 0
