@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
+from batchgraph.keys import callable_name
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
@@ -297,12 +298,31 @@ def _fake_apply(
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead)."""
     with on_fake_tensors(), draws, draws.calls():
+        slots = [(i, s) for i, s in enumerate(call.input_specs) if s is not None]
         fakes = [
             0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
-            for i, s in enumerate(call.input_specs)
-            if s is not None
+            for i, s in slots
         ]
-        return call.apply(fn, fakes)
+        out = call.apply(fn, fakes)
+    for (i, spec), fake in zip(slots, fakes):
+        # (Made in inference mode, a fake keeps no version counter: not seen there.)
+        if isinstance(fake, torch.Tensor) and not fake.is_inference() and fake._version:
+            raise _changes_its_input(fn, i, spec)
+    return out
+
+
+def _changes_its_input(fn: Callable[..., Any], i: int, spec: TensorSpec) -> TypeError:
+    """The error for a callable that changed its input ``i`` in place (``x.mul_(2)``
+    in its body): eagerly the change reaches the caller's tensor and every later use
+    of it, but a batched call gets its inputs gathered (copied) from the batch, so
+    later calls would read the old values, silently."""
+    return TypeError(
+        f"{callable_name(fn)} changes its input {i} ({spec.describe()}) in place, which "
+        "cannot be recorded: eagerly the change reaches the caller's tensor and every "
+        "later use of it, but a batched call works on a gathered copy of its inputs. "
+        "Change a copy instead (x = x.clone() first, or the out-of-place form: "
+        "x = x * 2 for x.mul_(2)), and return what the caller needs."
+    )
 
 
 _INDEXING: tuple[Any, ...] = (operator.getitem, torch.Tensor.__getitem__)

@@ -300,3 +300,23 @@ def test_a_tensor_method_answering_a_python_value_says_to_compute_first(method: 
         with pytest.raises(bg.NotATensorError, match=r"a Python value: on a handle it is "
                            r"not known while recording.*Compute the handle first"):
             getattr(h, method)()
+
+
+def _doubles_its_input(x: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)  # eagerly the caller's tensor changes too
+    return x.sum()
+
+
+def test_a_function_changing_its_input_in_place_is_refused_where_recorded() -> None:
+    # Used to record: the batched call doubled a gathered copy, so a later use of the
+    # value (h + 0 below) read the old values where eager code read the doubled ones.
+    site = bg.batched_func(_doubles_its_input)
+    with bg.BatchingPolicy():
+        h = torch.tanh(bg.batched_value(torch.ones(3))) * 1
+        with pytest.raises(TypeError, match=r"_doubles_its_input changes its input 0 "
+                           r"\(\(3,\) float32 on cpu\) in place.*x = x.clone\(\) first"):
+            site(h)
+    doubled_copy = bg.batched_func(lambda x: _doubles_its_input(x.clone()))
+    with bg.BatchingPolicy():
+        total = doubled_copy(bg.batched_value(torch.ones(3)))  # a copy: recorded
+    torch.testing.assert_close(bg.compute(total), torch.tensor(6.0))
