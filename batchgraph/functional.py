@@ -9,7 +9,8 @@ import torch
 
 from batchgraph.handle import ResultHandle
 from batchgraph.policy import _collect, policy_of
-from batchgraph.recording import _ACTIVE, function_site, module_site
+from batchgraph.recording import _ACTIVE
+from batchgraph.sites import function_site, module_site
 
 __all__ = ["batched_func", "batched_value", "compute"]
 

@@ -448,6 +448,6 @@ def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any
     return recorded
 
 
-from batchgraph.recording import record_function as _record  # noqa: E402  (cycle by design)
+from batchgraph.sites import record_function as _record  # noqa: E402  (cycle by design)
 
 handle_operators._record = _record

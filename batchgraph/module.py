@@ -16,7 +16,8 @@ from typing import Any
 from torch import nn
 
 from batchgraph.pinning import pin_stub
-from batchgraph.recording import _ACTIVE, ModuleStub, module_site
+from batchgraph.recording import _ACTIVE
+from batchgraph.sites import ModuleStub, module_site
 
 __all__ = ["BatchedModule", "ModuleStub"]
 

@@ -11,7 +11,6 @@ tuple and look it up. That keeps recording at a few microseconds per call.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, cast
@@ -33,7 +32,6 @@ from batchgraph.rules import choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
     encode_argument,
     encode_handle_tuple,
-    foreign_handle,
     identity_signature,
     in_place_error,
     template_argument,
@@ -55,11 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CallSite",
-    "ModuleStub",
     "active_policy",
-    "function_site",
     "handles_for",
-    "module_site",
 ]
 
 _new_handle = object.__new__  # see the end of CallSite.__call__
@@ -455,101 +450,3 @@ def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:
         out.append(handles_for(graph, node, leaf, child))
         leaf += count_leaves(child)
     return tuple(out)
-
-
-class ModuleStub(CallSite):
-    """The call site of a module, standing in for it while a policy records.
-
-    Calls record; every other attribute is read from the module
-    (``stub.hidden_size``, ``stub.weight``).
-
-    Example:
-        >>> import batchgraph as bg, torch
-        >>> class M(bg.BatchedModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.lin = torch.nn.Linear(2, 2)
-        >>> m = M()
-        >>> with bg.BatchingPolicy():
-        ...     isinstance(m.lin, ModuleStub), m.lin.out_features
-        (True, 2)
-    """
-
-    __slots__ = ()
-
-    @property
-    def module(self) -> torch.nn.Module:
-        module: torch.nn.Module = self.fn  # type: ignore[assignment]
-        return module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.fn, name)
-
-
-_MODULE_SITES: weakref.WeakKeyDictionary[torch.nn.Module, ModuleStub] = weakref.WeakKeyDictionary()
-_FUNCTION_SITES: dict[Any, CallSite] = {}
-
-
-def module_site(module: torch.nn.Module) -> ModuleStub:
-    """The (cached) call site of a module; its signature cache outlives policies."""
-    site = _MODULE_SITES.get(module)
-    if site is None:
-        site = _MODULE_SITES[module] = ModuleStub(module)
-    return site
-
-
-def function_site(fn: Callable[..., Any]) -> CallSite:
-    """The (cached) CallSite of a function, operator or tensor method."""
-    try:
-        site = _FUNCTION_SITES.get(fn)
-    except TypeError:
-        return CallSite(fn)
-    if site is None:
-        site = _FUNCTION_SITES[fn] = CallSite(fn)
-    return site
-
-
-def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Record ``fn(*args, **kwargs)`` where some argument is a handle.
-
-    Used by handle operators, tensor methods and ``__torch_function__``. The policy is
-    the handles' own; it must still be recording.
-    """
-    first = args[0] if args else None
-    graph = first._graph if type(first) is ResultHandle else _graph_of(args, kwargs)
-    active = _ACTIVE.get()
-    if active is not None and active.graph is graph and graph.open:
-        # The usual case (operators and methods take the handle first): the handles'
-        # own policy records here.
-        return function_site(fn)(*args, **kwargs)
-    policy = graph.policy
-    if not graph.open:
-        handle = next(h for h in _handles(args, kwargs))
-        foreign_handle(handle, graph)  # raises PolicyClosedError
-    site = function_site(fn)
-    if active is policy:
-        return site(*args, **kwargs)
-    if active is not None:
-        foreign_handle(next(h for h in _handles(args, kwargs)), active.graph)
-    # The handles' policy records in another context (another thread, or after a
-    # coroutine switched contexts): record there for the length of this one call.
-    token = _ACTIVE.set(policy)
-    try:
-        return site(*args, **kwargs)
-    finally:
-        _ACTIVE.reset(token)
-        unpin_stubs()
-
-
-def _handles(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[ResultHandle]:
-    for a in (*args, *kwargs.values()):
-        if type(a) is ResultHandle:
-            yield a
-        elif type(a) in (list, tuple):
-            yield from _handles(tuple(a), {})
-
-
-def _graph_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Graph:
-    for h in _handles(args, kwargs):
-        return h._graph
-    raise AssertionError("record_function called without a handle")

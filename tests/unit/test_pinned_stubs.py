@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
-from batchgraph.recording import ModuleStub
+from batchgraph.sites import ModuleStub
 
 
 class Net(bg.BatchedModule):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
-from batchgraph import recording
+from batchgraph import sites
 from batchgraph.keys import ElementwiseKey, IndexKey, StackKey, UnbatchedKey, VmapKey
 
 
@@ -396,10 +396,10 @@ def test_numbers_of_different_types_are_different_calls() -> None:
 
 def test_a_list_argument_is_a_cached_signature_not_a_new_one_per_call() -> None:
     site = bg.batched_func(torch.split)
-    before = len(recording.function_site(torch.split).cache)  # other tests split too
+    before = len(sites.function_site(torch.split).cache)  # other tests split too
     with bg.BatchingPolicy():
         parts = [site(bg.batched_value(torch.full((3,), float(i))), [1, 2]) for i in range(5)]
-    assert len(recording.function_site(torch.split).cache) <= before + 1
+    assert len(sites.function_site(torch.split).cache) <= before + 1
     for i, (a, b) in enumerate(bg.compute(parts)):
         torch.testing.assert_close(a, torch.full((1,), float(i)))
         torch.testing.assert_close(b, torch.full((2,), float(i)))
