@@ -43,6 +43,7 @@ from batchgraph.graph import INFERENCE, LEAF_SHIFT, STORE_SHIFT, Graph, Recorded
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.naming import function_name, module_names, qualified_name
+from batchgraph.on_copy import in_place_of
 from batchgraph.passes import prune
 from batchgraph.placeholders import is_placeholder
 from batchgraph.policy import BatchingPolicy
@@ -319,6 +320,13 @@ class Exporter:
             # ConstantKeys are made per graph: cheap to describe, pointless to cache.
             return PortableKey(kind, "", False, None, key.call, key.spec, True, True)
         fn = key.fn
+        if in_place_of(fn) is not None:
+            raise LookupError(
+                f"{key.label} is an in-place call on a handle (inplace=True, or a method "
+                "ending in _), recorded on a copy, which the main process cannot name; in "
+                "batches recorded in DataLoader workers use the out-of-place form "
+                "(inplace=False, h = h.relu())"
+            )
         if isinstance(fn, nn.Module):
             name = self._names.get(id(fn))
             if name is None:

@@ -27,6 +27,7 @@ from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.lazy_modules import materialize_lazy
+from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key, may_be_random, probe_vmap
 from batchgraph.signatures import (
@@ -91,8 +92,8 @@ class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
     __slots__ = (
-        "children", "dedupe", "key", "kind", "layout", "memo", "modes", "rules_token", "sig",
-        "single", "spec",
+        "children", "dedupe", "key", "kind", "layout", "memo", "modes", "on_copy",
+        "rules_token", "sig", "single", "spec",
     )
 
     def __init__(
@@ -129,6 +130,9 @@ class _Entry:
         # and its cache key (None: not cached): see CallSite._switch_modes.
         self.modes: tuple[bool, ...] | None = None
         self.sig: Any = None
+        # An in-place call on a handle, recorded on a copy (batchgraph.on_copy): the
+        # input handle then stands for the result.
+        self.on_copy = False
 
 
 class CallSite:
@@ -144,8 +148,8 @@ class CallSite:
     """
 
     __slots__ = (
-        "__weakref__", "autocast", "by_modes", "cache", "fn", "last", "last1", "mode_module",
-        "name", "shadows",
+        "__weakref__", "autocast", "by_modes", "cache", "copying", "fn", "last", "last1",
+        "mode_module", "name", "shadows",
     )
 
     def __init__(self, fn: Callable[..., Any], autocast: AutocastState | None = None) -> None:
@@ -155,6 +159,9 @@ class CallSite:
         # off, batch or running statistics), as they would have run eagerly.
         self.mode_module = fn if isinstance(fn, torch.nn.Module) else None
         self.cache: dict[Any, _Entry] = {}
+        # Its in-place calls on handles run as this (batchgraph.on_copy), made once so
+        # that their keys compare equal.
+        self.copying: Callable[..., Any] | None = None
         # Entries resolved in other train/eval modes than the cached ones, by
         # (signature, modes): switching back and forth resolves each signature once.
         self.by_modes: dict[tuple[Any, tuple[bool, ...]], _Entry] = {}
@@ -316,6 +323,8 @@ class CallSite:
             h.leaf = 0
             h.spec = spec
             h._out = None
+            if entry.on_copy:  # `nn.ReLU(inplace=True)(h)`: h stands for the result
+                return rebind_to_copy(args[0], h, self.name)
             return h
         children = entry.children
         if children is None:
@@ -406,29 +415,37 @@ class CallSite:
     ) -> _Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
-        error = in_place_error(self.fn, self.name, args, kwargs)
+        fn, name = self.fn, self.name
+        error = in_place_error(fn, name, args, kwargs)
         if error is not None:
-            raise error
+            if not changes_handle_in_place(fn, args, kwargs):
+                raise error
+            # Recorded on a copy, which the input handle then stands for.
+            if self.copying is None:
+                self.copying = on_copy(self.fn, name)
+            fn = self.copying
         specs: list[TensorSpec | None] = []
         template_args = tuple(template_argument(a, specs) for a in args)
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
         call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
-        if isinstance(self.fn, torch.nn.Module):
+        if isinstance(fn, torch.nn.Module):
             with not_recording():
-                materialize_lazy(self.fn, call)
+                materialize_lazy(fn, call)
         with not_recording():
-            spec, draws_random, kind = self._infer_spec(call)
-        key = choose_key(self.fn, call, policy.rules)
+            spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
+        key = choose_key(fn, call, policy.rules)
         if key.batchable and spec is not None:
             with not_recording():
                 batches = probe_vmap(key, spec)
             if not batches:
-                key = UnbatchedKey(self.fn, call)
+                key = UnbatchedKey(fn, call)
         if spec is None and key.batchable:
-            key = UnbatchedKey(self.fn, call)
+            key = UnbatchedKey(fn, call)
         entry = _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
+        # Of the site's own callable, as CallSite.__call__ compares them.
         entry.layout = policy.graph.layout_of(self.fn)
         entry.modes = policy.graph.modes_of(self.fn)
+        entry.on_copy = fn is not self.fn
         return entry
 
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:

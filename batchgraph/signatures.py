@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
 
 __all__ = [
+    "changes_input_in_place",
     "computed_spec",
     "encode_argument",
     "encode_handle_tuple",
@@ -230,6 +231,20 @@ def in_place_error(
             "gathered batch, so in place saves nothing there)."
         )
     return None
+
+
+def changes_input_in_place(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether ``fn`` changes its first argument in place (a method or function named
+    with a trailing underscore, ``inplace=True``, a module built with it), writing no
+    ``out=`` tensor."""
+    method = getattr(fn, "__name__", "")
+    if "out" in kwargs or method == "__setitem__":
+        return False
+    if isinstance(method, str) and method.endswith("_") and not method.startswith("_"):
+        return True
+    return _inplace_flag(fn, args, kwargs)
 
 
 def _inplace_flag(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

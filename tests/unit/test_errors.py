@@ -134,35 +134,26 @@ def test_unpacking_an_unknown_structure() -> None:
     torch.testing.assert_close(bg.compute(g), torch.full((2,), 2.0))
 
 
-def test_in_place_operations_on_a_handle_are_refused() -> None:
+def test_in_place_operations_on_a_handle_shared_with_other_tensors_are_refused() -> None:
+    # In-place calls on a handle record on a copy (tests/unit/test_in_place_on_copy.py),
+    # except where eagerly the change would reach other tensors too.
     with bg.BatchingPolicy():
-        a = bg.batched_value(torch.ones(2)) * 2
-        with pytest.raises(TypeError, match=r"add_ modifies its tensor in place.*h = h\.add\("):
+        x = bg.batched_value(torch.ones(2))
+        with pytest.raises(TypeError, match=r"relu_.*tensor given to bg.batched_value"):
+            x.relu_()
+        a = x * 2
+        view = a[0]
+        with pytest.raises(TypeError, match=r"add_.*share memory"):
             a.add_(1)
-        with pytest.raises(TypeError, match=r"relu_ modifies its tensor in place"):
-            torch.relu_(a)
-        with pytest.raises(TypeError, match=r"zero_ modifies its tensor in place"):
-            a.zero_()
-        with pytest.raises(TypeError, match=r"relu_ modifies its tensor in place"):
-            bg.batched_func(torch.relu_)(a)  # wrapped directly, not reached through a handle
+        with pytest.raises(TypeError, match=r"share memory.*ReLU\(inplace=True\)\(h\.clone\(\)\)"):
+            bg.batched_func(nn.ReLU(inplace=True))(a)
         b = a.add(1)  # the out-of-place form records
     torch.testing.assert_close(bg.compute(b), torch.full((2,), 3.0))
+    torch.testing.assert_close(bg.compute(view), torch.tensor(2.0))
 
 
-def test_calls_that_would_modify_their_input_in_place_are_refused() -> None:
-    relu = bg.batched_func(nn.ReLU(inplace=True))
-    dropout = bg.batched_func(torch.nn.functional.dropout)
+def test_an_in_place_layer_inside_a_recorded_module_acts_on_its_own_values() -> None:
     inner = bg.batched_func(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
-    with bg.BatchingPolicy():
-        a = bg.batched_value(torch.ones(2)) * 2
-        with pytest.raises(TypeError, match=r"ReLU\(inplace=True\) modifies its input in place"):
-            relu(a)
-        with pytest.raises(TypeError, match=r"dropout modifies its input in place"):
-            dropout(a, 0.5, True, True)  # inplace given by position
-        with pytest.raises(TypeError, match=r"dropout modifies its input in place"):
-            dropout(a, 0.5, inplace=True)
-    # An in-place layer inside a recorded module acts on that module's own
-    # intermediate values, not on a handle's: it records.
     with bg.BatchingPolicy():
         b = inner(bg.batched_value(torch.ones(2)))
     assert bg.compute(b).shape == (2,)

@@ -214,3 +214,20 @@ def test_an_integer_placeholder_is_not_merged_with_an_equal_constant() -> None:
     bound = bg.bind(bg.GraphCollate(model, "lookup")(items), model)
     for b, tokens in zip(bound, items, strict=True):
         torch.testing.assert_close(b, model.lookup(tokens), rtol=0, atol=0)
+
+
+class InPlace(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.act = nn.ReLU(inplace=True)
+
+    def run(self, x: list[float]) -> Any:
+        return self.act(self.lin(bg.batched_value(torch.tensor(x))))
+
+
+def test_an_in_place_call_on_a_handle_is_refused_in_a_worker_batch_saying_why() -> None:
+    # Recorded on a copy (batchgraph.on_copy), a function the main process cannot
+    # name: refused where the batch is made, not as an unknown function at bind.
+    with pytest.raises(LookupError, match=r"in-place call on a handle.*inplace=False"):
+        bg.GraphCollate(InPlace(), "run")([[1.0, -2.0, 3.0], [0.0, 1.0, 2.0]])
