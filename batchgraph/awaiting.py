@@ -37,7 +37,12 @@ from batchgraph.errors import (
 )
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
-from batchgraph.specs import rebuild_mapping, rebuild_sequence
+from batchgraph.specs import (
+    dataclass_fields,
+    rebuild_dataclass,
+    rebuild_mapping,
+    rebuild_sequence,
+)
 
 __all__ = [
     "CoroutineExampleError",
@@ -130,8 +135,8 @@ def value(obj: Any) -> Wait:
     """Wait for ``obj`` to be computed; ``await`` it inside a coroutine example.
 
     Args:
-        obj: a ``ResultHandle``, a tensor, or lists/tuples/dicts of them (other leaves
-            inside containers pass through unchanged).
+        obj: a ``ResultHandle``, a tensor, or lists/tuples/dicts or dataclasses of
+            them (other leaves inside containers pass through unchanged).
 
     Returns:
         An awaitable whose result is ``obj`` with every handle replaced by its
@@ -160,9 +165,10 @@ def value(obj: Any) -> Wait:
         return Wait(obj, [obj])
     if isinstance(obj, torch.Tensor):
         return Wait(obj, [])
-    if not isinstance(obj, (list, tuple, dict)):
+    if not isinstance(obj, (list, tuple, dict)) and dataclass_fields(obj) is None:
         raise UnsupportedAwaitError(
-            f"bg.value expects a ResultHandle, a tensor, or lists/tuples/dicts of them; "
+            f"bg.value expects a ResultHandle, a tensor, or lists/tuples/dicts (or "
+            f"dataclasses) of them; "
             f"got {type(obj).__name__} ({obj!r:.60}). Await handles returned by recorded "
             "calls, and use plain Python values directly."
         )
@@ -286,6 +292,9 @@ def _pending(obj: Any, out: list[ResultHandle]) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             _pending(x, out)
+    elif (names := dataclass_fields(obj)) is not None:
+        for name in names:
+            _pending(getattr(obj, name), out)
 
 
 def resolve(obj: Any) -> Any:
@@ -305,4 +314,6 @@ def resolve(obj: Any) -> Any:
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return rebuild_mapping(obj, ((k, resolve(v)) for k, v in obj.items()))
+    if (names := dataclass_fields(obj)) is not None:
+        return rebuild_dataclass(obj, names, resolve)
     return obj

@@ -45,7 +45,14 @@ from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
 from batchgraph.recording import CallSite
 from batchgraph.rules import KeyFactory, choose_key, rule_table
-from batchgraph.specs import NO_TENSOR, TensorSpec, rebuild_mapping, rebuild_sequence
+from batchgraph.specs import (
+    NO_TENSOR,
+    TensorSpec,
+    dataclass_fields,
+    rebuild_dataclass,
+    rebuild_mapping,
+    rebuild_sequence,
+)
 
 __all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
 
@@ -378,6 +385,8 @@ def _values(obj: Any, graph: Graph) -> Any:
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return rebuild_mapping(obj, [(k, _values(v, graph)) for k, v in obj.items()])
+    if (names := dataclass_fields(obj)) is not None:
+        return rebuild_dataclass(obj, names, lambda v: _values(v, graph))
     return obj
 
 

@@ -36,7 +36,13 @@ from batchgraph.scheduling import (
     ScheduleStats,
     build_schedule,
 )
-from batchgraph.specs import TensorSpec, rebuild_mapping, rebuild_sequence
+from batchgraph.specs import (
+    TensorSpec,
+    dataclass_fields,
+    rebuild_dataclass,
+    rebuild_mapping,
+    rebuild_sequence,
+)
 
 __all__ = ["BatchingPolicy"]
 
@@ -135,7 +141,7 @@ class BatchingPolicy:
 
     # -- computing -----------------------------------------------------------------
     def compute(self, obj: Any) -> Any:
-        """Compute every handle in ``obj`` (lists, tuples and dicts of handles).
+        """Compute every handle in ``obj`` (lists, tuples, dicts and dataclasses of handles).
 
         Returns:
             The same nesting with each handle replaced by its per-example tensor (or
@@ -266,6 +272,9 @@ def _collect(obj: Any, out: list[ResultHandle]) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             _collect(x, out)
+    elif (names := dataclass_fields(obj)) is not None:
+        for name in names:
+            _collect(getattr(obj, name), out)
 
 
 # The rows of a copy of a stored column, the copy's version, and whether each row is
@@ -333,6 +342,8 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return rebuild_mapping(obj, ((k, _rebuild(v, views)) for k, v in obj.items()))
+    if (names := dataclass_fields(obj)) is not None:
+        return rebuild_dataclass(obj, names, lambda v: _rebuild(v, views))
     return obj
 
 

@@ -49,7 +49,15 @@ from batchgraph.placeholders import is_placeholder
 from batchgraph.policy import BatchingPolicy
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, build_schedule
-from batchgraph.specs import CallSignature, OutSpec, TensorSpec, rebuild_mapping, rebuild_sequence
+from batchgraph.specs import (
+    CallSignature,
+    OutSpec,
+    TensorSpec,
+    dataclass_fields,
+    rebuild_dataclass,
+    rebuild_mapping,
+    rebuild_sequence,
+)
 
 __all__ = [
     "Exporter", "OutputRef", "PortableBatch", "PortableKey", "SkippedExample", "export",
@@ -401,6 +409,8 @@ def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
         return rebuild_sequence(type(obj), values)
     if isinstance(obj, dict):
         return rebuild_mapping(obj, [(k, _encode_outputs(v, graph, roots)) for k, v in obj.items()])
+    if (names := dataclass_fields(obj)) is not None:
+        return rebuild_dataclass(obj, names, lambda v: _encode_outputs(v, graph, roots))
     return obj
 
 

@@ -13,6 +13,7 @@ be known before running the call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union, cast
@@ -26,7 +27,9 @@ __all__ = [
     "OutSpec",
     "TensorSpec",
     "count_leaves",
+    "dataclass_fields",
     "intern_spec",
+    "rebuild_dataclass",
     "rebuild_mapping",
     "rebuild_sequence",
     "sequence_kind",
@@ -164,6 +167,55 @@ def rebuild_sequence(kind: type, values: list[Any]) -> Any:
     if hasattr(kind, "n_fields") or issubclass(kind, list):
         return kind(values)
     return tuple(values)
+
+
+def dataclass_fields(obj: Any) -> tuple[str, ...] | None:
+    """The field names of a dataclass instance, or None for anything else: results
+    and awaited values may hold handles in dataclass fields, as in lists and dicts.
+
+    Example:
+        >>> import dataclasses
+        >>> @dataclasses.dataclass
+        ... class Out:
+        ...     logits: Any
+        ...     length: int
+        >>> dataclass_fields(Out(None, 3)), dataclass_fields((1, 2))
+        (('logits', 'length'), None)
+    """
+    kind = type(obj)
+    names = _DATACLASS_FIELDS.get(kind)
+    if names is None:
+        if not hasattr(kind, "__dataclass_fields__"):
+            return None
+        names = _DATACLASS_FIELDS[kind] = tuple(f.name for f in dataclasses.fields(obj))
+    return names
+
+
+_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def rebuild_dataclass(obj: Any, names: tuple[str, ...], rebuild: Callable[[Any], Any]) -> Any:
+    """Dataclass instance ``obj`` with ``rebuild`` applied to its fields ``names``
+    (``dataclass_fields(obj)``): ``obj`` itself where no field changes, else a copy.
+
+    Copied and set rather than constructed: a frozen dataclass, fields outside
+    ``__init__`` and a ``__post_init__`` that would run again all stay as they are.
+
+    Example:
+        >>> import dataclasses
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Out:
+        ...     x: int
+        >>> rebuild_dataclass(Out(1), ("x",), lambda v: v + 1)
+        Out(x=2)
+    """
+    values = {name: rebuild(getattr(obj, name)) for name in names}
+    if all(v is getattr(obj, name) for name, v in values.items()):
+        return obj
+    new = copy.copy(obj)
+    for name, value in values.items():
+        object.__setattr__(new, name, value)
+    return new
 
 
 def rebuild_mapping(obj: dict[Any, Any], items: Iterable[tuple[Any, Any]]) -> dict[Any, Any]:
