@@ -87,6 +87,10 @@ class Graph(KeyReads):
         # counting as soon as the caller lets go of them (no cyclic GC pass over them).
         self._policy: Callable[[], Any] = _no_policy
         self.dedupe_table: dict[Any, int] = {}
+        # Nodes whose values were changed in place through a value sharing their
+        # memory: node -> (first node recorded after the change, how it was changed);
+        # see batchgraph.aliasing.
+        self.changed: dict[int, tuple[int, str]] = {}
         self.keys: list[BatchKey] = []
         self.key_ids: dict[tuple[Any, ...], int] = {}
         # Whether grad was enabled where a call was recorded, per key id: a call runs

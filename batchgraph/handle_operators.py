@@ -9,12 +9,12 @@ operators are many and alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from batchgraph.aliasing import shares_memory
+from batchgraph.aliasing import alias_group, note_change, view_of
 from batchgraph.specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -167,9 +167,9 @@ class TensorOperators:
     # with the item set (``set_item``), with the same refusals as `+=`.
     def __setitem__(self, index: Any, item: Any) -> None:
         handle = cast("ResultHandle", self)
-        _refuse_shared(handle, "h[index] = value",
-                       "h = h.clone() first, then h[index] = value on the copy")
-        _rebind(handle, _record(set_item, (handle, index, item), {}))
+        shared = _refuse_shared(handle, "h[index] = value",
+                                "h = h.clone() first, then h[index] = value on the copy")
+        _rebind(handle, _record(set_item, (handle, index, item), {}), shared, "h[index] = value")
 
     def __matmul__(self, other: Any) -> Any:
         return _binary(torch.matmul, (self, other))
@@ -216,7 +216,7 @@ def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: 
     grow it, or a dtype it cannot be cast back to, fails). Refused where the change
     would reach other tensors eagerly: the tensor given to ``bg.batched_value``, and
     values sharing memory with the handle's (views; see ``batchgraph.aliasing``)."""
-    _refuse_shared(handle, symbol, f"h = h {symbol[:-1]} other")
+    shared = _refuse_shared(handle, symbol, f"h = h {symbol[:-1]} other")
     result = _binary(fn, (handle, other))
     if result is NotImplemented:
         return NotImplemented
@@ -234,7 +234,7 @@ def _in_place(handle: ResultHandle, fn: Callable[..., Any], other: Any, symbol: 
                     f"{spec.dtype} (`{symbol}` on {handle!r} keeps its dtype, as on a tensor)"
                 )
             result = result.to(spec.dtype)
-    return _rebind(handle, result)
+    return _rebind(handle, result, shared, symbol)
 
 
 def set_item(value: torch.Tensor, index: Any, item: Any) -> torch.Tensor:
@@ -250,29 +250,55 @@ def set_item(value: torch.Tensor, index: Any, item: Any) -> torch.Tensor:
     return out
 
 
-def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> None:
+def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
     """Refuse to change ``handle`` in place (by ``symbol``) where eagerly the change
-    would reach other tensors: the tensor given to ``bg.batched_value``, and values
-    sharing memory with the handle's (views; see ``batchgraph.aliasing``)."""
+    would reach a tensor of the caller's: the tensor given to ``bg.batched_value``,
+    itself or through a view. Else return the nodes whose values share memory with
+    the handle's eagerly (views; ``batchgraph.aliasing``), to note as changed once the
+    new value is recorded (``_rebind``)."""
     graph = handle._graph
-    constant = graph.constants.get(handle.node)
-    if isinstance(constant, torch.Tensor):
-        shared: str | None = (
-            "it is the tensor given to bg.batched_value, which eagerly returns that "
-            "tensor itself"
+    view = view_of(graph, handle.node)
+    if view is not None:
+        if symbol == "h[index] = value":
+            hint = "; to set an item of y[i], index y at once: y[i, j] = v, not y[i][j] = v"
+        elif symbol.endswith("=") and " " not in symbol:  # an augmented assignment
+            hint = f"; for `y[i] {symbol} v` write y[i] = y[i] {symbol[:-1]} v"
+        else:
+            hint = ""
+        raise TypeError(
+            f"`{symbol}` on {handle!r} would change in place a view of another value "
+            f"({view}): eagerly the change reaches that value too, which cannot be "
+            f"recorded. Make a new value instead: {instead}{hint}."
         )
-    else:
-        shared = shares_memory(graph, handle.node, handle.leaf)
-    if shared is not None:
+    group = alias_group(graph, handle.node)
+    if any(graph.node_loc[n] >= 0 for n in group if n != handle.node):
+        # A value sharing its memory is computed: the caller may hold it (handed
+        # out), and eagerly it would change too.
         raise TypeError(
             f"`{symbol}` on {handle!r} would change in place a value other tensors share "
-            f"memory with ({shared}): eagerly the change reaches them too, which cannot "
-            f"be recorded. Make a new value instead: {instead}."
+            "memory with (views of it), some of them computed already and maybe handed "
+            "out: eagerly the change reaches them too, which cannot be recorded. Make a "
+            f"new value instead: {instead}."
         )
+    for n in group or (handle.node,):
+        if isinstance(graph.constants.get(n), torch.Tensor):
+            whose = "it is" if n == handle.node else "it shares memory with"
+            raise TypeError(
+                f"`{symbol}` on {handle!r} would change in place a tensor of the caller's "
+                f"({whose} the tensor given to bg.batched_value, which eagerly returns that "
+                "tensor itself): eagerly the change reaches it, which cannot be recorded. "
+                f"Make a new value instead: {instead}."
+            )
+    return group
 
 
-def _rebind(handle: ResultHandle, result: ResultHandle) -> ResultHandle:
-    """Make ``handle`` stand for ``result``'s value (its change in place)."""
+def _rebind(handle: ResultHandle, result: ResultHandle, shared: Set[int] = frozenset(),
+            symbol: str = "") -> ResultHandle:
+    """Make ``handle`` stand for ``result``'s value (its change in place by
+    ``symbol``); the values in ``shared`` (``_refuse_shared``) keep the old one, and
+    are noted as changed: a compute that reads them afterwards is refused."""
+    if shared:
+        note_change(handle._graph, set(shared), f"`{symbol}` on {handle!r}")
     handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
     handle._gen, handle._out = result._gen, None
     return handle

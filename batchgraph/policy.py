@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from batchgraph import gcpause
+from batchgraph.aliasing import check_changed
 from batchgraph.eager_grad import eager_requires_grad, reads_grad
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
@@ -175,6 +176,8 @@ class BatchingPolicy:
         graph = self.graph
         merged = graph.merged - self._merged_before
         self._merged_before = graph.merged
+        if graph.changed:  # values changed in place through a view: see aliasing
+            check_changed(graph, [h.node for h in handles])
         live = prune(graph, [h.node for h in handles])
         schedule = build_schedule(graph, live, self.scheduler)
         scheduled = time.perf_counter()

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from batchgraph import gcpause
+from batchgraph.aliasing import check_changed
 from batchgraph.gathering import GatherPlan, plan_gather
 from batchgraph.graph import INFERENCE, LEAF_SHIFT, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
@@ -270,6 +271,8 @@ class Exporter:
         start = time.perf_counter()
         roots: list[int] = []
         portable_outputs = _encode_outputs(outputs, graph, roots)
+        if graph.changed:  # values changed in place through a view: see aliasing
+            check_changed(graph, roots)
         schedule = None
         signature = None
         if self.cache is not None:
