@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from batchgraph.graph import Graph
     from batchgraph.keys import BatchKey
 
-__all__ = ["alias_group", "check_changed", "note_change", "shares_memory", "view_of"]
+__all__ = ["alias_group", "check_changed", "note_change", "view_of"]
 
 
 def view_of(graph: Graph, node: int) -> str | None:
@@ -45,32 +45,6 @@ def view_of(graph: Graph, node: int) -> str | None:
     """
     key = graph.keys[graph.node_key[node]]
     return _label(key) if graph.node_inputs[node] and _aliases(key) else None
-
-
-def shares_memory(graph: Graph, node: int, leaf: int) -> str | None:
-    """How output ``leaf`` of ``node`` shares memory with another recorded value, or
-    None: it is a view of (or is) one of its call's inputs, or a later call's output
-    is a view of it.
-
-    Example:
-        >>> import batchgraph as bg, torch
-        >>> with bg.BatchingPolicy() as policy:
-        ...     h = bg.batched_value(torch.ones(2, 2)) * 1
-        ...     row = h[0]
-        >>> shares_memory(policy.graph, row.node, 0)
-        'it is a view of another value (getitem)'
-        >>> shares_memory(policy.graph, h.node, 0)
-        'another value is a view of it (getitem)'
-    """
-    keys, node_key, inputs = graph.keys, graph.node_key, graph.node_inputs
-    key = keys[node_key[node]]
-    if _aliases(key):
-        return f"it is a view of another value ({_label(key)})"
-    ref = (node, leaf)
-    for n in range(node + 1, len(node_key)):
-        if ref in inputs[n] and _aliases(keys[node_key[n]]):
-            return f"another value is a view of it ({_label(keys[node_key[n]])})"
-    return None
 
 
 def alias_group(graph: Graph, node: int) -> set[int]:
