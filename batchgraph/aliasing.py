@@ -77,12 +77,18 @@ def alias_group(graph: Graph, node: int) -> set[int]:
     return group if len(group) > 1 else set()
 
 
-def note_change(graph: Graph, group: set[int], how: str) -> None:
-    """Note the nodes of ``group`` as changed in place (by ``how``) from now on: calls
-    recorded afterwards must not read them, nor merge with calls that did before."""
+def note_change(graph: Graph, group: set[int], changed: int, how: str) -> None:
+    """Note that node ``changed`` was changed in place (by ``how``), and with it, from
+    now on, the other nodes of its ``alias_group``: calls recorded afterwards must not
+    read those, nor merge with calls made before that read any node of the group.
+
+    ``changed`` itself is not noted: its handle now stands for the new value, and
+    another handle of that node is an identical call merged with it (hash-consing),
+    eagerly a tensor of its own, which did not change."""
     after = len(graph.node_key)
     for n in group:
-        graph.changed.setdefault(n, (after, how))
+        if n != changed:
+            graph.changed.setdefault(n, (after, how))
     # An identical call recorded later would be merged with one recorded before the
     # change (and read the old value): such calls are not merged any more.
     table = graph.dedupe_table

@@ -298,7 +298,7 @@ def _rebind(handle: ResultHandle, result: ResultHandle, shared: Set[int] = froze
     ``symbol``); the values in ``shared`` (``_refuse_shared``) keep the old one, and
     are noted as changed: a compute that reads them afterwards is refused."""
     if shared:
-        note_change(handle._graph, set(shared), f"`{symbol}` on {handle!r}")
+        note_change(handle._graph, set(shared), handle.node, f"`{symbol}` on {handle!r}")
     handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
     handle._gen, handle._out = result._gen, None
     return handle

@@ -127,6 +127,33 @@ def _set_items(a: Any, b: Any, c: int) -> Any:
     return kept[0] + y
 
 
+# Called as it is (not through batched_func): on a handle it records through
+# __torch_function__ (F.relu(h, inplace=True)), on a value read by an await it runs.
+_RELU_IN_PLACE = nn.ReLU(inplace=True)
+
+
+def _in_place_calls(a: Any, b: Any, c: int) -> Any:
+    """In-place calls (methods, torch functions, an in-place layer) change the value
+    itself, as augmented assignment does: the name bound before sees them."""
+    y = a * 1
+    kept = [y]
+    y.mul_(c - 0.5).add_(a, alpha=0.5)
+    same = _RELU_IN_PLACE(y)  # last: autograd saves its result (eagerly too)
+    z = a * 1
+    torch.sigmoid_(z)
+    return kept[0] + same * 2 + z
+
+
+def _views_then_change(a: Any, b: Any, c: int) -> Any:
+    """A value read through views before it changes in place: the views give the old
+    values, the change the new ones (y[i] = y[i] + v, y += y[j] * k)."""
+    y = a * 1
+    before = y[..., :1] * 2
+    y[..., 0] = y[..., 0] + 0.5 * c
+    y += y[..., -1:] * 0.25
+    return y + before
+
+
 def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
     """Name -> (applies, op). ``m``'s modules are called through ``batched_func``
     sites made here, which run eagerly when no policy records."""
@@ -167,6 +194,8 @@ def catalog(m: Modules) -> dict[str, tuple[Applies, Op]]:
         "dropout_eval": (_always, lambda a, b, c: F.dropout(a, 0.5, training=False)),
         "augmented": (_always, _augmented),
         "set_items": (_rows, _set_items),
+        "in_place_calls": (_always, _in_place_calls),
+        "views_then_change": (_ranked_nonempty, _views_then_change),
         # Full reductions.
         "sum": (_always, lambda a, b, c: a.sum()),
         "mean": (_nonempty, lambda a, b, c: a.mean()),
