@@ -40,8 +40,9 @@ from batchgraph.errors import BatchgraphError, ShapeMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
-from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey
+from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey, callable_name
 from batchgraph.naming import qualified_name, resolve_function
+from batchgraph.on_copy import on_copy
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
 from batchgraph.recording import CallSite
 from batchgraph.rules import KeyFactory, choose_key, rule_table
@@ -111,6 +112,9 @@ class Binder:
         self.rules: dict[Any, KeyFactory] = rule_table(rules)
         self.stats = BindStats()
         self._checked: dict[PortableKey, BatchKey] = {}
+        # In-place callables run on a copy (batchgraph.on_copy), one wrapper each, so
+        # that their keys compare equal from batch to batch.
+        self._copying: dict[int, tuple[Any, Any]] = {}
         # The buffers each key's calls read (batchgraph.buffers): a batch's run is a
         # computation, so the running statistics it updates are not a change from
         # outside for calls of the same modules recorded in this process and pending.
@@ -311,6 +315,11 @@ class Binder:
                 fn = resolve_function(pk.target)
             except LookupError as err:
                 raise ScheduleMismatchError(f"{pk.describe()}: {err}") from err
+        if pk.on_copy:
+            held = self._copying.get(id(fn))
+            if held is None or held[0] is not fn:
+                held = self._copying[id(fn)] = (fn, on_copy(fn, callable_name(fn)))
+            fn = held[1]
         live = choose_key(fn, pk.call, self.rules)
         if type(live) is not cls and cls is not UnbatchedKey:
             raise ScheduleMismatchError(

@@ -83,6 +83,8 @@ class PortableKey:
         out_spec: the per-example output spec the call had when recorded.
         deterministic: False for random calls (dropout in training mode).
         batchable: False for keys whose calls run one at a time.
+        on_copy: the target changes its first argument in place, and runs on a copy
+            of it (``batchgraph.on_copy``).
     """
 
     kind: str
@@ -93,6 +95,7 @@ class PortableKey:
     out_spec: OutSpec
     deterministic: bool
     batchable: bool
+    on_copy: bool = False
 
     def describe(self) -> str:
         """How errors name this key: ``StackKey[cell]``."""
@@ -331,13 +334,10 @@ class Exporter:
             # ConstantKeys are made per graph: cheap to describe, pointless to cache.
             return PortableKey(kind, "", False, None, key.call, key.spec, True, True)
         fn = key.fn
-        if in_place_of(fn) is not None:
-            raise LookupError(
-                f"{key.label} is an in-place call on a handle (inplace=True, or a method "
-                "ending in _), recorded on a copy, which the main process cannot name; in "
-                "batches recorded in DataLoader workers use the out-of-place form "
-                "(inplace=False, h = h.relu())"
-            )
+        # An in-place call recorded on a copy names the in-place callable.
+        copied = in_place_of(fn)
+        if copied is not None:
+            fn = copied
         if isinstance(fn, nn.Module):
             name = self._names.get(id(fn))
             if name is None:
@@ -354,7 +354,7 @@ class Exporter:
         out_spec = graph.node_spec[graph.node_key.index(kid)]
         described = PortableKey(
             kind, target, is_module, module_type, key.call, out_spec,
-            key.deterministic, key.batchable,
+            key.deterministic, key.batchable, copied is not None,
         )
         self._described[id(key)] = (key, described)
         return described

@@ -226,8 +226,14 @@ class InPlace(bg.BatchedModule):
         return self.act(self.lin(bg.batched_value(torch.tensor(x))))
 
 
-def test_an_in_place_call_on_a_handle_is_refused_in_a_worker_batch_saying_why() -> None:
-    # Recorded on a copy (batchgraph.on_copy), a function the main process cannot
-    # name: refused where the batch is made, not as an unknown function at bind.
-    with pytest.raises(LookupError, match=r"in-place call on a handle.*inplace=False"):
-        bg.GraphCollate(InPlace(), "run")([[1.0, -2.0, 3.0], [0.0, 1.0, 2.0]])
+def test_in_place_calls_on_handles_in_a_worker_batch_bind_to_eager_values() -> None:
+    # Recorded on a copy (batchgraph.on_copy): the batch names the in-place layer and
+    # the main process runs it on a copy too.
+    torch.manual_seed(0)
+    model = InPlace()
+    items = [[1.0, -2.0, 3.0], [0.0, 1.0, 2.0], [-1.0, -1.0, 5.0]]
+    batch = bg.GraphCollate(model, "run")(items)
+    for _ in range(2):  # the second bind reuses the checked keys
+        got = bg.bind(batch, model)
+        for g, item in zip(got, items, strict=True):
+            torch.testing.assert_close(g, model.run(item))
