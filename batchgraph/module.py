@@ -5,7 +5,9 @@ layers) and per-example methods that call them. While a ``BatchingPolicy`` recor
 reading such an attribute gives a *stub* that records the call instead of running it;
 otherwise the attribute is the module itself, so the very same code runs eagerly.
 Nested ``BatchedModule``s are returned as they are (their own attributes stub
-themselves), and ``nn.ModuleList``/``nn.ModuleDict`` give containers of stubs.
+themselves), ``nn.ModuleList``/``nn.ModuleDict`` give containers of stubs, and
+``nn.ParameterList``/``nn.ParameterDict`` are returned as they are (their parameters
+are read, as ``self.h0`` is).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _stub_module(module: nn.Module) -> ModuleStub:
 
 
 def _stub(value: Any) -> Any:
-    if isinstance(value, BatchedModule) or not isinstance(value, nn.Module):
+    if isinstance(value, _AS_THEY_ARE) or not isinstance(value, nn.Module):
         return value
     if isinstance(value, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return _ContainerStub(value)
@@ -171,3 +173,9 @@ class BatchedModule(nn.Module):
         # Stubs pinned while recording belong to this process: never pickle or
         # deep-copy them.
         return {k: v for k, v in self.__dict__.items() if type(v) not in _STUB_TYPES}
+
+
+# Returned as they are while recording: nested BatchedModules stub their own
+# attributes, and parameter containers hold tensors, not calls to record (a stub of
+# one is neither indexable nor iterable: ``self.weights[0]`` raised TypeError).
+_AS_THEY_ARE = (BatchedModule, nn.ParameterList, nn.ParameterDict)

@@ -1,0 +1,44 @@
+"""Containers inside a ``BatchedModule`` read while recording as the eager code reads them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import batchgraph as bg
+
+
+class WithParameterContainers(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scales = nn.ParameterList([nn.Parameter(torch.randn(3)) for _ in range(2)])
+        self.shifts = nn.ParameterDict({"a": nn.Parameter(torch.randn(3))})
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) + self.scales[0] + self.shifts["a"]
+        for scale in self.scales:
+            y = y * scale
+        for name, shift in self.shifts.items():
+            y = y - shift if name == "a" else y
+        return y
+
+
+def test_parameter_lists_and_dicts_index_and_iterate_as_eagerly() -> None:
+    torch.manual_seed(0)
+    model = WithParameterContainers().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(3)]
+    eager = [model.f(x) for x in xs]
+    expected = torch.autograd.grad(sum(e.sum() for e in eager), list(model.parameters()))
+    with bg.BatchingPolicy():  # the stub of a ParameterList was not subscriptable
+        handles = [model.f(x) for x in xs]
+    batched = bg.compute(handles)
+    for a, b in zip(batched, eager):
+        torch.testing.assert_close(a, b)
+    grads = torch.autograd.grad(sum(b.sum() for b in batched), list(model.parameters()))
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)
+    # The worker path names them by path and reads the live ones.
+    batch = bg.GraphCollate(model, "f").build(xs)
+    for a, b in zip(bg.Binder(model).run(batch), eager):
+        torch.testing.assert_close(a, b)
