@@ -110,6 +110,7 @@ class GraphCollate:
             raise TypeError(f"model must be an nn.Module or a factory, got {type(model).__name__}")
         if not isinstance(forward, str) and not callable(forward):
             raise TypeError(f"forward must be a method name or a function, got {forward!r}")
+        _check_forward(model, forward)
         self.forward = forward
         self.target = target
         self.scheduler = scheduler
@@ -231,6 +232,28 @@ class GraphCollate:
                 f"Original traceback:\n{formatted}"
             ) from err
         return SkippedExample(position, index, f"{type(err).__name__}: {err}", formatted)
+
+
+def _check_forward(model: nn.Module | Callable[[], nn.Module], forward: str | Forward) -> None:
+    """Refuse a ``forward`` that would fail on every example, where it is given: in a
+    worker each example would raise alike (and ``skip_errors`` would skip them all)."""
+    if isinstance(forward, str):
+        if isinstance(model, nn.Module) and not callable(getattr(model, forward, None)):
+            raise AttributeError(
+                f"forward={forward!r} names no method of {type(model).__name__}; pass the "
+                "name of its per-example method (or a function forward(model, item))"
+            )
+        return
+    owner = getattr(forward, "__self__", None)
+    if isinstance(owner, nn.Module):
+        name = getattr(forward, "__name__", "forward")
+        raise TypeError(
+            f"forward is the method {name!r} bound to a {type(owner).__name__} instance: "
+            "a worker records with its own copy of the model and calls "
+            "forward(model_copy, item), which a bound method would take as two arguments "
+            f"of its own. Pass the method's name (forward={name!r}) or a function "
+            "forward(model, item)"
+        )
 
 
 class GraphDataset(Dataset[PortableBatch]):

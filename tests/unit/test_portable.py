@@ -269,6 +269,16 @@ def test_example_error_names_the_example_and_keeps_the_traceback() -> None:
     assert (binder.stats.examples, binder.stats.skipped) == (2, 1)
 
 
+def test_a_forward_that_would_fail_on_every_example_is_refused_where_given() -> None:
+    # Before, each example raised in the worker (with skip_errors, all were skipped).
+    model = TreeModel()
+    with pytest.raises(TypeError, match=r"method 'logits' bound to a TreeModel.*forward='logits'"):
+        bg.GraphCollate(model, model.logits, skip_errors=True)
+    with pytest.raises(AttributeError, match="forward='logit' names no method of TreeModel"):
+        bg.GraphCollate(model, "logit", skip_errors=True)
+    assert len(bg.GraphCollate(model, "logits").build([1, (2, 3)]).outputs) == 2
+
+
 def test_failing_batched_call_names_the_dataset_index() -> None:
     class Picky(nn.Module):
         batch_key = bg.StackKey  # sees the batch, so only the batched call fails
