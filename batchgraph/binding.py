@@ -53,6 +53,7 @@ from batchgraph.specs import (
     rebuild_dataclass,
     rebuild_mapping,
     rebuild_sequence,
+    spec_leaves,
 )
 
 __all__ = ["BindStats", "Binder", "ScheduleMismatchError", "bind"]
@@ -350,9 +351,26 @@ class Binder:
         if pk.out_spec is not None and spec != pk.out_spec:
             raise ScheduleMismatchError(
                 f"{pk.describe()} returns {_show(spec)} per example in the live model, but "
-                f"{_show(pk.out_spec)} when the batch was recorded. Was the batch recorded "
-                "for another model (different sizes)?"
+                f"{_show(pk.out_spec)} when the batch was recorded. "
+                + _mismatch_hint(spec, pk.out_spec)
             )
+
+
+def _mismatch_hint(live: Any, recorded: Any) -> str:
+    """Why the live and the recorded output specs may differ."""
+    a, b = spec_leaves(live), spec_leaves(recorded)
+    if len(a) == len(b) and all(
+        isinstance(x, TensorSpec) and isinstance(y, TensorSpec) and x.shape == y.shape
+        for x, y in zip(a, b)
+    ):
+        # Same shapes, another dtype or device: the worker's copy of the model is the
+        # one GraphCollate was made from, so a conversion after that does not reach it.
+        return (
+            "Was the live model converted (.double(), .half(), .to(device)) after the "
+            "GraphCollate was made from it? Make the GraphCollate from the converted model "
+            "(or a factory that converts it)."
+        )
+    return "Was the batch recorded for another model (different sizes)?"
 
 
 def _show(spec: Any) -> str:

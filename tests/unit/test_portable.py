@@ -174,7 +174,10 @@ class OtherCell(nn.Module):
     [
         (Renamed, r"has no submodule of that name \(it has 'embedding'\)"),
         (lambda: TreeModel(dim=8), r"does not accept the recorded per-example inputs|returns"),
-        (lambda: TreeModel(classes=4), r"StackKey\[out\] returns \(4,\) float32 on cpu per example"),
+        (lambda: TreeModel(classes=4),
+         r"StackKey\[out\] returns \(4,\) float32 on cpu per example.*for another model"),
+        # The collate keeps the model as it was made from: not converted since.
+        (lambda: TreeModel().double(), r"float64 .* float32 .*converted \(\.double\(\)"),
     ],
 )
 # RealCalls counts with hooks, which run once per batched call by design.
