@@ -40,6 +40,7 @@ from batchgraph.errors import BatchgraphError, ShapeMismatchError
 from batchgraph.executor import Executor
 from batchgraph.graph import Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
+from batchgraph.held import held_on
 from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey, callable_name
 from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.on_copy import on_copy
@@ -417,7 +418,9 @@ def _values(obj: Any, graph: Graph) -> Any:
     return obj
 
 
-_BINDERS: weakref.WeakKeyDictionary[nn.Module, Binder] = weakref.WeakKeyDictionary()
+# The attribute holding bind's Binder on the model (batchgraph.held): a Binder refers
+# to its model, so a WeakKeyDictionary of them kept every model bound for good.
+_BINDER = "_batchgraph_binder"
 
 
 def bind(
@@ -462,7 +465,8 @@ def bind(
             "without it: its calls' dtypes are full precision. Call bind outside the "
             "autocast region, or record in the main process inside it (BatchingPolicy)."
         )
-    binder = _BINDERS.get(model)
-    if binder is None or binder.rules != rule_table(rules):
-        binder = _BINDERS[model] = Binder(model, rules)
-    return binder.run(batch, stack=stack)
+    # A list, so that other rules replace the Binder in place.
+    held: list[Binder] = held_on(model, _BINDER, list)
+    if not held or held[0].rules != rule_table(rules):
+        held[:] = [Binder(model, rules)]
+    return held[0].run(batch, stack=stack)

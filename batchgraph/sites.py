@@ -1,19 +1,20 @@
 """Where calls record: the call site of each module and function, and recording a
 call made on handles (operators, tensor methods, ``__torch_function__``).
 
-Sites are cached (a module's as long as the module lives), so the signatures a site
-has resolved serve every later policy (see ``batchgraph.recording``).
+Sites are cached (a module's, a lambda's, as long as it lives: ``batchgraph.held``), so
+the signatures a site has resolved serve every later policy (see ``batchgraph.recording``).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgraph.handle import ResultHandle
+from batchgraph.held import held_on
 from batchgraph.pinning import unpin_stubs
 from batchgraph.recording import _ACTIVE, CallSite
 from batchgraph.signatures import foreign_handle
@@ -53,16 +54,19 @@ class ModuleStub(CallSite):
         return getattr(self.fn, name)
 
 
-_MODULE_SITES: weakref.WeakKeyDictionary[torch.nn.Module, ModuleStub] = weakref.WeakKeyDictionary()
+# Sites of functions that live as long as the program (torch functions, operators,
+# functions defined at module level), by the function.
 _FUNCTION_SITES: dict[Any, CallSite] = {}
+# The attribute holding the site of a module, lambda or local function on the object
+# itself (batchgraph.held), so that it goes when the object does: a module's
+# parameters, or what a closure captured, are not kept alive by their site.
+_SITE = "_batchgraph_site"
 
 
 def module_site(module: torch.nn.Module) -> ModuleStub:
-    """The (cached) call site of a module; its signature cache outlives policies."""
-    site = _MODULE_SITES.get(module)
-    if site is None:
-        site = _MODULE_SITES[module] = ModuleStub(module)
-    return site
+    """The (cached) call site of a module; its signature cache lives as long as the
+    module does, and serves every policy."""
+    return held_on(module, _SITE, lambda: ModuleStub(module))
 
 
 def function_site(fn: Callable[..., Any]) -> CallSite:
@@ -72,6 +76,10 @@ def function_site(fn: Callable[..., Any]) -> CallSite:
     except TypeError:
         return CallSite(fn)
     if site is None:
+        if type(fn) is FunctionType and "<" in fn.__qualname__:
+            # A lambda or a local function, made anew per batch or per model maybe:
+            # its site (and the tensors it captured) must go with it.
+            return held_on(fn, _SITE, lambda: CallSite(fn))
         site = _FUNCTION_SITES[fn] = CallSite(fn)
     return site
 

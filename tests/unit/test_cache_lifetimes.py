@@ -1,0 +1,78 @@
+"""What batchgraph caches for a module, a function or a model goes when that object goes."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+import batchgraph as bg
+from batchgraph.sites import module_site
+
+
+class Net(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def f(self, x: Any) -> Any:
+        return self.lin(x)
+
+
+def _gone(ref: weakref.ref[Any]) -> bool:
+    gc.collect()
+    return ref() is None
+
+
+def test_a_module_recorded_with_is_freed_with_its_model() -> None:
+    # Before, the module's call site (in a WeakKeyDictionary whose value called the
+    # module) kept every module ever recorded with, and its parameters, alive for good.
+    net = Net()
+    with bg.BatchingPolicy():
+        h = net.f(torch.ones(3))
+    bg.compute(h)
+    lin = weakref.ref(net.lin)
+    del net, h
+    assert _gone(lin)
+
+
+def test_a_model_bound_by_bind_is_freed() -> None:
+    net = Net()
+    batch = bg.GraphCollate(net, "f").build([torch.ones(3)])
+    assert len(bg.bind(batch, net)) == 1
+    model, lin = weakref.ref(net), weakref.ref(net.lin)
+    del net
+    assert _gone(model) and _gone(lin)
+
+
+def _scaled() -> tuple[Any, weakref.ref[torch.Tensor]]:
+    scale = torch.full((3,), 2.0)
+    return bg.batched_func(lambda x: x * scale), weakref.ref(scale)
+
+
+def test_what_a_lambda_captured_is_freed_with_it() -> None:
+    f, captured = _scaled()
+    with bg.BatchingPolicy():
+        h = f(torch.ones(3))
+    assert torch.equal(bg.compute(h), torch.full((3,), 2.0))
+    del f, h
+    assert _gone(captured)
+
+
+def test_copies_of_a_module_get_sites_of_their_own() -> None:
+    net = Net()
+    with bg.BatchingPolicy():
+        h = net.f(torch.ones(3))
+    for other in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert module_site(other.lin).fn is other.lin
+        with bg.BatchingPolicy():
+            g = other.f(torch.ones(3))
+        assert torch.equal(bg.compute(g), other.f(torch.ones(3)))
+    shallow = copy.copy(net.lin)  # shares the original's __dict__ entries
+    assert module_site(shallow).fn is shallow and module_site(net.lin).fn is net.lin
+    assert torch.equal(bg.compute(h), net.f(torch.ones(3)))
