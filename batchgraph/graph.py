@@ -135,6 +135,10 @@ class Graph(KeyReads):
         # Tensor constants that require grad: stacked with grad on, whatever the mode
         # at compute, so that their batched value keeps the way back to them.
         self.grad_constants: set[int] = set()
+        # Tensor constants computed, whose values a coroutine run's releaser dropped
+        # (batchgraph.releasing): a handle of one still stands for the very tensor
+        # given to bg.batched_value, which an in-place change must not be recorded on.
+        self.dropped_tensors: set[int] = set()
         self._constant_kids: dict[TensorSpec, int] = {}
         self._scalar_kids: dict[type | torch.dtype, int] = {}
         # Identical calls and constants are merged as they are recorded (hash-consing):

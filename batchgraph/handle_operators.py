@@ -281,7 +281,8 @@ def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
             f"new value instead: {instead}."
         )
     for n in group or (handle.node,):
-        if isinstance(graph.constants.get(n), torch.Tensor):
+        # (A constant whose value a coroutine lane released is still the caller's.)
+        if isinstance(graph.constants.get(n), torch.Tensor) or n in graph.dropped_tensors:
             whose = "it is" if n == handle.node else "it shares memory with"
             raise TypeError(
                 f"`{symbol}` on {handle!r} would change in place a tensor of the caller's "

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 from batchgraph.graph import STORE_SHIFT, Graph
 
 __all__ = ["Generation", "StoreReleaser"]
@@ -150,6 +152,9 @@ class StoreReleaser:
             return where >= 0 and not stores[where >> STORE_SHIFT]
 
         graph.shared.difference_update([n for n in graph.shared if released(n)])
+        graph.dropped_tensors.difference_update(
+            [n for n in graph.dropped_tensors if released(n)]
+        )
         table = graph.dedupe_table
         for signature in [sig for sig, n in table.items() if released(n)]:
             del table[signature]
@@ -223,8 +228,10 @@ class StoreReleaser:
         if constants:
             loc = self.graph.node_loc
             versions = self.graph.constant_versions
+            dropped = self.graph.dropped_tensors
             for n in [n for n in constants if loc[n] >= 0]:
-                del constants[n]
+                if isinstance(constants.pop(n), torch.Tensor):
+                    dropped.add(n)  # bg.batched_value(t) += 1 is still refused
                 versions.pop(n, None)
 
 

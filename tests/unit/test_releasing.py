@@ -156,6 +156,22 @@ def test_a_long_run_forgets_released_nodes_and_still_merges_live_ones() -> None:
     assert all(graph.node_inputs[n] == () for n in released)  # their inputs let go
 
 
+def test_a_batched_tensor_changed_in_place_after_a_step_is_still_refused() -> None:
+    # Eagerly bg.batched_value(t) is t itself, so `v += 1` changes t too, which cannot be
+    # recorded: refused before a step, as in a plain policy. After a step the releaser
+    # had dropped the constant's value, and the change was recorded on the handle alone:
+    # the example read t unchanged (tanh(0) + 0, not tanh(1) + 1 as eagerly).
+    async def example(t: torch.Tensor) -> Any:
+        v = bg.batched_value(t)
+        await bg.value(torch.tanh(v))  # a step computes v's constant
+        v += 1
+        return torch.tanh(v) + t
+
+    with pytest.raises(bg.CoroutineExampleError, match=r"`\+=` on .* the tensor given to "
+                       r"bg.batched_value"):
+        bg.run_all([example(torch.zeros(2)) for _ in range(2)])
+
+
 def test_inputs_of_a_node_nobody_awaited_yet_are_kept() -> None:
     lin = bg.batched_func(nn.Linear(3, 3).double())
 
