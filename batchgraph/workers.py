@@ -28,6 +28,7 @@ An example whose code raises stops the batch with ``ExampleError`` naming the ex
 from __future__ import annotations
 
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -102,7 +103,16 @@ class GraphCollate:
         cache: bool | ScheduleCache = True,
     ) -> None:
         if isinstance(model, nn.Module):
-            self._structure: bytes | None = model_structure(model)
+            try:
+                self._structure: bytes | None = model_structure(model)
+            except (pickle.PicklingError, TypeError, AttributeError) as err:
+                raise TypeError(
+                    f"{type(model).__name__} does not pickle ({type(err).__name__}: {err}), "
+                    "so its structure cannot reach the worker processes. Pass a function "
+                    "of no arguments that builds the model instead: "
+                    f"GraphCollate(make_model, ...), where make_model() returns a "
+                    f"{type(model).__name__} (it runs once per worker)"
+                ) from err
             self._factory: Callable[[], nn.Module] | None = None
         elif callable(model):
             self._structure, self._factory = None, model

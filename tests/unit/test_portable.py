@@ -282,6 +282,15 @@ def test_a_forward_that_would_fail_on_every_example_is_refused_where_given() -> 
     assert len(bg.GraphCollate(model, "logits").build([1, (2, 3)]).outputs) == 2
 
 
+def test_a_model_that_does_not_pickle_is_refused_with_what_to_pass_instead() -> None:
+    model = TreeModel()
+    model.act = lambda x: x  # a lambda does not pickle
+    with pytest.raises(TypeError, match=r"TreeModel does not pickle \(.*lambda.*\).*"
+                       r"GraphCollate\(make_model, \.\.\.\)"):
+        bg.GraphCollate(model, "logits")
+    assert len(bg.GraphCollate(TreeModel, "logits").build([1, (2, 3)]).outputs) == 2
+
+
 def test_failing_batched_call_names_the_dataset_index() -> None:
     class Picky(nn.Module):
         batch_key = bg.StackKey  # sees the batch, so only the batched call fails
