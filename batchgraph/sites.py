@@ -8,7 +8,7 @@ the signatures a site has resolved serve every later policy (see ``batchgraph.re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from types import FunctionType
+from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +61,7 @@ _FUNCTION_SITES: dict[Any, CallSite] = {}
 # itself (batchgraph.held), so that it goes when the object does: a module's
 # parameters, or what a closure captured, are not kept alive by their site.
 _SITE = "_batchgraph_site"
+_METHOD_SITES = "_batchgraph_method_sites"
 
 
 def module_site(module: torch.nn.Module) -> ModuleStub:
@@ -80,6 +81,15 @@ def function_site(fn: Callable[..., Any]) -> CallSite:
             # A lambda or a local function, made anew per batch or per model maybe:
             # its site (and the tensors it captured) must go with it.
             return held_on(fn, _SITE, lambda: CallSite(fn))
+        owner = getattr(fn, "__self__", None)
+        if type(fn) is MethodType and isinstance(owner, torch.nn.Module):
+            # batched_func(model.helper): a bound method keeps its module alive, so its
+            # site goes on the module, by the function it binds.
+            sites: dict[Any, CallSite] = held_on(owner, _METHOD_SITES, dict)
+            site = sites.get(fn.__func__)
+            if site is None:
+                site = sites[fn.__func__] = CallSite(fn)
+            return site
         site = _FUNCTION_SITES[fn] = CallSite(fn)
     return site
 

@@ -64,6 +64,23 @@ def test_what_a_lambda_captured_is_freed_with_it() -> None:
     assert _gone(captured)
 
 
+class WithHelper(Net):
+    def helper(self, x: Any) -> Any:
+        return self.lin(x).tanh()
+
+
+def test_a_model_whose_method_was_batched_is_freed() -> None:
+    net = WithHelper()
+    helper = bg.batched_func(net.helper)
+    assert bg.batched_func(net.helper) is helper  # one site per model and method
+    with bg.BatchingPolicy():
+        h = helper(torch.ones(3))
+    assert torch.equal(bg.compute(h), net.helper(torch.ones(3)))
+    model = weakref.ref(net)
+    del net, helper, h
+    assert _gone(model)
+
+
 def test_copies_of_a_module_get_sites_of_their_own() -> None:
     net = Net()
     with bg.BatchingPolicy():
