@@ -296,6 +296,13 @@ class GraphDataset(Dataset[PortableBatch]):
         return len(self.dataset)
 
     def __getitem__(self, indices: Sequence[int]) -> PortableBatch:  # type: ignore[override]
+        if not isinstance(indices, Iterable):
+            # A DataLoader over it without a batch sampler hands it one index at a time.
+            raise TypeError(
+                f"GraphDataset takes the list of indices of a whole batch, got {indices!r}; "
+                "give the DataLoader a batch sampler as its sampler, with batch_size=None "
+                "(graph_loader(dataset, collate, batch_sampler) does this)"
+            )
         indices = [int(i) for i in indices]
         return self.collate.build([self.dataset[i] for i in indices], indices)
 

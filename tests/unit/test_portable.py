@@ -291,6 +291,13 @@ def test_a_model_that_does_not_pickle_is_refused_with_what_to_pass_instead() -> 
     assert len(bg.GraphCollate(TreeModel, "logits").build([1, (2, 3)]).outputs) == 2
 
 
+def test_a_graph_dataset_given_one_index_says_it_wants_a_batch() -> None:
+    dataset = bg.GraphDataset([1, (2, 3)], bg.GraphCollate(TreeModel(), "logits"))
+    with pytest.raises(TypeError, match=r"indices of a whole batch, got 0; .*batch sampler"):
+        dataset[0]  # as a DataLoader without a batch sampler asks
+    assert len(dataset[[0, 1]].outputs) == 2
+
+
 def test_failing_batched_call_names_the_dataset_index() -> None:
     class Picky(nn.Module):
         batch_key = bg.StackKey  # sees the batch, so only the batched call fails
