@@ -10,7 +10,7 @@ import torch
 from batchgraph.handle import ResultHandle
 from batchgraph.policy import _collect, policy_of
 from batchgraph.recording import _ACTIVE
-from batchgraph.sites import function_site, module_site
+from batchgraph.sites import ModuleStub, function_site, module_site
 
 __all__ = ["batched_func", "batched_value", "compute"]
 
@@ -43,6 +43,8 @@ def batched_func(fn: Callable[..., Any]) -> Callable[..., Any]:
             "bg.batched_func(my_function), or @bg.batched_func above its def"
         )
     # The call site itself is the wrapper: one Python call level per recorded call.
+    if type(fn) is ModuleStub:  # a submodule read while recording: already its site
+        return fn
     return module_site(fn) if isinstance(fn, torch.nn.Module) else function_site(fn)
 
 

@@ -47,6 +47,11 @@ class _ContainerStub:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _stub_module(self.container)(*args, **kwargs)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # type: ignore[override]
+        # isinstance(self.layers, nn.ModuleList) answers as eagerly (see ModuleStub).
+        return type(self.container)
+
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.container, name)
         if name in ("keys", "values", "items") and isinstance(self.container, nn.ModuleDict):

@@ -53,6 +53,14 @@ class ModuleStub(CallSite):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
 
+    # Per-example code may ask what a submodule is (`if isinstance(layer, nn.Dropout):
+    # continue`): the stub passes for its module's class, so the recorded code takes
+    # the branch the eager code takes (it recorded the dropout the eager code skipped).
+    # type() still tells a stub from a module.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # type: ignore[override]
+        return type(self.fn)
+
 
 # Sites of functions that live as long as the program (torch functions, operators,
 # functions defined at module level), by the function.

@@ -42,3 +42,32 @@ def test_parameter_lists_and_dicts_index_and_iterate_as_eagerly() -> None:
     batch = bg.GraphCollate(model, "f").build(xs)
     for a, b in zip(bg.Binder(model).run(batch), eager):
         torch.testing.assert_close(a, b)
+
+
+class SkipsDropout(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3, 3), nn.Dropout(0.5), nn.Linear(3, 3)])
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.layers, nn.ModuleList)
+        for layer in self.layers:
+            if isinstance(layer, nn.Dropout):  # per-example code asking what a layer is
+                continue
+            x = layer(x)
+        return x
+
+
+def test_isinstance_of_a_submodule_answers_as_eagerly() -> None:
+    # Before, a stub was no nn.Dropout: the recorded code took the other branch and
+    # applied the dropout the eager code skipped (training mode: other values).
+    torch.manual_seed(0)
+    model = SkipsDropout().double()
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    eager = [model.f(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [model.f(x) for x in xs]
+        assert type(model.layers[0]) is not nn.Linear  # still a stub, which records
+        assert bg.batched_func(model.layers[0]) is model.layers[0]  # already a site
+    for a, b in zip(bg.compute(handles), eager):
+        torch.testing.assert_close(a, b)
