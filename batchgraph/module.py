@@ -168,6 +168,13 @@ class BatchedModule(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         _unpin(self, name)  # the new value wins over a stub pinned while recording
+        # `self.last = layer` in per-example code: layer is a stub while recording, and
+        # eagerly the module itself is registered (a stub registered as a submodule
+        # would outlive the recording).
+        if type(value) is ModuleStub:
+            value = value.module
+        elif type(value) is _ContainerStub:
+            value = value.container
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:

@@ -71,3 +71,13 @@ def test_isinstance_of_a_submodule_answers_as_eagerly() -> None:
         assert bg.batched_func(model.layers[0]) is model.layers[0]  # already a site
     for a, b in zip(bg.compute(handles), eager):
         torch.testing.assert_close(a, b)
+
+
+def test_a_submodule_assigned_while_recording_is_the_module_itself() -> None:
+    model = SkipsDropout()
+    with bg.BatchingPolicy():
+        model.last = model.layers[2]  # a stub here, as the eager code's module
+        model.all = model.layers
+    assert model.last is model.layers[2] and model._modules["last"] is model.layers[2]
+    assert model.all is model.layers
+    assert set(model.state_dict()) >= {"last.weight", "all.0.weight"}
