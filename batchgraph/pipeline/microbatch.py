@@ -125,7 +125,7 @@ def merge_microbatches(
 
     Args:
         outputs: per microbatch, the outputs of the last stage.
-        source: how errors name what made them (``"stage 3 (Sequential)"``).
+        source: how errors name what made them (``"stage 3 (SequentialStage)"``).
 
     Raises:
         PipelineConfigError: if an output is 0-d (and there are several microbatches):

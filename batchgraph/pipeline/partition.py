@@ -5,7 +5,9 @@
 * :func:`layer_costs` — per-layer costs: profiled forward+backward time
   (``"profile"``, needs a sample input), parameter count (``"params"``) or ``"uniform"``.
 * :func:`partition_sequential` — an ``nn.Sequential`` (or list of layers) into ``p``
-  ``nn.Sequential`` stages holding the *same* layer objects (no copies).
+  :class:`SequentialStage` stages holding the *same* layer objects (no copies). Each
+  layer gets the previous layer's output as one value, as in ``nn.Sequential``: a tuple
+  crossing into a stage reaches its first layer as that tuple (torchgpipe's convention).
 * :func:`partition_graph` — any ``torch.fx``-traceable module into ``p`` ``GraphModule``
   parts cut along a topological order of its graph (networkx). Part ``k`` takes the
   values that cross cut ``k-1`` and returns those that cross cut ``k`` (a tensor when one
@@ -22,6 +24,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import networkx as nx
 import torch
@@ -33,12 +36,14 @@ from batchgraph.pipeline.microbatch import Batch
 
 __all__ = [
     "COST_METHODS",
+    "SequentialStage",
     "TooFewLayersError",
     "balanced_partition",
     "layer_costs",
     "partition_graph",
     "partition_sequential",
 ]
+
 
 class TooFewLayersError(PipelineConfigError):
     """More parts were asked for than there are layers (or operations) to split.
@@ -51,6 +56,30 @@ class TooFewLayersError(PipelineConfigError):
         super().__init__(message)
         self.layers = layers
         self.parts = parts
+
+
+class SequentialStage(nn.Sequential):
+    """A run of an ``nn.Sequential``'s layers, called as a pipeline stage.
+
+    A stage is called with the tensors that cross into it as separate arguments
+    (``stage(*tensors)``), but in the unsplit ``nn.Sequential`` a layer returning a tuple
+    hands the next layer that tuple as one argument. So the inputs reach the first layer
+    as one value: the tensor, or the tuple of them (a tuple batch is taken as
+    ``model((x, mask))`` takes it on one device).
+
+    Example:
+        >>> class Pair(nn.Module):
+        ...     def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        ...         return pair[0] * pair[1]
+        >>> SequentialStage(Pair())(torch.ones(2), torch.full((2,), 3.0))
+        tensor([3., 3.])
+    """
+
+    def forward(self, *inputs: Any) -> Any:
+        value = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            value = layer(value)
+        return value
 
 
 #: The ``cost=`` values :func:`layer_costs` accepts.
@@ -133,7 +162,7 @@ def _profile(layers: Sequence[nn.Module], sample: Batch, repeat: int) -> list[fl
                 leaves = [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values]
                 xs = tuple(_autograd.alias(v) if v.requires_grad else v for v in leaves)
                 start = time.perf_counter()
-                result = layer(*xs)
+                result = layer(xs[0] if len(xs) == 1 else xs)  # as nn.Sequential calls it
                 out = tuple(result) if isinstance(result, (tuple, list)) else (result,)
                 diff = [o for o in out if isinstance(o, Tensor) and o.requires_grad]
                 if diff:
@@ -198,11 +227,11 @@ def partition_sequential(
     *,
     cost: str = "params",
     sample: Batch | None = None,
-) -> list[nn.Sequential]:
-    """Split a sequence of layers into ``stages`` balanced ``nn.Sequential`` stages.
+) -> list[SequentialStage]:
+    """Split a sequence of layers into ``stages`` balanced :class:`SequentialStage` stages.
 
     The stages hold the original layer objects, so training them trains the original
-    model.
+    model; tuples between layers pass as in ``nn.Sequential`` (see :class:`SequentialStage`).
 
     Args:
         layers: an ``nn.Sequential`` or a list of modules applied in order.
@@ -224,7 +253,7 @@ def partition_sequential(
     """
     items = list(layers)
     bounds = balanced_partition(layer_costs(items, cost, sample), stages)
-    return [nn.Sequential(*items[a:b]) for a, b in bounds]
+    return [SequentialStage(*items[a:b]) for a, b in bounds]
 
 
 def _node_cost(gm: fx.GraphModule, node: fx.Node, cost: str) -> float:

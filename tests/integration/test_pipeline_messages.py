@@ -92,7 +92,7 @@ def test_forward_of_a_model_without_batch_dimension_names_the_stage() -> None:
         Pipeline(model, stages=2, microbatches=2, timeout=30) as pipe,
         pytest.raises(
             PipelineConfigError,
-            match=r"the last stage \(stage 1, Sequential\) returned a 0-d tensor as output 0 "
+            match=r"the last stage \(stage 1, SequentialStage\) returned a 0-d tensor as output 0 "
             r"of microbatch 0: it has no batch dimension.*move the reduction into the loss",
         ),
     ):
@@ -131,7 +131,7 @@ def test_train_step_on_a_batchless_output_warns_once() -> None:
     ) as pipe:  # fmt: skip
         with pytest.warns(
             RuntimeWarning,
-            match=r"the last stage \(stage 1, Sequential\) returned a 0-d tensor: it has no "
+            match=r"the last stage \(stage 1, SequentialStage\) returned a 0-d tensor: it has no "
             r"batch dimension",
         ):
             loss = pipe.train_step(x, y)
@@ -164,7 +164,7 @@ def test_train_step_without_any_gradient_is_refused_as_backward_is() -> None:
                      timeout=30) as pipe,
             pytest.raises(
                 PipelineConfigError,
-                match=r"computed no gradient: .*the last stage, stage 1 \(Sequential\), "
+                match=r"computed no gradient: .*the last stage, stage 1 \(SequentialStage\), "
                 r"returned outputs without an autograd graph",
             ),
         ):  # fmt: skip
