@@ -15,7 +15,8 @@ The reduction is read from the loss function's ``reduction`` attribute when it h
 a ``functools.partial``'s ``reduction=`` keyword, and otherwise must be declared; a plain
 function is taken as ``"mean"`` (what ``torch.nn.functional`` losses do by default) unless told otherwise.
 ``CrossEntropyLoss`` and ``NLLLoss`` with ``reduction="mean"`` and class-index targets
-divide by a count that depends on the data: the targets not equal to ``ignore_index``,
+(and ``F.cross_entropy``, ``F.nll_loss``, or a ``functools.partial`` of them with keyword
+arguments only: the same losses) divide by a count that depends on the data: the targets not equal to ``ignore_index``,
 each counted as its class ``weight``. Weighted by ``n_i / N``, microbatches with more
 ignored (padding) or lighter targets would count too much, and one with every target
 ignored gives NaN. For them, each step first counts the whole batch's targets
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,47 @@ def _declared(fn: Callable[..., object]) -> str:
     if isinstance(fn, functools.partial) and "reduction" in fn.keywords:
         return str(fn.keywords["reduction"])
     return str(getattr(fn, "reduction", "mean"))
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """A class-index loss whose mean divides by a count of targets: its settings."""
+
+    nll: bool  # F.nll_loss, else F.cross_entropy
+    weight: Tensor | None
+    ignore_index: int
+    label_smoothing: float
+
+
+# The keywords of F.cross_entropy / F.nll_loss a partial may fix (size_average and reduce
+# are deprecated spellings of reduction: such a partial is left as a plain mean).
+_COUNTED_KEYWORDS = {"weight", "ignore_index", "label_smoothing", "reduction"}
+
+
+def _counted(fn: Callable[..., object]) -> _Counted | None:
+    """The settings of ``fn`` when it is a cross-entropy or NLL loss (module, function, or
+    a ``functools.partial`` of the function with keywords only), else ``None``."""
+    if type(fn) is nn.CrossEntropyLoss:
+        return _Counted(False, fn.weight, fn.ignore_index, fn.label_smoothing)
+    if type(fn) is nn.NLLLoss:
+        return _Counted(True, fn.weight, fn.ignore_index, 0.0)
+    keywords: dict[str, object] = {}
+    if isinstance(fn, functools.partial):
+        if fn.args or not set(fn.keywords) <= _COUNTED_KEYWORDS:
+            return None
+        keywords, fn = fn.keywords, fn.func
+    if fn is not F.cross_entropy and fn is not F.nll_loss:
+        return None
+    nll = fn is F.nll_loss
+    if nll and "label_smoothing" in keywords:
+        return None  # not an argument of F.nll_loss: let the call say so
+    weight = keywords.get("weight")
+    return _Counted(
+        nll,
+        weight if isinstance(weight, Tensor) else None,
+        int(cast(int, keywords.get("ignore_index", -100))),
+        float(cast(float, keywords.get("label_smoothing", 0.0))),
+    )
 
 
 def _checked(reduction: str) -> Reduction:
@@ -96,11 +139,12 @@ class Loss:
         self.reduction: Reduction = _checked(_declared(fn) if self._auto else reduction)
         # This step's count for a mean over counted targets (see begin_step), or None.
         self._count: float | None = None
+        self._spec: _Counted | None = None  # the loss _count is for
 
     def begin_step(self, targets: Tensor | Sequence[Tensor]) -> None:
         """Note, before a step's microbatches, what their weights depend on besides
-        their sizes: for ``CrossEntropyLoss``/``NLLLoss`` with ``reduction="mean"`` and
-        class-index targets, the count the batch's mean divides by (see the module
+        their sizes: for ``CrossEntropyLoss``/``NLLLoss`` (or ``F.cross_entropy``/
+        ``F.nll_loss``) with ``reduction="mean"`` and class-index targets, the count the batch's mean divides by (see the module
         docstring). A ``Loss`` subclass that computes its own loss keeps the plain
         weights.
 
@@ -117,18 +161,19 @@ class Loss:
         fn = self.fn
         if self._auto:  # e.g. loss_fn.reduction = "sum" after the pipeline was built
             self.reduction = _checked(_declared(fn))
+        spec = _counted(fn)
         if (
             self.reduction != "mean"
-            or type(fn) not in (nn.CrossEntropyLoss, nn.NLLLoss)
+            or spec is None
             or type(self).compute_loss is not Loss.compute_loss
             or type(self).weight is not Loss.weight
             or not isinstance(targets, Tensor)
             or targets.is_floating_point()  # class probabilities: a mean over samples
         ):
             return
-        assert isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss))
-        counted = targets[targets != fn.ignore_index]
-        weight = fn.weight
+        self._spec = spec
+        counted = targets[targets != spec.ignore_index]
+        weight = spec.weight
         self._count = float(
             counted.numel() if weight is None else weight[counted.to(weight.device)].sum()
         )
@@ -170,16 +215,15 @@ class Loss:
     def _summed(self, output: Output, target: Output) -> Tensor:
         # The microbatch's share of a mean over counted targets, before 1 / count: the
         # same loss with reduction="sum" (0, not NaN, where every target is ignored).
-        fn = self.fn
-        assert isinstance(output, Tensor) and isinstance(target, Tensor)
-        if type(fn) is nn.CrossEntropyLoss:
+        spec = self._spec
+        assert spec is not None and isinstance(output, Tensor) and isinstance(target, Tensor)
+        if not spec.nll:
             return F.cross_entropy(
-                output, target, weight=fn.weight, ignore_index=fn.ignore_index,
-                reduction="sum", label_smoothing=fn.label_smoothing,
+                output, target, weight=spec.weight, ignore_index=spec.ignore_index,
+                reduction="sum", label_smoothing=spec.label_smoothing,
             )  # fmt: skip
-        assert isinstance(fn, nn.NLLLoss)
         return F.nll_loss(
-            output, target, weight=fn.weight, ignore_index=fn.ignore_index, reduction="sum"
+            output, target, weight=spec.weight, ignore_index=spec.ignore_index, reduction="sum"
         )
 
     def compute_gradient(
