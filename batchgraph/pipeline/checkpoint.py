@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 __all__ = ["CheckpointMethods", "IncompatibleKeys", "SplitGuard", "StateNames", "guard_split"]
 
@@ -54,6 +55,19 @@ def _state(module: nn.Module) -> dict[str, Any]:
     """``module``'s state_dict entries, the tensors themselves (not detached views)."""
     with _inspecting():
         return dict(module.state_dict(keep_vars=True))
+
+
+def _size_mismatch(name: str, given: Any, own: Any, stage: int) -> list[str]:
+    """``nn.Module.load_state_dict``'s size check of one entry, worded with the model's
+    name (a lazy parameter takes any shape, as there)."""
+    if not isinstance(given, Tensor) or not isinstance(own, Tensor) or is_lazy(own):
+        return []
+    if given.shape == own.shape or (own.dim() == 0 and given.shape == (1,)):
+        return []  # torch takes a 1-element tensor for a 0-d one (old checkpoints)
+    return [
+        f"size mismatch for {name}: copying a param with shape {given.shape} from "
+        f"checkpoint, the shape in stage {stage} is {own.shape}"
+    ]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -197,12 +211,25 @@ class StateNames:
                 "unsplit model's state_dict(), or the pipeline's), or pass strict=False to "
                 "load only the keys that match"
             )
+        locals_: dict[int, dict[str, Any]] = {}
+        mismatched: list[str] = []
         for s, keys in own.items():
-            local = {}
+            state = _state(modules[s])
+            local = locals_[s] = {}
             for key, names in keys.items():
                 found = next((n for n in names if n in state_dict), None)
                 if found is not None:
                     local[key] = state_dict[found]
+                    mismatched += _size_mismatch(found, state_dict[found], state.get(key), s)
+        if mismatched:
+            # Before anything is copied, under the model's names: the stage's own error
+            # would name its local key (stage 1's "0.weight" for the model's "2.weight").
+            raise RuntimeError(
+                "Error(s) in loading a state_dict into the pipeline's stages: "
+                f"{'; '.join(mismatched)}. Give the state_dict of the same model (the unsplit "
+                "model's state_dict(), or the pipeline's)"
+            )
+        for s, local in locals_.items():
             modules[s].load_state_dict(local, strict=False)
         return IncompatibleKeys(missing, unexpected)
 

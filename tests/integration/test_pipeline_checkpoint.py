@@ -158,6 +158,19 @@ def test_strict_loading_names_missing_and_unexpected_keys_and_copies_nothing() -
             pipe.load_state_dict(wrong)
 
 
+def test_a_size_mismatch_names_the_models_key_and_copies_nothing() -> None:
+    # The last stage's own load_state_dict named its local key ("3.weight" for the
+    # model's "6.weight"), after the first stage had already been overwritten.
+    model = mlp(layers=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wrong = mlp(layers=4).state_dict() | {"6.weight": torch.zeros(3, 5, dtype=torch.float64)}
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe:
+        assert not any(p is model[6].weight for p in pipe.stage_modules[0].parameters())
+        with pytest.raises(RuntimeError, match=r"size mismatch for 6\.weight: .*\[3, 5\].*stage 1"):
+            pipe.load_state_dict(wrong)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 def test_tied_layer_is_saved_under_every_name_the_model_has() -> None:
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)
