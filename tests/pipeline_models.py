@@ -65,3 +65,35 @@ class SleepLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return _Sleep.apply(x, self.forward_s, self.backward_s) * self.weight
+
+
+class _Complexify(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.complex(x, x.flip(-1))
+
+
+class _ComplexLinear(nn.Module):
+    def __init__(self, width: int, generator: torch.Generator) -> None:
+        super().__init__()
+        w = torch.randn(width, width, dtype=torch.complex128, generator=generator) / 3
+        self.w = nn.Parameter(w)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z @ self.w
+
+
+def complex_model(width: int = 5, seed: int = 0) -> nn.Sequential:
+    """A float64 linear layer, then complex128 layers: its outputs are complex
+    (train it with :func:`complex_loss`); seeded, so every process builds it alike."""
+    gen = torch.Generator().manual_seed(seed)
+    first = nn.Linear(width, width, dtype=torch.float64)
+    with torch.no_grad():
+        first.weight.copy_(torch.randn(width, width, generator=gen, dtype=torch.float64))
+        first.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
+    layers = [first, _Complexify(), _ComplexLinear(width, gen), _ComplexLinear(width, gen)]
+    return nn.Sequential(*layers)
+
+
+def complex_loss(out: Tensor, target: Tensor) -> Tensor:
+    """A real loss of complex outputs: the mean squared error of their magnitudes."""
+    return (out.abs() - target).pow(2).mean()

@@ -52,7 +52,7 @@ from batchgraph.pipeline.errors import (
     PipelineConfigError,
     StageError,
 )
-from batchgraph.pipeline.loss import Loss
+from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.microbatch import (
     Batch,
     batch_size,
@@ -286,7 +286,7 @@ class Coordinator:
                 return (torch.full_like(value, weight),)
             graphs.append(last.has_graph(mb))
             # Detached, so no microbatch's output is kept alive through its loss graph.
-            leaves = tuple([o.detach().requires_grad_(o.is_floating_point()) for o in outputs])
+            leaves = output_leaves(outputs)
             out = leaves[0] if len(leaves) == 1 else leaves
             with torch.enable_grad():
                 value = loss.compute_loss(out, tgt)

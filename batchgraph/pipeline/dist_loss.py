@@ -20,7 +20,7 @@ from torch import Tensor
 
 from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.errors import StageError
-from batchgraph.pipeline.loss import Loss
+from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.step_checks import no_gradient_error
 
@@ -117,7 +117,7 @@ class StepLoss:
                 grads: tuple[Tensor | None, ...] = (torch.full_like(value, weight),)
             else:
                 graph = last.has_graph(mb)
-                leaves = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outs)
+                leaves = output_leaves(outs)
                 out = leaves[0] if len(leaves) == 1 else leaves
                 with torch.enable_grad():
                     value = self.loss.compute_loss(out, tgt)

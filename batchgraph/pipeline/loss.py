@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.errors import PipelineConfigError
 
-__all__ = ["Loss", "Reduction"]
+__all__ = ["Loss", "Reduction", "output_leaves"]
 
 Reduction = Literal["mean", "batchmean", "sum"]
 Output = Tensor | tuple[Tensor, ...]
@@ -55,6 +55,21 @@ def _declared(fn: Callable[..., object]) -> str:
     if isinstance(fn, functools.partial) and "reduction" in fn.keywords:
         return str(fn.keywords["reduction"])
     return str(getattr(fn, "reduction", "mean"))
+
+
+def output_leaves(outputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The last stage's outputs as detached leaves, for a loss and its gradient computed
+    apart from the stage's graph; floating and complex ones require grad (a complex
+    model's loss of ``|z|`` has a gradient, which the stage's backward needs).
+
+    Example:
+        >>> [t.requires_grad for t in output_leaves([torch.ones(1, dtype=torch.cfloat),
+        ...                                          torch.ones(1, dtype=torch.long)])]
+        [True, False]
+    """
+    return tuple(
+        [o.detach().requires_grad_(o.is_floating_point() or o.is_complex()) for o in outputs]
+    )
 
 
 @dataclass(frozen=True)

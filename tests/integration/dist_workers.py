@@ -251,6 +251,21 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
             "loss": None if loss is None else float(loss),
             "ref_loss": float(want),
         }
+    # Complex outputs under zb-h1: the loss's leaves on them must require grad.
+    from tests.pipeline_models import complex_loss, complex_model
+
+    model, twin = complex_model(DIM), complex_model(DIM)
+    y_abs = torch.cat([y, y], dim=1)  # a target per output magnitude
+    complex_loss(twin(x), y_abs).backward()
+    with Pipeline(model, stages=world, microbatches=3, schedule="zb-h1", loss_fn=complex_loss,
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        pipe.train_step(x if rank == 0 else None, y_abs if rank == world - 1 else None)
+        mine = [p for m in pipe.own_modules.values() for p in m.parameters()]
+    out["complex"] = max(
+        float("inf") if p.grad is None else (p.grad - q.grad).abs().max().item()  # type: ignore[operator]
+        for p, q in zip(model.parameters(), twin.parameters())
+        if any(p is r for r in mine)
+    )
     # The façade, with real modules on every rank (each uses only its own).
     mods = [make_stage(s, world) for s in range(world)]
     with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(),

@@ -41,6 +41,12 @@ def test_gradients_equal_single_device(two_ranks: W.Launch, schedule: str) -> No
     assert results[0]["devices"] == [0, 1]  # rank 0 gathered both ranks' timelines
 
 
+def test_complex_outputs_get_their_gradient_under_zb_h1(two_ranks: W.Launch) -> None:
+    # The last rank's loss leaves on complex outputs required no grad: no rank got any.
+    for r in range(2):
+        assert two_ranks.ok(r)["complex"] < TOL, f"rank {r}"
+
+
 @pytest.mark.parametrize("variant", ["fused", "own_gradient"])
 def test_last_stage_loss_with_and_without_its_own_gradient_pass(
     two_ranks: W.Launch, variant: str

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline, StageError
-from tests.pipeline_models import assert_grads_equal, mlp, reference
+from tests.pipeline_models import assert_grads_equal, complex_loss, complex_model, mlp, reference
 
 _SCHEDULES = [s for s in SCHEDULE_NAMES if s != "interleaved-1f1b"]
 
@@ -262,4 +262,19 @@ def test_zb_h1_with_activation_checkpointing(reentrant: bool) -> None:
                 pipe.train_step(x, y)
             return
         pipe.train_step(x, y)
+    assert_grads_equal(model, want)
+
+
+@pytest.mark.parametrize("schedule", _SCHEDULES)
+def test_complex_outputs_get_their_gradient(schedule: str) -> None:
+    # The loss's leaves on the last stage's outputs required grad only when floating:
+    # where the loss is computed apart from the stage's graph (zb-h1's last stage), a
+    # complex output got none, and the step left every .grad None without a word.
+    model = complex_model()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 5, dtype=torch.float64)
+    want_loss, want = reference(model, x, y, complex_loss)
+    with Pipeline(model, stages=2, microbatches=3, schedule=schedule, loss_fn=complex_loss) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss)
     assert_grads_equal(model, want)
