@@ -78,9 +78,16 @@ def microbatch_fit_error(microbatches: int, n: int) -> PipelineConfigError | Non
     Example:
         >>> print(microbatch_fit_error(4, 3))
         microbatches=4 does not fit a batch of 3 samples: use 1 <= microbatches <= 3 (every microbatch needs at least one sample)
+        >>> print(microbatch_fit_error(2, 0))
+        the batch is empty (0 samples in dimension 0): give at least microbatches=2 samples, one per microbatch
     """
     if 1 <= microbatches <= n:
         return None
+    if n == 0:
+        return PipelineConfigError(
+            "the batch is empty (0 samples in dimension 0): give at least "
+            f"microbatches={microbatches} samples, one per microbatch"
+        )
     return PipelineConfigError(
         f"microbatches={microbatches} does not fit a batch of {n} samples: use 1 <= "
         f"microbatches <= {n} (every microbatch needs at least one sample)"
@@ -204,8 +211,12 @@ def check_stages_fit(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> 
             if isinstance(exc, NotImplementedError) or "meta" in text.lower():
                 return  # cannot tell on meta tensors; see the docstring
             name = type(module).__name__
+            # What to fix: the batch, where the first stage refuses it (a split has no
+            # cut before stage 0); else the cut between two stages.
+            fix = "fix the split so each stage's outputs match the next stage's inputs"
             if k == 0:
                 where = f"stage 0 ({name}) cannot take the microbatch inputs {_describe(values)}"
+                fix = "give inputs that stage takes (check their shape and dtype) or fix it"
             else:
                 prev = type(modules[k - 1]).__name__
                 where = (
@@ -213,8 +224,7 @@ def check_stages_fit(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> 
                     f"({name}) cannot take it"
                 )
             raise StageMismatchError(
-                f"{where}: {type(exc).__name__}: {text.splitlines()[0] if text else ''}; fix "
-                "the split so each stage's outputs match the next stage's inputs"
+                f"{where}: {type(exc).__name__}: {text.splitlines()[0] if text else ''}; {fix}"
             ) from exc
         items = result if isinstance(result, (tuple, list)) else (result,)
         if not all(isinstance(v, Tensor) for v in items):

@@ -138,14 +138,26 @@ def test_shape_mismatch_across_cut_found_before_training() -> None:
 
 
 def test_first_stage_input_mismatch() -> None:
+    # Says to fix the inputs: "fix the split" pointed at a cut that is not there.
     pipe = Pipeline([nn.Linear(3, 2), nn.Linear(2, 1)], microbatches=1, loss_fn=nn.MSELoss())
     with (
         pipe,
         pytest.raises(
-            StageMismatchError, match=r"stage 0 \(Linear\) cannot take the microbatch inputs"
+            StageMismatchError,
+            match=r"stage 0 \(Linear\) cannot take the microbatch inputs .*; give inputs that "
+            r"stage takes \(check their shape and dtype\) or fix it$",
         ),
     ):
         pipe.forward(torch.randn(2, 5))
+
+
+def test_an_empty_batch_is_named() -> None:
+    # Was "microbatches=1 does not fit a batch of 0 samples: use 1 <= microbatches <= 0".
+    with (
+        Pipeline(mlp(4), stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe,
+        pytest.raises(PipelineConfigError, match=r"^the batch is empty \(0 samples"),
+    ):
+        pipe.train_step(torch.zeros(0, 5, dtype=torch.float64), torch.zeros(0, 3))
 
 
 @pytest.mark.parametrize(
@@ -171,7 +183,9 @@ def test_invalid_configuration(kwargs: dict[str, Any], match: str) -> None:
 def test_distributed_backend_outside_a_process_group() -> None:
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="start the script with torchrun"):
-        Pipeline(mlp(4), stages=2, microbatches=2, loss_fn=nn.MSELoss(), backend="torch.distributed")
+        Pipeline(
+            mlp(4), stages=2, microbatches=2, loss_fn=nn.MSELoss(), backend="torch.distributed"
+        )
 
 
 def test_more_microbatches_than_samples() -> None:
