@@ -67,7 +67,7 @@ from batchgraph.pipeline.microbatch import Batch, merge_microbatches, split_micr
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.splitting import warn_whole_model_hooks
 from batchgraph.pipeline.stats import PipelineStats
-from batchgraph.pipeline.step_checks import scalar_output_warning
+from batchgraph.pipeline.step_checks import check_timeout, scalar_output_warning
 from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = ["DistributedPipeline", "StageSpec"]
@@ -145,6 +145,7 @@ class DistributedPipeline(CheckpointMethods):
         timeout: float = 60.0,
         collect_stats: bool = True,
     ) -> None:
+        check_timeout(timeout, optional=False)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "backend='torch.distributed' runs inside a process group: start the script with "

@@ -30,6 +30,7 @@ from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.splitting import stage_modules
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
+from batchgraph.pipeline.step_checks import check_timeout
 from batchgraph.pipeline.trace import TimelineEvent
 from batchgraph.pipeline.traced_modes import ModeParts
 from batchgraph.pipeline.validate import validate_schedule
@@ -231,6 +232,7 @@ class Pipeline(CheckpointMethods):
                 f"{', '.join(available_backends())}. A backend plugs in with "
                 "batchgraph.pipeline.register_backend(name, factory)"
             )
+        check_timeout(timeout)
         if not isinstance(chunks, int) or chunks < 1:
             raise PipelineConfigError(f"chunks must be an int >= 1, got {chunks!r}")
         if stages is not None and (not isinstance(stages, int) or stages < 1):

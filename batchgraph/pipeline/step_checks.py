@@ -12,11 +12,32 @@ from __future__ import annotations
 from batchgraph.pipeline.errors import PipelineConfigError
 
 __all__ = [
+    "check_timeout",
     "inference_mode_error",
     "no_gradient_error",
     "nothing_to_train_error",
     "scalar_output_warning",
 ]
+
+
+def check_timeout(timeout: object, *, optional: bool = True) -> None:
+    """Refuse a ``timeout=`` that is not a positive number of seconds (or ``None`` where
+    ``optional``), when the pipeline is built: else ``0`` or ``nan`` failed a step's first
+    wait for a message and a string failed inside a stage, each named as a stage error.
+
+    Example:
+        >>> check_timeout(-1)
+        Traceback (most recent call last):
+        ...
+        batchgraph.pipeline.errors.PipelineConfigError: timeout must be a number of seconds > 0 (or None: no limit), got -1
+    """
+    if timeout is None and optional:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        limit = " (or None: no limit)" if optional else ""
+        raise PipelineConfigError(
+            f"timeout must be a number of seconds > 0{limit}, got {timeout!r}"
+        )
 
 
 def nothing_to_train_error(where: str = "") -> PipelineConfigError:

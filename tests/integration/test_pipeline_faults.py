@@ -172,6 +172,10 @@ def test_an_empty_batch_is_named() -> None:
             r"backend 'mpi' is not registered; registered backends: threads, torch\.distributed",
         ),
         ({"microbatches": 2}, "pass stages="),
+        # Failed inside the first step as a stage error, or (negative) was not refused.
+        ({"stages": 2, "microbatches": 2, "timeout": 0}, r"timeout must be .* > 0 .*got 0$"),
+        ({"stages": 2, "microbatches": 2, "timeout": -1}, r"timeout must be .* > 0 .*got -1$"),
+        ({"stages": 2, "microbatches": 2, "timeout": "30"}, r"got '30'$"),
     ],
 )
 def test_invalid_configuration(kwargs: dict[str, Any], match: str) -> None:
