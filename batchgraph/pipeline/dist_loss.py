@@ -15,16 +15,43 @@ microbatch fails at the last microbatch's loss (so every rank stops, naming it),
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
-from batchgraph.pipeline.errors import StageError
+from batchgraph.pipeline.errors import PipelineConfigError, StageError
 from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.step_checks import no_gradient_error
 
-__all__ = ["StepLoss"]
+__all__ = ["StepLoss", "count_over_replicas"]
+
+
+def count_over_replicas(loss: Loss, group: Any, device: torch.device) -> None:
+    """Make ``loss`` divide by the count of the targets of every replica (collective over
+    ``group``: the last stage's ranks of all replicas, after ``begin_step``).
+
+    A mean over counted targets (``CrossEntropyLoss``, ``NLLLoss``) divides by a count
+    of the whole batch; each replica counted only its own share, so the replicas' losses
+    and gradients, summed, were the sum of their means. Every replica takes part, counted
+    or not, so a disagreement is found rather than waited on.
+    """
+    count = loss.count
+    mine = [0.0, 0.0] if count is None else [1.0, count]
+    both = torch.tensor(mine, dtype=torch.float64, device=device)
+    dist.all_reduce(both, group=group)
+    counted, total = both.tolist()
+    if counted == dist.get_world_size(group):
+        loss.set_count(total)
+    elif counted:
+        raise PipelineConfigError(
+            "the replicas' losses disagree on whether they mean over counted targets "
+            "(class-index targets on some replicas, class probabilities on others?): give "
+            "every replica targets of the same kind"
+        )
 
 
 class StepLoss:

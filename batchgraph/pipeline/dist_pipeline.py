@@ -44,7 +44,7 @@ from batchgraph.pipeline.dist_errors import (
     clear_frames,
     rank_error,
 )
-from batchgraph.pipeline.dist_loss import StepLoss
+from batchgraph.pipeline.dist_loss import StepLoss, count_over_replicas
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
@@ -443,6 +443,8 @@ class DistributedPipeline(CheckpointMethods):
         if self._has_last and train:
             assert targets is not None and self.loss is not None  # see _check_batches
             self.loss.begin_step(targets)
+            if self.groups.replica is not None:
+                count_over_replicas(self.loss, self.groups.replica, self.comm.device)
             last = self.stages[self.schedule.stages - 1]
             tgs = split_microbatches(targets, m)
             collected = StepLoss(self.loss, last, self.comm, tgs, total_n, self._fused_loss)

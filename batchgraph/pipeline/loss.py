@@ -193,6 +193,28 @@ class Loss:
             counted.numel() if weight is None else weight[counted.to(weight.device)].sum()
         )
 
+    @property
+    def count(self) -> float | None:
+        """This step's count for a mean over counted targets (see :meth:`begin_step`), or
+        ``None`` when the weights are the plain ones."""
+        return self._count
+
+    def set_count(self, count: float) -> None:
+        """Divide by ``count`` instead of the count of the targets :meth:`begin_step` saw:
+        data-parallel replicas each see their share of the batch, and their batch's mean
+        divides by the count over all of them.
+
+        Example:
+            >>> loss = Loss(torch.nn.CrossEntropyLoss())
+            >>> loss.begin_step(torch.tensor([0, 2]))   # this replica's two targets
+            >>> loss.set_count(5.0)                      # of five over all replicas
+            >>> loss.weight(2, 2)
+            0.2
+        """
+        if self._count is None:
+            raise RuntimeError("set_count needs a step whose loss counts its targets")
+        self._count = count
+
     def weight(self, microbatch_size: int, batch_size: int) -> float:
         """The factor that turns a microbatch's loss into its share of the batch loss.
 

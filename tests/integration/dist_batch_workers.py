@@ -152,3 +152,35 @@ def job_tied_across_ranks(rank: int, world: int) -> dict[str, Any]:
         (stage,) = pipe._runtime.stages.values()  # type: ignore[union-attr]
         out["meta_tied"] = stage.module.get_parameter("0.emb.weight").sum().item()
     return out
+
+
+def job_counted_mean_over_replicas(rank: int, world: int) -> dict[str, Any]:
+    """One stage, two data-parallel replicas with shards of 6 and 4 samples, and a mean
+    cross-entropy with ignored targets: the count it divides by is the whole batch's."""
+    from batchgraph.pipeline import DistributedPipeline
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(10, H, generator=gen, dtype=torch.float64)
+    y = torch.tensor([0, 0, 1, 2, 1, 0, 2, 2, 1, 0])  # shards: 3 of 6 ignored, 1 of 4
+    out: dict[str, Any] = {}
+    for name, loss_fn in (
+        ("plain", nn.CrossEntropyLoss()),
+        ("ignore_index", nn.CrossEntropyLoss(ignore_index=0)),
+    ):
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(H, H), nn.Tanh(), nn.Linear(H, 3)).double()
+        want = loss_fn(net(x), y)
+        want.backward()
+        ref_grads = [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
+        net.zero_grad(set_to_none=True)
+        a, b = ((0, 6), (6, 10))[rank]
+        with DistributedPipeline(net, stages=1, replicas=2, microbatches=2, loss_fn=loss_fn,
+                                 timeout=20) as pipe:  # fmt: skip
+            loss = pipe.train_step(x[a:b], y[a:b])
+        grads = [p.grad for p in net.parameters()]
+        out[name] = {
+            "error": max((g - r).abs().max().item() for g, r in zip(grads, ref_grads)),  # type: ignore[operator]
+            "loss": float(loss) if loss is not None else None,
+            "ref_loss": float(want),
+        }
+    return out

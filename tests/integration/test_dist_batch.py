@@ -27,6 +27,17 @@ def test_microbatch_weights_count_samples_not_output_rows() -> None:
     assert last["loss"] == pytest.approx(last["ref_loss"], abs=TOL)
 
 
+def test_a_mean_over_counted_targets_divides_by_every_replicas_count() -> None:
+    # Each replica divided by the count of its own targets, so the replicas' summed
+    # gradients (and loss) were the sum of their means, for CrossEntropyLoss with or
+    # without ignored targets: about twice the right values with two replicas.
+    run = W.launch(BW.job_counted_mean_over_replicas, world=2, limit=60)
+    for r in range(2):
+        for name, res in run.ok(r).items():
+            assert res["error"] < TOL, f"rank {r}, {name}: gradient differs by {res['error']}"
+            assert res["loss"] == pytest.approx(res["ref_loss"], abs=TOL), (r, name)
+
+
 def test_inputs_and_targets_of_different_sizes_are_refused_on_every_rank() -> None:
     run = W.launch(BW.job_batch_mismatch, world=2, limit=60)
     for r in range(2):
