@@ -55,6 +55,7 @@ from batchgraph.pipeline.errors import (
 from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.microbatch import (
     Batch,
+    CallerGraph,
     batch_size,
     check_stages_fit,
     merge_microbatches,
@@ -251,7 +252,8 @@ class Coordinator:
             raise PipelineConfigError(
                 f"inputs have {n} samples but targets have {batch_size(targets)}"
             )
-        mbs = split_microbatches(inputs, m, "inputs")
+        caller = CallerGraph(inputs)
+        mbs = split_microbatches(caller.inputs, m, "inputs")
         tgs = split_microbatches(targets, m, "targets")
         if not any([t.requires_grad for t in mbs[0]]) and not any(
             p.requires_grad for stage in self.stages for p in stage.module.parameters()
@@ -297,6 +299,7 @@ class Coordinator:
         self._run(mbs, train=True, on_output=on_output)
         if not any(graphs):
             raise no_gradient_error(last.index, type(last.module).__name__)
+        caller.join()
         if scalars and not self._warned_scalar:
             self._warned_scalar = True
             warnings.warn(

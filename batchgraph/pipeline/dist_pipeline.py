@@ -63,7 +63,12 @@ from batchgraph.pipeline.dist_topology import (
 )
 from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError, StageError
 from batchgraph.pipeline.loss import Loss
-from batchgraph.pipeline.microbatch import Batch, merge_microbatches, split_microbatches
+from batchgraph.pipeline.microbatch import (
+    Batch,
+    CallerGraph,
+    merge_microbatches,
+    split_microbatches,
+)
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.splitting import warn_whole_model_hooks
 from batchgraph.pipeline.stats import PipelineStats
@@ -437,7 +442,8 @@ class DistributedPipeline(CheckpointMethods):
                 raise PipelineConfigError(
                     f"rank {self.topology.rank} runs stage 0: pass the inputs"
                 )
-            for mb, xs in enumerate(split_microbatches(inputs, m)):
+            caller = CallerGraph(inputs)  # see there: joined once the step is over
+            for mb, xs in enumerate(split_microbatches(caller.inputs, m)):
                 self.comm.send(MessageKey(_ACT, COORDINATOR, 0, mb), xs)
         collected: StepLoss | None = None
         if self._has_last and train:
@@ -477,6 +483,8 @@ class DistributedPipeline(CheckpointMethods):
             comm.set_handler(COORDINATOR, None)
         fill.finish()
         comm.wait_sends()
+        if self._has_first and train:
+            caller.join()
         if not self._has_last:
             return None, events
         if collected is not None:

@@ -18,6 +18,7 @@ from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 
 __all__ = [
     "Batch",
+    "CallerGraph",
     "batch_size",
     "check_stages_fit",
     "merge_microbatches",
@@ -70,6 +71,48 @@ def batch_size(batch: Batch, what: str = "the batch") -> int:
             f"shapes {shapes}"
         )
     return sizes.pop()
+
+
+class CallerGraph:
+    """Inputs computed by the caller's own graph (``x = embed(ids)`` before the
+    pipeline), cut off it for the step and joined back once at the end.
+
+    Every microbatch's stage-0 backward would otherwise run on into the caller's graph
+    through the one node that split the batch: the first frees that graph's saved
+    tensors and the second fails ("Trying to backward through the graph a second
+    time"). Each such input is replaced by a leaf; after the step, one backward from the
+    inputs with the leaves' gradients runs the caller's graph once, as one device's
+    ``loss.backward()`` does (leaf inputs keep their own ``.grad`` and are left as they are).
+
+    Example:
+        >>> base = torch.ones(4, 2, requires_grad=True)
+        >>> cut = CallerGraph(base * 3)
+        >>> [mb[0].sum().backward() for mb in split_microbatches(cut.inputs, 2)]
+        [None, None]
+        >>> cut.join()
+        >>> base.grad[0]
+        tensor([3., 3.])
+    """
+
+    def __init__(self, inputs: Batch) -> None:
+        items = _as_tuple(inputs)
+        self._pairs: list[tuple[Tensor, Tensor]] = []
+        cut: list[Tensor] = []
+        for t in items:
+            if t.requires_grad and t.grad_fn is not None:
+                leaf = t.detach().requires_grad_(True)
+                self._pairs.append((t, leaf))
+                t = leaf
+            cut.append(t)
+        self.inputs: Batch = (
+            inputs if not self._pairs else cut[0] if isinstance(inputs, Tensor) else tuple(cut)
+        )
+
+    def join(self) -> None:
+        """Run the caller's graph backward from the inputs, with the step's gradients."""
+        pairs = [(t, leaf.grad) for t, leaf in self._pairs if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 def microbatch_fit_error(microbatches: int, n: int) -> PipelineConfigError | None:

@@ -11,7 +11,9 @@ A stage keeps, per microbatch, what its backward needs::
 A split stage that sends nothing upstream (stage 0, or inputs that need no gradient)
 records no tape: its I only keeps dL/dy and its W runs the whole backward, as nothing
 upstream waits for an I there. Stage 0's inputs are the caller's: when they require grad,
-its backward carries on into the caller's graph (``x.grad`` as on one device).
+its backward carries on into the caller's graph (``x.grad`` as on one device; inputs that
+a graph computed come as leaves, joined back once after the step: see
+:class:`~batchgraph.pipeline.microbatch.CallerGraph`).
 
 Each stage input is a detached leaf, so a stage's autograd graph ends at its own
 boundary: the gradient at the input is read from the leaf and sent upstream as a

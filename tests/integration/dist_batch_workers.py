@@ -184,3 +184,33 @@ def job_counted_mean_over_replicas(rank: int, world: int) -> dict[str, Any]:
             "ref_loss": float(want),
         }
     return out
+
+
+def job_inputs_from_the_callers_graph(rank: int, world: int) -> dict[str, Any]:
+    """Inputs computed by a layer run before the pipeline (on the first rank): its
+    gradient arrives once, as one device's backward gives it."""
+    from batchgraph.pipeline import Pipeline
+
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 10, (8,), generator=gen)
+    y = torch.randn(8, 2, generator=gen, dtype=torch.float64)
+    torch.manual_seed(5)
+    embed = nn.Embedding(10, H, dtype=torch.float64)
+    mods = [nn.Sequential(nn.Linear(H, H, dtype=torch.float64), nn.Tanh()),
+            nn.Linear(H, 2, dtype=torch.float64)]  # fmt: skip
+    nn.MSELoss()(nn.Sequential(*mods)(embed(ids) * 2), y).backward()
+    ref = [p.grad.clone() for p in embed.parameters()]  # type: ignore[union-attr]
+    ref_own = [p.grad.clone() for p in mods[rank].parameters()]  # type: ignore[union-attr]
+    for p in [*embed.parameters(), *mods[rank].parameters()]:
+        p.grad = None
+    with Pipeline(mods, microbatches=4, schedule="1f1b", loss_fn=nn.MSELoss(),
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        x = embed(ids) * 2 if rank == 0 else None
+        pipe.train_step(x, y if rank == world - 1 else None)
+    got = [*embed.parameters()] if rank == 0 else []
+    return {
+        "error": max(
+            (p.grad - g).abs().max().item()  # type: ignore[operator]
+            for p, g in [*zip(got, ref), *zip(mods[rank].parameters(), ref_own)]
+        )
+    }

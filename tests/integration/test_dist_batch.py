@@ -38,6 +38,14 @@ def test_a_mean_over_counted_targets_divides_by_every_replicas_count() -> None:
             assert res["loss"] == pytest.approx(res["ref_loss"], abs=TOL), (r, name)
 
 
+def test_inputs_computed_by_the_callers_graph_get_their_gradient() -> None:
+    # Each microbatch's stage-0 backward ran on into the caller's graph: the second
+    # failed the step ("Trying to backward through the graph a second time").
+    run = W.launch(BW.job_inputs_from_the_callers_graph, world=2, limit=60)
+    for r in range(2):
+        assert run.ok(r)["error"] < TOL, f"rank {r}"
+
+
 def test_inputs_and_targets_of_different_sizes_are_refused_on_every_rank() -> None:
     run = W.launch(BW.job_batch_mismatch, world=2, limit=60)
     for r in range(2):

@@ -44,6 +44,28 @@ def test_inputs_that_require_grad_get_their_gradient(schedule: str) -> None:
     assert not [w for w in caught if "non-leaf" in str(w.message)]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_inputs_computed_by_the_callers_graph_get_their_gradient(schedule: str) -> None:
+    # Inputs from a layer run before the pipeline (an embedding outside it): every
+    # microbatch's stage-0 backward ran on into that layer's graph, through the one
+    # node that split the batch, and the second failed the step ("Trying to backward
+    # through the graph a second time").
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 5, dtype=torch.float64)
+    model = mlp(layers=4)
+    ids = torch.randint(0, 10, (6,))
+    y = torch.randn(6, 3, dtype=torch.float64)
+    want_loss, want = reference(nn.Sequential(embed, model), ids, y, nn.MSELoss())
+    with Pipeline(
+        model, stages=2, microbatches=3, schedule=schedule, loss_fn=nn.MSELoss(),
+        chunks=2 if schedule == "interleaved-1f1b" else 1, cost="uniform", timeout=30,
+    ) as pipe:  # fmt: skip
+        for _ in range(2):  # accumulates like two backward calls
+            loss = pipe.train_step(embed(ids), y)
+    torch.testing.assert_close(loss, want_loss)
+    assert_grads_equal(nn.Sequential(embed, model), [None if g is None else 2 * g for g in want])
+
+
 def _change_between_steps(
     schedule: str, model: nn.Sequential, change: Callable[[list[nn.Module]], None]
 ) -> None:
