@@ -68,6 +68,7 @@ from batchgraph.pipeline.step_checks import (
     no_gradient_error,
     nothing_to_train_error,
     scalar_output_warning,
+    targets_require_grad_error,
 )
 from batchgraph.pipeline.thread_state import ThreadState
 from batchgraph.pipeline.trace import TimelineEvent
@@ -79,6 +80,11 @@ __all__ = ["Coordinator"]
 _Step = tuple[Stage, Action, MessageKey | None, MessageKey | None]
 # What a device thread records per action: the action, its start and its end.
 _Record = tuple[Action, float, float]
+
+
+def _requires_grad(batch: Batch) -> bool:
+    items = batch if isinstance(batch, tuple | list) else (batch,)
+    return any([isinstance(t, Tensor) and t.requires_grad for t in items])
 
 
 class Coordinator:
@@ -252,6 +258,8 @@ class Coordinator:
             raise PipelineConfigError(
                 f"inputs have {n} samples but targets have {batch_size(targets)}"
             )
+        if _requires_grad(targets):
+            raise targets_require_grad_error()
         caller = CallerGraph(inputs)
         mbs = split_microbatches(caller.inputs, m, "inputs")
         tgs = split_microbatches(targets, m, "targets")

@@ -28,14 +28,18 @@ import torch.distributed as dist
 from batchgraph.pipeline.dist_topology import Topology
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.microbatch import Batch, batch_size, microbatch_fit_error
-from batchgraph.pipeline.step_checks import inference_mode_error, nothing_to_train_error
+from batchgraph.pipeline.step_checks import (
+    inference_mode_error,
+    nothing_to_train_error,
+    targets_require_grad_error,
+)
 
 __all__ = ["BatchCounts", "check_batches", "gather_counts", "local_counts"]
 
 #: What a rank reports instead of a sample count.
 NOT_HERE = -1  # it does not run the stage that takes this batch
 MISSING = -2  # it does, but got None
-INVALID = -3  # it got something that is not a batch (that rank raises its own error)
+INVALID = -3  # it got something that is not a batch, or refused (it raises its own error)
 
 #: Bits of a rank's third number: what it knows of the step besides its batches.
 TRAINABLE = 1  # a parameter of its stages requires grad, or its inputs do
@@ -77,6 +81,8 @@ def local_counts(
     """
     n_in, err_in = _count(inputs, first)
     n_tg, err_tg = _count(targets, last)
+    if last and err_tg is None and _requires_grad(targets):
+        n_tg, err_tg = INVALID, targets_require_grad_error()
     flags = TRAINABLE if trainable or (first and _requires_grad(inputs)) else 0
     if torch.is_inference_mode_enabled():
         flags |= INFERENCE
@@ -126,7 +132,7 @@ def check_batches(
         for n, what, r in ((n_in, "inputs", f), (n_tg, "targets", last)):
             if n == INVALID:
                 return 0, PipelineConfigError(
-                    f"rank {r}'s {what} are not a batch (that rank's error says why)"
+                    f"rank {r}'s {what} are refused (that rank's error says why)"
                 )
         if n_in != n_tg:
             where = f"replica {j}: " if topology.replicas > 1 else ""

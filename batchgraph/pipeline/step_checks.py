@@ -17,6 +17,7 @@ __all__ = [
     "no_gradient_error",
     "nothing_to_train_error",
     "scalar_output_warning",
+    "targets_require_grad_error",
 ]
 
 
@@ -38,6 +39,19 @@ def check_timeout(timeout: object, *, optional: bool = True) -> None:
         raise PipelineConfigError(
             f"timeout must be a number of seconds > 0{limit}, got {timeout!r}"
         )
+
+
+def targets_require_grad_error(where: str = "") -> PipelineConfigError:
+    """``train_step``'s targets require grad: one device's ``loss.backward()`` would reach
+    them (a teacher network's outputs), but a pipeline's loss gradient goes to the
+    model's outputs only. Refused: a schedule whose backward starts from each
+    microbatch's loss failed its second microbatch in the targets' graph, the others
+    left the targets' gradients out without a word."""
+    return PipelineConfigError(
+        f"the targets require grad{where}, but the pipeline computes no gradient for "
+        "them (the loss's gradient goes to the model's outputs only); pass "
+        "targets.detach(), or move what computes them into the model"
+    )
 
 
 def nothing_to_train_error(where: str = "") -> PipelineConfigError:

@@ -93,6 +93,12 @@ def job_batch_mismatch(rank: int, world: int) -> dict[str, Any]:
             out["missing"] = "no error"
         except PipelineConfigError as exc:
             out["missing"] = str(exc)
+        try:  # targets with a graph: refused, their gradient would be dropped
+            y_grad = y.clone().requires_grad_(True) * 1
+            pipe.train_step(x if rank == 0 else None, y_grad if rank == world - 1 else None)
+            out["grad_targets"] = "no error"
+        except PipelineConfigError as exc:
+            out["grad_targets"] = str(exc)
         out["untouched"] = all(p.grad is None for p in mods[rank].parameters())
         pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None)
     out["error"] = _grad_error(mods[rank], ref[rank])

@@ -53,6 +53,8 @@ def test_inputs_and_targets_of_different_sizes_are_refused_on_every_rank() -> No
         assert "inputs have 8 samples but targets have 4" in res["refused"], res["refused"]
         assert "inputs on rank 0, targets on rank 1" in res["refused"]
         assert "rank 1 runs the last stage: pass the targets" in res["missing"], res["missing"]
+        want = "the targets require grad" if r == 1 else "rank 1's targets are refused"
+        assert want in res["grad_targets"], res["grad_targets"]
         # Refused before anything ran; the next good step equals one device.
         assert res["untouched"], f"rank {r}: a refused step left gradients"
         assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"

@@ -151,6 +151,21 @@ def test_first_stage_input_mismatch() -> None:
         pipe.forward(torch.randn(2, 5))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_targets_that_require_grad_are_refused(schedule: str) -> None:
+    # Targets from a trainable teacher: gpipe failed its second microbatch in their
+    # graph ("backward through the graph a second time"), zb-h1 left out their gradient.
+    model = mlp(4)
+    teacher = nn.Linear(5, 3, dtype=torch.float64)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    with (
+        Pipeline(model, stages=2, microbatches=3, schedule=schedule, loss_fn=nn.MSELoss()) as pipe,
+        pytest.raises(PipelineConfigError, match=r"the targets require grad.*targets\.detach\(\)"),
+    ):
+        pipe.train_step(x, teacher(x))
+    assert all(p.grad is None for p in [*model.parameters(), *teacher.parameters()])
+
+
 def test_an_empty_batch_is_named() -> None:
     # Was "microbatches=1 does not fit a batch of 0 samples: use 1 <= microbatches <= 0".
     with (
