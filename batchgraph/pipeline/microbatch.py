@@ -7,7 +7,10 @@ a batch (inputs may be a tuple of tensors) is split along dimension 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -237,6 +240,50 @@ def check_stages_fit(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> 
         ...
         batchgraph.pipeline.errors.StageMismatchError: stage 0 (Linear) produces ((2, 8) torch.float32) but stage 1 (Linear) cannot take it: ...
     """
+    with _python_state_kept(modules):
+        _probe(modules, sample)
+
+
+# Module state that functional_call swaps and restores itself.
+_SWAPPED = frozenset({"_parameters", "_buffers", "_modules"})
+_CONTAINERS = (dict, list, set)
+
+
+@contextmanager
+def _python_state_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Undo what a probe's forwards do to the modules' Python attributes.
+
+    A layer that caches a tensor in a plain attribute (rotary embeddings' ``cos`` per
+    sequence length) kept the probe's meta tensor, and its first real forward failed
+    ("Tensor on device meta is not on the expected device cpu"); one that counts its
+    calls counted the probe. Attributes are put back (containers, one level: a cache
+    dict keeps its identity and gets its old items back), added ones removed.
+    """
+    saved: list[tuple[nn.Module, dict[str, Any], dict[int, Any]]] = []
+    for root in modules:
+        for m in root.modules():
+            state = {k: v for k, v in m.__dict__.items() if k not in _SWAPPED}
+            copies = {id(v): copy.copy(v) for v in state.values() if type(v) in _CONTAINERS}
+            saved.append((m, state, copies))
+    try:
+        yield
+    finally:
+        for m, state, copies in saved:
+            attrs = m.__dict__
+            for k in [k for k in attrs if k not in _SWAPPED and k not in state]:
+                del attrs[k]
+            for k, v in state.items():
+                old = copies.get(id(v))
+                if old is not None:  # a plain dict, list or set: its items back, in place
+                    v.clear()
+                    if type(v) is list:
+                        v.extend(old)
+                    else:
+                        v.update(old)
+                attrs[k] = v
+
+
+def _probe(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:
     values: tuple[Tensor | None, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
     for k, module in enumerate(modules):
         state = {

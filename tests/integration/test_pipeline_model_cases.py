@@ -300,3 +300,46 @@ def test_complex_outputs_get_their_gradient(schedule: str) -> None:
         loss = pipe.train_step(x, y)
     torch.testing.assert_close(loss, want_loss)
     assert_grads_equal(model, want)
+
+
+class _CachedCos(nn.Module):
+    """Caches a tensor per sequence length in plain attributes, as rotary embeddings do,
+    and counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length: int | None = None
+        self.cos: torch.Tensor | None = None
+        self.calls = 0
+        self.seen: list[int] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(h.shape[1])
+        if self.length != h.shape[1]:
+            t = torch.arange(h.shape[1], device=h.device, dtype=h.dtype)
+            self.cos, self.length = t.cos().unsqueeze(-1), h.shape[1]
+        assert self.cos is not None
+        return h * self.cos
+
+
+def test_layers_caching_tensors_in_attributes_are_not_poisoned_by_the_shape_check() -> None:
+    # The stages' meta-device shape check ran their forwards: the cache kept a meta
+    # tensor and the first real forward failed ("Tensor on device meta is not on the
+    # expected device cpu"); the call count included the check's call.
+    cached = [_CachedCos(), _CachedCos()]
+    model = nn.Sequential(
+        nn.Linear(5, 5, dtype=torch.float64), cached[0], nn.Linear(5, 5, dtype=torch.float64),
+        cached[1], nn.Linear(5, 3, dtype=torch.float64),
+    )  # fmt: skip
+    x = torch.randn(6, 4, 5, dtype=torch.float64)
+    y = torch.randn(6, 4, 3, dtype=torch.float64)
+    want_loss, want = reference(model, x, y, nn.MSELoss())
+    for layer in cached:  # as built: nothing cached, nothing counted
+        layer.calls, layer.seen, layer.length, layer.cos = 0, [], None, None
+    with Pipeline(model, stages=2, microbatches=3, loss_fn=nn.MSELoss(), cost="uniform") as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss)
+    assert_grads_equal(model, want)
+    assert [layer.calls for layer in cached] == [3, 3]
+    assert [layer.seen for layer in cached] == [[4, 4, 4], [4, 4, 4]]
