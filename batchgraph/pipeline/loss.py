@@ -90,9 +90,10 @@ _COUNTED_KEYWORDS = {"weight", "ignore_index", "label_smoothing", "reduction"}
 def _counted(fn: Callable[..., object]) -> _Counted | None:
     """The settings of ``fn`` when it is a cross-entropy or NLL loss (module, function, or
     a ``functools.partial`` of the function with keywords only), else ``None``."""
-    if type(fn) is nn.CrossEntropyLoss:
+    # A subclass that keeps the forward (one that only sets defaults) computes the same.
+    if isinstance(fn, nn.CrossEntropyLoss) and type(fn).forward is nn.CrossEntropyLoss.forward:
         return _Counted(False, fn.weight, fn.ignore_index, fn.label_smoothing)
-    if type(fn) is nn.NLLLoss:
+    if isinstance(fn, nn.NLLLoss) and type(fn).forward is nn.NLLLoss.forward:
         return _Counted(True, fn.weight, fn.ignore_index, 0.0)
     keywords: dict[str, object] = {}
     if isinstance(fn, functools.partial):

@@ -50,6 +50,13 @@ def test_sum_reduction_equals_single_device(
 _W = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
 
 
+class _PaddedCrossEntropy(nn.CrossEntropyLoss):
+    """A subclass that only sets defaults: the same loss as its base."""
+
+    def __init__(self) -> None:
+        super().__init__(ignore_index=-100, label_smoothing=0.1)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 @pytest.mark.parametrize(
     "loss_fn",
@@ -57,8 +64,9 @@ _W = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
         F.nll_loss,
         functools.partial(F.nll_loss, weight=_W, ignore_index=0),
         functools.partial(F.cross_entropy, ignore_index=-100, label_smoothing=0.1),
+        _PaddedCrossEntropy(),
     ],
-    ids=["F.nll_loss", "partial-nll-weight-ignore", "partial-ce-smoothing"],
+    ids=["F.nll_loss", "partial-nll-weight-ignore", "partial-ce-smoothing", "subclass"],
 )
 def test_functional_cross_entropy_with_ignored_targets_equals_single_device(
     schedule: str, loss_fn: Callable[[Tensor, Tensor], Tensor]
