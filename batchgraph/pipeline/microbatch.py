@@ -296,6 +296,8 @@ def _probe(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:
             # with the stage named, not as a shape mismatch.
             with torch.no_grad(), saved_tensors_hooks_enabled():
                 result = functional_call(module, state, values)
+        except StageMismatchError as exc:  # the stage's own words (a SequentialStage's)
+            raise StageMismatchError(f"stage {k} ({type(module).__name__}): {exc}") from exc
         except Exception as exc:
             text = str(exc)
             if isinstance(exc, NotImplementedError) or "meta" in text.lower():

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from batchgraph.pipeline import _autograd
-from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
 from batchgraph.pipeline.microbatch import Batch
 
 __all__ = [
@@ -79,6 +79,15 @@ class SequentialStage(nn.Sequential):
         value = inputs[0] if len(inputs) == 1 else inputs
         for layer in self:
             value = layer(value)
+        if isinstance(value, tuple | list) and len(value) == 1:
+            # What crosses a cut is a tuple of tensors, where (h,) and h are the same: the
+            # next layer (or the loss) would get h where one device gives it (h,).
+            raise StageMismatchError(
+                f"the last layer of this stage ({type(self[-1]).__name__}) returned a tuple "
+                "of one tensor, which the pipeline hands on as that tensor, not as the "
+                "tuple the next layer gets on one device; return the tensor itself (and "
+                "take a tensor in the next layer), or cut the model elsewhere"
+            )
         return value
 
 

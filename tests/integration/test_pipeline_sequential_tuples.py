@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline
+from batchgraph.pipeline import SCHEDULE_NAMES, Pipeline, StageError, StageMismatchError
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -84,3 +84,49 @@ def test_tuple_batch_reaches_the_first_layer_as_one_tuple() -> None:
         pipe.train_step((x, ids), y)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class _One(nn.Module):
+    """Returns a tuple of one tensor, as some library layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(self.lin(h)),)
+
+
+class _TakeFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(6, 2, dtype=torch.float64)
+
+    def forward(self, one: tuple[torch.Tensor]) -> torch.Tensor:
+        return self.out(one[0])
+
+
+@pytest.mark.parametrize("check_shapes", [True, False])
+def test_a_tuple_of_one_tensor_crossing_a_cut_is_refused(check_shapes: bool) -> None:
+    # Stages pass tuples of tensors, where (h,) and h are the same: the next stage's
+    # _TakeFirst got h and took its first row (one[0]), a silently wrong loss.
+    model = nn.Sequential(nn.Linear(6, 6, dtype=torch.float64), _One(), _TakeFirst())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    y = torch.randn(4, 2, dtype=torch.float64)
+    error = StageMismatchError if check_shapes else StageError
+    with (
+        Pipeline(
+            model,
+            stages=3,
+            microbatches=2,
+            loss_fn=nn.MSELoss(),
+            check_shapes=check_shapes,
+            timeout=30,
+        ) as pipe,  # fmt: skip
+        pytest.raises(error, match=r"\(_One\) returned a tuple of one tensor"),
+    ):
+        pipe.train_step(x, y)
+    # Inside a stage it is one device's call: no cut in between.
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss(), cost="uniform") as pipe:
+        assert [len(m) for m in pipe.stage_modules] == [1, 2]  # type: ignore[arg-type]
+        torch.testing.assert_close(pipe.forward(x), model(x))
