@@ -91,6 +91,9 @@ class Graph(KeyReads):
         # memory: node -> (first node recorded after the change, how it was changed);
         # see batchgraph.aliasing.
         self.changed: dict[int, tuple[int, str]] = {}
+        # Nodes whose values were handed out (by compute or an await): the caller may
+        # hold them, so a change in place through a view of theirs is refused.
+        self.handed_out: set[int] = set()
         self.keys: list[BatchKey] = []
         self.key_ids: dict[tuple[Any, ...], int] = {}
         # Whether grad was enabled where a call was recorded, per key id: a call runs

@@ -278,6 +278,7 @@ class ResultHandle(TensorOperators):
         give it again, and calls recorded on the handle after it changed in place read
         it as it is then (``unchanged``)."""
         spec = self.spec
+        self._graph.handed_out.add(self.node)
         if isinstance(value, torch.Tensor):
             if type(spec) is TensorSpec or spec is None:
                 # Inference tensors keep no version: they count as changed (None).

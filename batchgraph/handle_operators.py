@@ -270,15 +270,24 @@ def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
             f"({view}): eagerly the change reaches that value too, which cannot be "
             f"recorded. Make a new value instead: {instead}{hint}."
         )
+    if handle._out is not None:
+        # Its value was handed out (compute, an await): eagerly the caller's tensor is
+        # that value and changes too; a recorded change cannot reach it.
+        raise TypeError(
+            f"`{symbol}` on {handle!r} would change in place a value already handed out "
+            "(by compute or an await): eagerly the tensor you hold changes too, which a "
+            "recorded change cannot reach. Change the tensor you hold instead (calls "
+            f"recorded on the handle then read it), or make a new value: {instead}."
+        )
     group = alias_group(graph, handle.node)
-    if any(graph.node_loc[n] >= 0 for n in group if n != handle.node):
-        # A value sharing its memory is computed: the caller may hold it (handed
-        # out), and eagerly it would change too.
+    if any(n in graph.handed_out for n in group if n != handle.node):
+        # A value sharing its memory was handed out: the caller may hold it, and
+        # eagerly it would change too.
         raise TypeError(
             f"`{symbol}` on {handle!r} would change in place a value other tensors share "
-            "memory with (views of it), some of them computed already and maybe handed "
-            "out: eagerly the change reaches them too, which cannot be recorded. Make a "
-            f"new value instead: {instead}."
+            "memory with (views of it), some of them handed out already (by compute or "
+            "an await): eagerly the change reaches them too, which cannot be recorded. "
+            f"Make a new value instead: {instead}."
         )
     for n in group or (handle.node,):
         # (A constant whose value a coroutine lane released is still the caller's.)

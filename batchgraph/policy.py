@@ -332,6 +332,7 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
                 if obj.node in graph.shared:  # another handle reads this row too
                     return obj.handed(own_copy(row))
                 obj._out = (row, version)  # ResultHandle.handed, inlined
+                graph.handed_out.add(obj.node)
                 return row
         return obj.value
     if isinstance(obj, list):

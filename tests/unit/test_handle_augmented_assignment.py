@@ -351,7 +351,7 @@ def test_changing_a_value_whose_view_was_computed_is_refused() -> None:
         h = bg.batched_value(torch.ones(2, 2)) * 1
         row = h[0]
         held = bg.compute(row)
-        with pytest.raises(TypeError, match="computed already"):
+        with pytest.raises(TypeError, match="handed out already"):
             h += 1
     torch.testing.assert_close(held, torch.ones(2))
 
@@ -369,3 +369,23 @@ def test_a_call_on_a_changed_view_is_not_merged_with_the_same_call_made_before()
         torch.testing.assert_close(bg.compute(before), torch.tensor(2.0))
         with pytest.raises(TypeError, match=r"changed in place by `\+=`.*reads it"):
             bg.compute(after)
+
+
+def test_changing_a_handle_whose_value_was_handed_out_is_refused() -> None:
+    # Eagerly the awaited (or computed) tensor is the value itself and changes with
+    # it; the recorded change never reached it: the held value stayed, silently.
+    async def example(x: torch.Tensor) -> Any:
+        y = bg.batched_value(x) * 1
+        held = await bg.value(y)
+        y += 1
+        return held
+
+    with pytest.raises(bg.CoroutineExampleError, match="already handed out"):
+        bg.run_all([example(torch.zeros(2))])
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.zeros(2)) * 1
+        held = bg.compute(h)
+        with pytest.raises(TypeError, match="already handed out"):
+            h += 1
+        held += 1  # changing the held tensor is how to do it: later calls read it
+        torch.testing.assert_close(bg.compute(h * 2), torch.full((2,), 2.0))
