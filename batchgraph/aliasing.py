@@ -60,20 +60,21 @@ def alias_group(graph: Graph, node: int) -> set[int]:
         True
     """
     keys, node_key, inputs = graph.keys, graph.node_key, graph.node_inputs
-    views: dict[int, list[int]] = {}
-    bases: dict[int, list[int]] = {}
-    for n in range(len(node_key)):
-        if inputs[n] and _aliases(keys[node_key[n]]):
-            bases[n] = [src for src, _ in inputs[n]]
-            for src in bases[n]:
-                views.setdefault(src, []).append(n)
     group, stack = {node}, [node]
-    while stack:
+    while stack:  # what it views, and what that views: the inputs of view calls
         n = stack.pop()
-        for m in (*views.get(n, ()), *bases.get(n, ())):
-            if m not in group:
-                group.add(m)
-                stack.append(m)
+        if inputs[n] and _aliases(keys[node_key[n]]):
+            for src, _ in inputs[n]:
+                if src not in group:
+                    group.add(src)
+                    stack.append(src)
+    # Views of any of them, and views of those: recorded after what they view, so one
+    # pass in recording order from the oldest finds them all (for a handle with no
+    # views, a pass over the calls recorded after it).
+    for n in range(min(group) + 1, len(node_key)):
+        if (n not in group and inputs[n] and any(src in group for src, _ in inputs[n])
+                and _aliases(keys[node_key[n]])):
+            group.add(n)
     return group if len(group) > 1 else set()
 
 
