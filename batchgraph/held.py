@@ -34,8 +34,10 @@ class _Held:
         return (dict, ())
 
 
-def held_on(obj: Any, name: str, make: Callable[[], T]) -> T:
-    """The value cached on ``obj`` as ``name`` (in its ``__dict__``), made if new.
+def held_on(obj: Any, name: str, make: Callable[..., T], *args: Any) -> T:
+    """The value cached on ``obj`` as ``name`` (in its ``__dict__``), ``make(*args)``
+    if new (arguments rather than a closure: module sites are looked up per attribute
+    read while recording).
 
     Example:
         >>> class Thing: pass
@@ -48,6 +50,6 @@ def held_on(obj: Any, name: str, make: Callable[[], T]) -> T:
     if type(held) is _Held and held.owner_id == id(obj):
         value: T = held.value
         return value
-    value = make()
+    value = make(*args)
     d[name] = _Held(id(obj), value)
     return value

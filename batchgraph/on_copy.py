@@ -10,9 +10,10 @@ is), and the input handle is made to stand for the result, as ``h += g`` does
 eagerly the call returns its input. Calls recorded on the handle before keep its old
 value, as they read it eagerly.
 
-Refused, as for ``h += g``, where eagerly the change would reach other tensors: the
-tensor given to ``bg.batched_value`` (eagerly the handle is that tensor) and values
-that share memory with the handle's (views; ``batchgraph.aliasing``).
+As for ``h += g``, values sharing memory with the handle's (views) keep the old value
+and a compute reading one afterwards is refused (``batchgraph.aliasing``); refused where
+recorded: changing a view itself, the tensor given to ``bg.batched_value`` (eagerly the
+handle is that tensor), and a value already handed out.
 """
 
 from __future__ import annotations

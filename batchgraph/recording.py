@@ -415,15 +415,14 @@ class CallSite:
     ) -> _Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
-        fn, name = self.fn, self.name
-        error = in_place_error(fn, name, args, kwargs)
-        if error is not None:
-            if not changes_handle_in_place(fn, args, kwargs):
-                raise error
+        fn = self.fn
+        if changes_handle_in_place(fn, args, kwargs):
             # Recorded on a copy, which the input handle then stands for.
             if self.copying is None:
-                self.copying = on_copy(self.fn, name)
+                self.copying = on_copy(fn, self.name)
             fn = self.copying
+        elif (error := in_place_error(fn, self.name, args, kwargs)) is not None:
+            raise error
         specs: list[TensorSpec | None] = []
         template_args = tuple(template_argument(a, specs) for a in args)
         template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())

@@ -75,7 +75,7 @@ _METHOD_SITES = "_batchgraph_method_sites"
 def module_site(module: torch.nn.Module) -> ModuleStub:
     """The (cached) call site of a module; its signature cache lives as long as the
     module does, and serves every policy."""
-    return held_on(module, _SITE, lambda: ModuleStub(module))
+    return held_on(module, _SITE, ModuleStub, module)
 
 
 def function_site(fn: Callable[..., Any]) -> CallSite:
@@ -88,7 +88,7 @@ def function_site(fn: Callable[..., Any]) -> CallSite:
         if type(fn) is FunctionType and "<" in fn.__qualname__:
             # A lambda or a local function, made anew per batch or per model maybe:
             # its site (and the tensors it captured) must go with it.
-            return held_on(fn, _SITE, lambda: CallSite(fn))
+            return held_on(fn, _SITE, CallSite, fn)
         owner = getattr(fn, "__self__", None)
         if type(fn) is MethodType and isinstance(owner, torch.nn.Module):
             # batched_func(model.helper): a bound method keeps its module alive, so its
