@@ -4,7 +4,10 @@ Inside ``with BatchingPolicy():`` module calls of a ``BatchedModule``, functions
 wrapped by ``batched_func`` and operations on handles are recorded instead of run.
 ``compute`` then deduplicates, prunes, schedules and executes what the requested
 handles need, and returns tensors in the same nesting. A policy can compute several
-times; later computes reuse everything computed before.
+times; later computes reuse everything computed before that a live handle still
+stands for. After each compute the policy's ``StoreReleaser`` frees the stored values
+nothing can read any more (``batchgraph.releasing``), so one policy kept open over a
+whole training loop holds about one step's values, not every step's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
 from batchgraph.pinning import unpin_stubs
 from batchgraph.recording import _ACTIVE
+from batchgraph.releasing import StoreReleaser
 from batchgraph.rules import KeyFactory, rule_table
 from batchgraph.scheduling import (
     SCHEDULERS,
@@ -105,6 +109,10 @@ class BatchingPolicy:
         # Only the last schedule is kept: a coroutine run computes thousands of times.
         self.last_schedule: Schedule | None = None
         self.computes = 0
+        # Frees, after each compute, the values no live handle or pending call needs:
+        # without it every compute's batched outputs stay in the graph for the
+        # policy's life (a training loop in one `with` block grew without bound).
+        self.releaser = StoreReleaser(self.graph)
         self._token: Any = None
         self._quiet = False
         self._mark = time.perf_counter()
@@ -195,6 +203,9 @@ class BatchingPolicy:
         # history keep it, even when read under no_grad or in inference mode (a call
         # recorded with grad has it, as eagerly): see graph.reading.
         result = _rebuild(obj, _row_views(graph, handles))
+        # The caller still holds the handles in `obj` (and `result` holds its rows):
+        # what this compute made for them stays until they are dropped.
+        self.releaser.step()
         self._mark = time.perf_counter()
         return result
 

@@ -1,10 +1,13 @@
-"""Releasing a coroutine run's dead values as it goes.
+"""Releasing a policy's dead values as it computes again and again.
 
-A coroutine run (``run_all``, ``AsyncBatcher``) computes one graph once per step,
-thousands of times, and every step adds its batched outputs to the graph's stores.
-Kept to the end, a decoder's run would hold every step's logits: memory growing with
-examples x steps x vocabulary, and on a GPU an out-of-memory error long before a
-long decode ends.
+Every policy computes its graph as often as its user asks: a coroutine run
+(``run_all``, ``AsyncBatcher``) once per step, thousands of times, and a training
+loop kept in one ``with BatchingPolicy():`` block once per batch. Every compute adds
+its batched outputs to the graph's stores. Kept to the end, a decoder's run would
+hold every step's logits, and a training loop every batch's activations: memory
+growing with steps, and on a GPU an out-of-memory error long before the run ends.
+Each policy therefore owns a ``StoreReleaser`` (``policy.releaser``) and steps it at
+the end of every compute.
 
 A computed value can be needed later in two ways only:
 
@@ -27,13 +30,12 @@ merge with a value already released records the call anew instead.
 Example:
     >>> import batchgraph as bg, torch
     >>> policy = bg.BatchingPolicy()
-    >>> releaser = StoreReleaser(policy.graph)
     >>> with policy:
     ...     h = bg.batched_func(torch.tanh)(torch.zeros(2))
-    >>> _ = policy.compute(h); releaser.step()
+    >>> _ = policy.compute(h)              # steps policy.releaser at its end
     >>> policy.graph.stores[0] != []       # h still stands for it
     True
-    >>> del h; releaser.step()
+    >>> del h; policy.releaser.step()
     >>> policy.graph.stores[0]
     []
 """
@@ -81,9 +83,10 @@ class _Closed:
 class StoreReleaser:
     """Tracks the handle generations of ``graph`` and frees the stores nothing needs.
 
-    Call ``step()`` after each compute of the graph, before its examples resume: it
-    closes the generation recorded before that compute and releases the stores of
-    the generations whose handles are all gone.
+    ``BatchingPolicy`` makes one per graph and calls ``step()`` at the end of each
+    compute (one releaser per graph: each opens the generations its handles hold).
+    A step closes the generation recorded before that compute and releases the
+    stores of the generations whose handles are all gone.
 
     Attributes:
         released: stores freed so far.

@@ -9,8 +9,8 @@ a loop of two halves that never overlap for the same lane::
     value; it records until its next await     handle of the lane (one batched step)
                                            ◀──
 
-At the end of each compute, the lane's ``StoreReleaser`` frees the stored values that
-nothing can read any more (``batchgraph.releasing``), so memory does not grow with
+At the end of each compute, the lane policy's ``StoreReleaser`` frees the stored values
+that nothing can read any more (``batchgraph.releasing``), so memory does not grow with
 the number of steps.
 
 Because a lane's examples are all suspended while its step computes, a lane's graph
@@ -50,7 +50,6 @@ from batchgraph.pinning import unpin_stubs
 from batchgraph.placeholders import is_placeholder
 from batchgraph.policy import BatchingPolicy
 from batchgraph.recording import _ACTIVE
-from batchgraph.releasing import StoreReleaser
 from batchgraph.specs import TensorSpec
 
 __all__ = ["Example", "GradMode", "Lane"]
@@ -211,8 +210,6 @@ class Lane:
         self.live = examples
         self.max_steps = max_steps
         self.steps = 0  # batched steps computed
-        # Frees each step's values once nothing can read them (batchgraph.releasing).
-        self.releaser = StoreReleaser(policy.graph)
         self.held: set[int] = set()  # constants hold_inputs copied (not to copy again)
 
     # -- driver thread ---------------------------------------------------------------
@@ -419,7 +416,6 @@ class Lane:
         finally:
             _ACTIVE.reset(token)
         self.steps += 1
-        self.releaser.step()  # the examples still hold this step's handles
 
     def _compute(self, examples: list[Example]) -> None:
         # policy.compute hands back each example's awaited structure with tensors in

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
+from batchgraph.releasing import StoreReleaser
 
 BOS = 0
 SIZES = {"tiny": (50, 64, 64), "realistic": (8000, 256, 512)}  # vocab, embed, hidden
@@ -172,20 +173,27 @@ def floor_driver(model: Decoder, states: torch.Tensor, max_len: int) -> list[lis
     return results
 
 
-class _Measured(bg.BatchingPolicy):
-    """A lane's policy that notes the most bytes its stores hold at the end of a step
-    (before the values nothing needs any more are released)."""
+class _PeakReleaser(StoreReleaser):
+    """A policy's releaser that first notes the most bytes its stores hold at the end
+    of a compute (before the values nothing needs any more are released)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, graph: Any) -> None:
+        super().__init__(graph)
         self.peak = 0
 
-    def compute(self, obj: Any) -> Any:
-        out = super().compute(obj)
+    def step(self) -> None:
         held = sum(t.numel() * t.element_size() for store in self.graph.stores
                    for t in store if isinstance(t, torch.Tensor))
         self.peak = max(self.peak, held)
-        return out
+        super().step()
+
+
+class _Measured(bg.BatchingPolicy):
+    """A lane's policy whose releaser notes its stores' peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releaser = self.peak_releaser = _PeakReleaser(self.graph)
 
 
 @torch.no_grad()
@@ -198,7 +206,7 @@ def peak_store_mib(model: Decoder, states: list[torch.Tensor], max_len: int) -> 
         return made[-1]
 
     bg.run_all([model.greedy(h, max_len) for h in states], make_policy=make)
-    return made[0].peak / 2**20
+    return made[0].peak_releaser.peak / 2**20
 
 
 @torch.no_grad()

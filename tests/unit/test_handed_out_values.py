@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import batchgraph as bg
-from batchgraph.releasing import StoreReleaser
 from tests.property.decoder_models import run_eagerly
 
 
@@ -176,7 +175,7 @@ def test_a_coroutine_changing_its_value_leaves_the_others_alone() -> None:
 def test_the_releaser_forgets_released_nodes() -> None:
     lin = _linear()
     policy = bg.BatchingPolicy()
-    releaser = StoreReleaser(policy.graph)
+    releaser = policy.releaser  # steps after each compute; stepped again here to scan
     graph = policy.graph
     with torch.no_grad():
         with policy:

@@ -20,7 +20,6 @@ from torch import nn
 import batchgraph as bg
 from batchgraph import releasing
 from batchgraph.graph import STORE_SHIFT
-from batchgraph.releasing import StoreReleaser
 from tests.property.decoder_models import run_eagerly
 
 WIDE = 256  # per-example output width of a "logits" call: what must not pile up
@@ -217,17 +216,15 @@ def test_gradients_flow_through_released_steps() -> None:
 def test_the_releaser_keeps_what_a_live_handle_stands_for() -> None:
     tanh = bg.batched_func(torch.tanh)
     policy = bg.BatchingPolicy()
-    releaser = StoreReleaser(policy.graph)
+    releaser = policy.releaser  # each compute steps it
     with policy:
         kept = tanh(torch.ones(2))
         dropped = tanh(torch.zeros(3))
     policy.compute([kept, dropped])
-    releaser.step()
     del dropped
     with policy:
         again = tanh(torch.full((3,), 2.0))  # another step, so the first generation closes
     policy.compute(again)
-    releaser.step()
     assert releaser.released == 0  # one generation: `kept` holds it
     del kept
     releaser.step()
@@ -281,3 +278,42 @@ def test_async_batcher_lanes_cannot_share_one_policy() -> None:
             await batcher.aclose()
 
     asyncio.run(main())
+
+
+def test_a_training_loop_in_one_policy_holds_one_batch_of_values() -> None:
+    # One `with BatchingPolicy():` around a whole training loop: every compute's
+    # batched outputs used to stay in the graph for the policy's life (memory growing
+    # with every batch). Values and parameters must still equal the eager loop's.
+    torch.manual_seed(0)
+    eager_model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    model.load_state_dict(eager_model.state_dict())
+    site = bg.batched_func(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = bg.BatchingPolicy()
+
+    def held_bytes() -> int:
+        return sum(t.numel() * t.element_size() for store in policy.graph.stores
+                   for t in store if isinstance(t, torch.Tensor))
+
+    held = []
+    with policy:
+        for step in range(12):
+            xs = [torch.randn(5, dtype=torch.float64) for _ in range(4 + step % 3)]
+            loss = sum(site(x).sum() ** 2 for x in xs)
+            got = policy.compute(loss)
+            got.backward()
+            opt.step()
+            opt.zero_grad()
+            want = sum(eager_model(x).sum() ** 2 for x in xs)
+            want.backward()
+            eager_opt.step()
+            eager_opt.zero_grad()
+            assert torch.allclose(got, want)
+            del loss
+            held.append(held_bytes())
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.allclose(p, q)
+    assert max(held[2:]) <= 2 * max(held[:3])  # bounded, not growing with the steps
+    assert policy.releaser.released > 0

@@ -28,7 +28,7 @@ def test_scalar_constants_become_one_tensor_on_their_device() -> None:
     embed = bg.batched_func(nn.Embedding(10, 3))
     with bg.BatchingPolicy() as policy:
         hs = [embed(bg.batched_value(t, device="cpu")) for t in (1, 2, 3)]
-    out = bg.compute(hs)
     assert policy.graph.constants == {0: 1, 2: 2, 4: 3}  # kept as Python ints
+    out = bg.compute(hs)  # (and let go once computed: policy.releaser)
     torch.testing.assert_close(torch.stack(out), embed(torch.tensor([1, 2, 3])))
     assert bg.batched_value(4, device="cpu").device == torch.device("cpu")
