@@ -58,6 +58,9 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
     Python scalars (``bool``, ``int``, ``float``) are kept as they are while recording
     and become one tensor per batch, which is much cheaper than a ``torch.tensor``
     per example; ``bg.batched_value(tree.token)`` is the fast way to feed token ids.
+    A tensor's handle stands for that tensor itself, as the eager call returns it:
+    computing the handle gives it back, and calls recorded on the handle after the
+    tensor was changed in place read it as it is then.
 
     Args:
         value: a tensor, a Python scalar, or anything ``torch.as_tensor`` accepts.
@@ -89,9 +92,16 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
     graph = policy.graph
     if type(value) in _SCALARS:
         node = graph.add_constant(value, where)
-    else:
-        node = graph.add_constant(torch.as_tensor(value, device=where))
-    return ResultHandle(graph, node, 0, graph.node_spec[node])
+        return ResultHandle(graph, node, 0, graph.node_spec[node])
+    tensor = torch.as_tensor(value, device=where)
+    node = graph.add_constant(tensor)
+    h = ResultHandle(graph, node, 0, graph.node_spec[node])
+    if not tensor.is_inference():  # (inference tensors keep no version to compare)
+        # Eagerly this *is* the tensor: computing the handle gives it back, and a call
+        # recorded on the handle after the tensor changed in place reads it as it is
+        # then, as for a value handed out (ResultHandle.handed).
+        h._out = (tensor, tensor._version)
+    return h
 
 
 def compute(obj: Any) -> Any:

@@ -270,6 +270,21 @@ def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
             f"({view}): eagerly the change reaches that value too, which cannot be "
             f"recorded. Make a new value instead: {instead}{hint}."
         )
+    group = alias_group(graph, handle.node)
+    for n in group or (handle.node,):
+        # (A constant whose value a coroutine lane released is still the caller's.)
+        if isinstance(graph.constants.get(n), torch.Tensor) or n in graph.dropped_tensors:
+            whose = "it is" if n == handle.node else "it shares memory with"
+            # Calls recorded on the handle after a change of the tensor itself read it.
+            what_to_do = ("Change that tensor instead (calls recorded on the handle "
+                          "afterwards read it), or make a new value"
+                          if n == handle.node else "Make a new value instead")
+            raise TypeError(
+                f"`{symbol}` on {handle!r} would change in place a tensor of the caller's "
+                f"({whose} the tensor given to bg.batched_value, which eagerly returns that "
+                "tensor itself): eagerly the change reaches it, which cannot be recorded. "
+                f"{what_to_do}: {instead}."
+            )
     if handle._out is not None:
         # Its value was handed out (compute, an await): eagerly the caller's tensor is
         # that value and changes too; a recorded change cannot reach it.
@@ -279,7 +294,6 @@ def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
             "recorded change cannot reach. Change the tensor you hold instead (calls "
             f"recorded on the handle then read it), or make a new value: {instead}."
         )
-    group = alias_group(graph, handle.node)
     if any(n in graph.handed_out for n in group if n != handle.node):
         # A value sharing its memory was handed out: the caller may hold it, and
         # eagerly it would change too.
@@ -289,16 +303,6 @@ def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
             "an await): eagerly the change reaches them too, which cannot be recorded. "
             f"Make a new value instead: {instead}."
         )
-    for n in group or (handle.node,):
-        # (A constant whose value a coroutine lane released is still the caller's.)
-        if isinstance(graph.constants.get(n), torch.Tensor) or n in graph.dropped_tensors:
-            whose = "it is" if n == handle.node else "it shares memory with"
-            raise TypeError(
-                f"`{symbol}` on {handle!r} would change in place a tensor of the caller's "
-                f"({whose} the tensor given to bg.batched_value, which eagerly returns that "
-                "tensor itself): eagerly the change reaches it, which cannot be recorded. "
-                f"Make a new value instead: {instead}."
-            )
     return group
 
 
