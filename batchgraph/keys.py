@@ -338,7 +338,7 @@ class VmapKey(BatchKey):
             flatten_output(out, leaves)
             return tuple(leaves)
 
-        self._per_example = per_example
+        self.per_example = per_example
         self._batched = torch.func.vmap(per_example, randomness="different")
         # Set once vmap has failed where the calls run alone: they then run one at a
         # time (``runs_alone``; the stats count them as unbatched).
@@ -374,7 +374,7 @@ class VmapKey(BatchKey):
 
     def _one_by_one(self, inputs: Sequence[Any], size: int) -> Any:
         """The calls run one at a time, their outputs stacked as vmap stacks them."""
-        outs = [self._per_example(*[x[i] for x in inputs]) for i in range(size)]
+        outs = [self.per_example(*[x[i] for x in inputs]) for i in range(size)]
         if isinstance(outs[0], torch.Tensor):
             return torch.stack(outs)
         return tuple(torch.stack(column) for column in zip(*outs))

@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchgraph.dtype_trace import same_dtypes
 from batchgraph.keys import (
     DIM_FUNCTIONS,
     ELEMENTWISE_FUNCTIONS,
@@ -402,6 +403,8 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
     Some ops run under vmap but lose a dimension (``x.argmax(keepdim=True)`` gives
     each example ``(1,)`` where eagerly it is ``(1, 1)``): such a call would fail at
     ``compute`` with a shape error the user cannot fix, so it runs one at a time.
+    So does a call that vmap computes in other dtypes than its eager run, which
+    would give other values without an error (``batchgraph.dtype_trace``).
     """
     if not isinstance(key, VmapKey):
         return True
@@ -420,11 +423,14 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
             leaves: list[torch.Tensor] = []
             flatten_output(out, leaves)
             wanted = spec_leaves(spec)
-            # Shapes only: under autocast vmap may give another dtype, which the
-            # executor converts (see Executor._run_step).
-            return len(leaves) == len(wanted) and all(
+            # Shapes here; dtypes below, call by call (under autocast vmap may give a
+            # finer dtype, which the executor converts: see check_stacked).
+            if len(leaves) != len(wanted) or not all(
                 not isinstance(w, TensorSpec) or leaf.shape[1:] == w.shape
                 for leaf, w in zip(leaves, wanted)
-            )
+            ):
+                return False
+            examples = [x[0] for x in inputs]
+            return same_dtypes(key.per_example, examples, inputs)
     except Exception:
         return False
