@@ -13,11 +13,43 @@ from __future__ import annotations
 import torch
 
 from batchgraph.buffers import Watch
-from batchgraph.errors import BufferChangedError, ModuleModeChangedError, ParameterChangedError
+from batchgraph.errors import (
+    BufferChangedError,
+    DefaultDtypeChangedError,
+    ModuleModeChangedError,
+    ParameterChangedError,
+)
 from batchgraph.graph import Graph
+from batchgraph.keys import ConstantKey
 from batchgraph.scheduling import Schedule, Step
 
-__all__ = ["check_buffers", "check_modes", "check_parameters"]
+__all__ = ["check_buffers", "check_default_dtype", "check_modes", "check_parameters"]
+
+
+def check_default_dtype(graph: Graph, schedule: Schedule) -> None:
+    """Refuse to compute calls recorded under another default dtype than the one in
+    force now (``torch.set_default_dtype``), or under two: the batched calls would
+    compute in the current one, where eager code computed in the recorded one.
+    Constants (``bg.batched_value(0.5)``) carry their dtype and pass."""
+    recorded = graph.default_dtypes
+    if not recorded:  # a graph no policy recorded (batchgraph.binding)
+        return
+    now = torch.get_default_dtype()
+    if recorded == {now}:
+        return
+    keys = graph.keys
+    if all(isinstance(keys[step.key], ConstantKey) for step in schedule.steps):
+        return
+    names = " and ".join(sorted(str(d).replace("torch.", "") for d in recorded))
+    raise DefaultDtypeChangedError(
+        f"calls in {graph.name!r} were recorded under the default dtype {names} "
+        f"(torch.set_default_dtype), but compute runs under "
+        f"{str(now).replace('torch.', '')}: a call's dtype may depend on the default "
+        "(int_tensor * 2.5, torch.arange(3.0) in a recorded function), and the batched "
+        "calls would compute in the current one. Compute under the default they were "
+        "recorded in, and keep one default for a whole `with` block (record calls under "
+        "another default in a policy of their own)."
+    )
 
 
 def check_modes(graph: Graph, schedule: Schedule) -> None:

@@ -12,6 +12,7 @@ __all__ = [
     "BatchgraphError",
     "BufferChangedError",
     "ConstantChangedError",
+    "DefaultDtypeChangedError",
     "ModuleModeChangedError",
     "NotATensorError",
     "NotComputedError",
@@ -54,6 +55,13 @@ class ConstantChangedError(BatchgraphError, RuntimeError):
     """A tensor recorded as a per-example input was changed in place before it was
     computed: the batched run would read its new values where the eager run read the
     old ones."""
+
+
+class DefaultDtypeChangedError(BatchgraphError, RuntimeError):
+    """``torch.set_default_dtype`` was called between recording calls and computing
+    them (or inside the recording block): a call's dtype may depend on the default
+    (``int_tensor * 2.5``, ``torch.arange(3.0)`` in a recorded function), and the
+    batched run would compute in the new one where the eager run used the old."""
 
 
 class ModuleModeChangedError(BatchgraphError, RuntimeError):

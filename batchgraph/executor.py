@@ -28,7 +28,12 @@ import torch
 
 from batchgraph.autocasting import autocast_state, in_autocast_state
 from batchgraph.buffers import computing
-from batchgraph.compute_checks import check_buffers, check_modes, check_parameters
+from batchgraph.compute_checks import (
+    check_buffers,
+    check_default_dtype,
+    check_modes,
+    check_parameters,
+)
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
 from batchgraph.gathering import CARRY, GatherPlan
@@ -93,6 +98,7 @@ class Executor:
                 f"schedule starts at store {schedule.base_store} but the graph has "
                 f"{len(graph.stores)}; schedules must run in the order they were built"
             )
+        check_default_dtype(graph, schedule)
         if graph.key_training or graph.key_submodes:
             check_modes(graph, schedule)
         if graph.key_versions:

@@ -103,6 +103,8 @@ class Graph(KeyReads):
         self.key_grad: dict[int, RecordedGrad] = {}
         # Key ids recorded under autocast, and its state (see batchgraph.autocasting).
         self.key_autocast: dict[int, AutocastState] = {}
+        # The default dtypes in force where its policy's `with` blocks began and ended.
+        self.default_dtypes: set[torch.dtype] = set()
         # The train/eval mode a module's calls were recorded in, per key id: a call
         # must run in that mode, so a module switched in between is refused at compute.
         self.key_training: dict[int, bool] = {}

@@ -55,6 +55,20 @@ _policy_ids = itertools.count()
 _rules_tokens = itertools.count(1)
 
 
+# The signature-cache token of (rules token, default dtype) for defaults other than
+# float32 (which keeps the rules token itself).
+_DTYPE_TOKENS: dict[tuple[int, torch.dtype], int] = {}
+
+
+def _token_for(rules_token: int, default: torch.dtype) -> int:
+    if default is torch.float32:
+        return rules_token
+    token = _DTYPE_TOKENS.get((rules_token, default))
+    if token is None:
+        token = _DTYPE_TOKENS.setdefault((rules_token, default), next(_rules_tokens))
+    return token
+
+
 class BatchingPolicy:
     """Records per-example calls and runs them batched.
 
@@ -95,8 +109,10 @@ class BatchingPolicy:
         self.dedupe = dedupe
         self.rules: dict[Any, KeyFactory] = rule_table(rules)
         # Signature caches are shared across policies with no custom rules; a policy
-        # with rules gets a fresh token (never reused, unlike id()).
-        self.rules_token = 0 if not self.rules else next(_rules_tokens)
+        # with rules gets a fresh token (never reused, unlike id()). Each default
+        # dtype has its own (see __enter__).
+        self._rules_base = 0 if not self.rules else next(_rules_tokens)
+        self.rules_token = self._rules_base
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
@@ -128,6 +144,12 @@ class BatchingPolicy:
             raise RuntimeError(f"{self.name} is already active; policies are not reentrant")
         self._token = _ACTIVE.set(self)
         self.graph.open = True
+        # A cached signature's spec and key hold for the default dtype it was resolved
+        # in (`int_h * 2.5` is float64 under a float64 default): another default reads
+        # other caches. Read once per block: changed inside it, compute refuses.
+        default = torch.get_default_dtype()
+        self.graph.default_dtypes.add(default)
+        self.rules_token = _token_for(self._rules_base, default)
         if not self._quiet:
             # Fewer GC passes until the graph is freed (computing and the backward pass
             # come after the `with` block): its many small objects are not rescanned.
@@ -138,6 +160,9 @@ class BatchingPolicy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # One default, unless torch.set_default_dtype was called inside the block
+        # (compute_checks.check_default_dtype refuses then).
+        self.graph.default_dtypes.add(torch.get_default_dtype())
         _ACTIVE.reset(self._token)
         self._token = None
         self.graph.open = False
