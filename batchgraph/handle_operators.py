@@ -68,6 +68,10 @@ class TensorOperators:
         return _binary(torch.div, (self, other))
 
     def __rtruediv__(self, other: Any) -> Any:
+        if type(other) in _NUMBERS:
+            # As a tensor computes `7 / t`: t.reciprocal() * 7, which rounds otherwise
+            # than torch.div(7, t) (7 / 3 is one float32 ulp off).
+            return _binary(torch.Tensor.__rtruediv__, (self, other))
         return _binary(torch.div, (other, self))
 
     def __pow__(self, other: Any) -> Any:
@@ -316,6 +320,9 @@ def _rebind(handle: ResultHandle, result: ResultHandle, shared: Set[int] = froze
     handle.node, handle.leaf, handle.spec = result.node, result.leaf, result.spec
     handle._gen, handle._out = result._gen, None
     return handle
+
+
+_NUMBERS = frozenset({int, float, bool, complex})
 
 
 def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from batchgraph.promotion import scalar_tensor_casts
 from batchgraph.specs import CallSignature, InputSlot, TensorSpec, flatten_output
 
 __all__ = [
@@ -177,7 +178,9 @@ class ElementwiseKey(BatchKey):
             None if s is None or len(s.shape) >= top else (1,) * (top - len(s.shape)) + s.shape
             for s in call.input_specs
         ]
-        self._casts = _scalar_tensor_casts(fn, call) if top else None
+        # A conversion takes its argument's dtype (``h.to(c)``): nothing to cast.
+        self._casts = (scalar_tensor_casts(fn, call) if top and fn not in _CONVERSIONS
+                       else None)
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
         casts = self._casts
@@ -187,52 +190,6 @@ class ElementwiseKey(BatchKey):
         if any(v is not None for v in views):
             inputs = [x if v is None else x.view(size, *v) for x, v in zip(inputs, views)]
         return self.call.apply(fn, inputs)
-
-
-def _category(dtype: torch.dtype) -> int:
-    if dtype is torch.bool:
-        return 0
-    if dtype.is_complex:
-        return 3
-    return 2 if dtype.is_floating_point else 1
-
-
-def _scalar_tensor_casts(fn: Any, call: CallSignature) -> list[torch.dtype | None] | None:
-    """Per input, the dtype to cast a 0-d input to before the batched call (None: as
-    it is), or None when nothing needs a cast.
-
-    Type promotion ranks a 0-d tensor below tensors with dimensions: ``x * c`` with
-    ``x`` float32 of shape (3,) and ``c`` a float64 0-d tensor is float32. Stacked,
-    ``c`` has a dimension and the batch would come out float64 (and a comparison
-    would be made in float64). Where the 0-d input's kind (bool, int, float, complex)
-    is not above the other tensors', eager code computes in their dtype anyway, so
-    casting it first changes nothing but the promotion. Left alone: conversions
-    (``h.to(c)`` takes ``c``'s dtype), ``where``'s condition, and calls where a
-    Python number lifts the kind (an int tensor plus 2.5 computes in floats).
-    """
-    if fn in _CONVERSIONS:
-        return None
-    specs = call.input_specs
-    skip = set()
-    if fn is torch.where and call.args and type(call.args[0]) is InputSlot:
-        skip.add(call.args[0].slot)
-    ranked = [s.dtype for i, s in enumerate(specs) if s is not None and s.shape and i not in skip]
-    if not ranked:
-        return None
-    common = ranked[0]
-    for dtype in ranked[1:]:
-        common = torch.promote_types(common, dtype)
-    kinds = {bool: 0, int: 1, float: 2, complex: 3}
-    lifted = max((kinds.get(type(a), 0) for a in (*call.args, *(v for _, v in call.kwargs))),
-                 default=0)
-    if lifted > _category(common):  # the computation dtype is not ``common``
-        return None
-    casts: list[torch.dtype | None] = [None] * len(specs)
-    for i, s in enumerate(specs):
-        if s is not None and not s.shape and i not in skip and s.dtype != common:
-            if _category(s.dtype) <= _category(common):
-                casts[i] = common
-    return casts if any(d is not None for d in casts) else None
 
 
 class DimArgKey(BatchKey):

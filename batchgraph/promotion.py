@@ -1,0 +1,88 @@
+"""Type promotion of 0-d inputs when per-example calls are stacked.
+
+Type promotion ranks a 0-d tensor below tensors with dimensions: ``x * c`` with ``x``
+float32 of shape (3,) and ``c`` a float64 0-d tensor is float32. Stacked, ``c`` has a
+dimension, and the batch would come out float64 (and a comparison would be made in
+float64). ``scalar_tensor_casts`` says which 0-d inputs an elementwise call casts
+first so that the batch promotes as each example did.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from batchgraph.specs import CallSignature, InputSlot
+
+__all__ = ["scalar_tensor_casts"]
+
+# Calls that compute in floats whatever integer inputs they get (true division). Their
+# integer inputs are converted to float as they are: cast to the other inputs' integer
+# dtype first, a 0-d input would wrap (-3 as uint8 is 253) where eagerly it does not.
+_TO_FLOAT: frozenset[Any] = frozenset({
+    torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.__truediv__,
+    torch.Tensor.__rtruediv__, operator.truediv,
+})
+
+_KINDS = {bool: 0, int: 1, float: 2, complex: 3}
+
+
+def _category(dtype: torch.dtype) -> int:
+    if dtype is torch.bool:
+        return 0
+    if dtype.is_complex:
+        return 3
+    return 2 if dtype.is_floating_point else 1
+
+
+def scalar_tensor_casts(fn: Any, call: CallSignature) -> list[torch.dtype | None] | None:
+    """Per input of an elementwise call, the dtype to cast a 0-d input to before the
+    batched call (None: as it is), or None when nothing needs a cast.
+
+    Where the 0-d input's kind (bool, int, float, complex) is not above the other
+    tensors', eager code computes in their dtype anyway, so casting it first changes
+    nothing but the promotion; except in a true division of integers, which computes
+    in floats (the cast would wrap the value, and vmap-free promotion of the stacked
+    integers already gives the eager float dtype). A complex 0-d input above float
+    tensors makes eagerly the complex counterpart of their dtype (float16 and a
+    complex64 0-d tensor give complex32), not the wider of the two. Left alone:
+    ``where``'s condition, and calls where a Python number lifts the kind (an int
+    tensor plus 2.5 computes in floats).
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> x = TensorSpec((3,), torch.float32, torch.device("cpu"))
+        >>> c = TensorSpec((), torch.float64, torch.device("cpu"))
+        >>> scalar_tensor_casts(torch.mul, CallSignature((InputSlot(0), InputSlot(1)), (),
+        ...                                              (x, c), None))
+        [None, torch.float32]
+    """
+    specs = call.input_specs
+    skip = set()
+    if fn is torch.where and call.args and type(call.args[0]) is InputSlot:
+        skip.add(call.args[0].slot)
+    ranked = [s.dtype for i, s in enumerate(specs) if s is not None and s.shape and i not in skip]
+    if not ranked:
+        return None
+    common = ranked[0]
+    for dtype in ranked[1:]:
+        common = torch.promote_types(common, dtype)
+    lifted = max((_KINDS.get(type(a), 0) for a in (*call.args, *(v for _, v in call.kwargs))),
+                 default=0)
+    if lifted > _category(common):  # the computation dtype is not ``common``
+        return None
+    if (_category(common) < 2 and fn in _TO_FLOAT
+            and call.static_arg(2, "rounding_mode", None) is None):
+        return None  # computed in floats: no integer cast
+    casts: list[torch.dtype | None] = [None] * len(specs)
+    for i, s in enumerate(specs):
+        if s is None or s.shape or i in skip or s.dtype == common:
+            continue
+        kind = _category(s.dtype)
+        if kind <= _category(common):
+            casts[i] = common
+        elif kind == 3 and _category(common) == 2:
+            casts[i] = common.to_complex()
+    return casts if any(d is not None for d in casts) else None
