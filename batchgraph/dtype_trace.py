@@ -60,6 +60,10 @@ class DtypeTrace(TorchFunctionMode):
         self.kernels = kernels
         # The floating dtypes the kernels of the call being run used, if noted.
         self.current: set[torch.dtype] | None = None
+        # Whether a call mixed a 0-d integer tensor with tensors of other integer
+        # dtypes and computed in another (a comparison, a true division): see
+        # _mixes_integers.
+        self.mixed_integers = False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -72,9 +76,35 @@ class DtypeTrace(TorchFunctionMode):
         finally:
             self.current = None
         dtypes = tuple(t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if not self.mixed_integers and _mixes_integers((args, kwargs), dtypes):
+            self.mixed_integers = True
         if dtypes or seen:
             self.entries.append((func, dtypes, frozenset(seen)))
         return out
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _mixes_integers(arguments: Any, results: tuple[torch.dtype, ...]) -> bool:
+    """Whether a call takes a 0-d integer tensor beside tensors with dimensions of
+    another integer dtype, and gives a result that is not an integer (``x < c``,
+    ``x / c``, ``torch.atan2(x, c)``).
+
+    Eagerly such a call computes as promotion ranks the 0-d tensor: a comparison of a
+    uint8 ``x`` with ``c = torch.tensor(-3)`` compares with 253, a division converts
+    -3 to float as it is. vmap's batching rules give the same dtypes but not these
+    values (they compare with -3, divide by 253), which no dtype tells.
+    """
+    if any(_integral(d) for d in results) and all(_integral(d) for d in results):
+        return False
+    zero: set[torch.dtype] = set()
+    ranked: set[torch.dtype] = set()
+    for t in tree_leaves(arguments):
+        if isinstance(t, torch.Tensor) and _integral(t.dtype):
+            (ranked if t.dim() else zero).add(t.dtype)
+    return bool(zero) and bool(ranked) and len(zero | ranked) > 1
 
 
 class _KernelDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -114,7 +144,9 @@ def same_dtypes(
     """Whether ``per_example`` computes in the same dtypes on ``examples`` (one
     example's inputs) as vmapped over ``batched`` (a batch of them): each torch
     function it calls gives results of the same dtypes, and, under autocast, its
-    kernels compute in the same floating dtypes. Run on fake tensors by the caller.
+    kernels compute in the same floating dtypes; and no call mixes integer dtypes
+    across a 0-d input where vmap computes otherwise (``_mixes_integers``). Run on
+    fake tensors by the caller.
 
     Example:
         >>> x, c = torch.ones(3), torch.tensor(2.0, dtype=torch.float64)
@@ -143,6 +175,8 @@ def same_dtypes(
         # one example cannot (``table[i]`` with a 0-d index is read on the host, where
         # vmap indexes with the batch). The vmapped run is taken as it is.
         return True
+    if eager.mixed_integers:
+        return False
     _traced(lambda: torch.func.vmap(traced_example, randomness="different")(*batched),
             vmapped)
     return _entries_match(eager.entries, vmapped.entries, kernels)

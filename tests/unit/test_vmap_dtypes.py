@@ -111,3 +111,40 @@ def test_under_autocast_a_linear_inside_a_function_still_batches() -> None:
         assert g.dtype == w.dtype == BF16
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
     assert stats.launches == 1
+
+
+_INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+_MIXED: list[Callable[..., Any]] = [
+    torch.atan2, torch.copysign,
+    bg.batched_func(lambda a, b: (a < b).long() + 1),
+    bg.batched_func(lambda a, b: a / b * 2),
+    bg.batched_func(lambda a, b: torch.ge(a, b) & (a != 0)),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    op=st.sampled_from(_MIXED),
+    vector_dtype=st.sampled_from(_INTS),
+    scalar_dtype=st.sampled_from(_INTS),
+    rows=st.lists(st.tuples(st.lists(st.integers(0, 127), min_size=3, max_size=3),
+                            st.sampled_from([-3, -1, 1, 5, 100])), min_size=1, max_size=3),
+)
+def test_a_0d_integer_input_of_another_integer_dtype_compares_and_divides_as_eagerly(
+    op: Callable[..., torch.Tensor], vector_dtype: torch.dtype, scalar_dtype: torch.dtype,
+    rows: list[tuple[list[int], int]],
+) -> None:
+    # Eagerly uint8 [10] < int8 -3 compares with 253 (the 0-d input takes the uint8
+    # dtype) and uint8 [10] / int8 -3 divides by -3.0; vmap gave the other answers.
+    examples = [(torch.tensor(v).to(vector_dtype), torch.tensor(c).to(scalar_dtype))
+                for v, c in rows]
+    got, _ = _batched(op, examples)
+    _assert_same(got, [op(*example) for example in examples])
+
+
+def test_a_function_adding_integers_of_two_dtypes_still_batches() -> None:
+    fn = bg.batched_func(lambda a, b: (a + b) * 2)  # computed in uint8 either way
+    examples = [(torch.tensor([10, 20], dtype=torch.uint8) + i, torch.tensor(-3)) for i in range(3)]
+    got, stats = _batched(fn, examples)
+    _assert_same(got, [fn(*example) for example in examples])
+    assert stats.launches == 1
