@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from batchgraph.promotion import scalar_tensor_casts
+from batchgraph.promotion import scalar_tensor_casts, scalar_tensor_moves
 from batchgraph.specs import CallSignature, InputSlot, TensorSpec, flatten_output
 
 __all__ = [
@@ -178,11 +178,15 @@ class ElementwiseKey(BatchKey):
             None if s is None or len(s.shape) >= top else (1,) * (top - len(s.shape)) + s.shape
             for s in call.input_specs
         ]
-        # A conversion takes its argument's dtype (``h.to(c)``): nothing to cast.
-        self._casts = (scalar_tensor_casts(fn, call) if top and fn not in _CONVERSIONS
-                       else None)
+        # 0-d inputs promote and go with any device as numbers do (a conversion, top
+        # 0, takes its argument's dtype and device: nothing to change).
+        self._casts = scalar_tensor_casts(fn, call) if top else None
+        self._moves = scalar_tensor_moves(call) if top else None
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        moves = self._moves
+        if moves is not None:
+            inputs = [x if d is None else x.to(d) for x, d in zip(inputs, moves)]
         casts = self._casts
         if casts is not None:
             inputs = [x if d is None else x.to(d) for x, d in zip(inputs, casts)]

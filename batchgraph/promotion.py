@@ -16,7 +16,7 @@ import torch
 
 from batchgraph.specs import CallSignature, InputSlot
 
-__all__ = ["scalar_tensor_casts"]
+__all__ = ["scalar_tensor_casts", "scalar_tensor_moves"]
 
 # Calls that compute in floats whatever integer inputs they get (true division). Their
 # integer inputs are converted to float as they are: cast to the other inputs' integer
@@ -86,3 +86,34 @@ def scalar_tensor_casts(fn: Any, call: CallSignature) -> list[torch.dtype | None
         elif kind == 3 and _category(common) == 2:
             casts[i] = common.to_complex()
     return casts if any(d is not None for d in casts) else None
+
+
+def scalar_tensor_moves(call: CallSignature) -> list[torch.device | None] | None:
+    """Per input of an elementwise call, the device to move a 0-d CPU input to before
+    the batched call (None: where it is), or None when nothing moves.
+
+    Eagerly a 0-d CPU tensor goes with tensors on any device (``x_cuda *
+    torch.tensor(0.5)``, a scale made inline): torch reads it as a number. Stacked it
+    has a dimension, and the batched call would fail with "Expected all tensors to be
+    on the same device". It moves to the device of the inputs with dimensions, where
+    eager code computes with it.
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> x = TensorSpec((3,), torch.float32, torch.device("meta"))
+        >>> c = TensorSpec((), torch.float32, torch.device("cpu"))
+        >>> scalar_tensor_moves(CallSignature((InputSlot(0), InputSlot(1)), (), (x, c), None))
+        [None, device(type='meta')]
+    """
+    specs = call.input_specs
+    devices = {s.device for s in specs if s is not None and s.shape}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    if device.type == "cpu":
+        return None
+    moves: list[torch.device | None] = [
+        device if s is not None and not s.shape and s.device.type == "cpu" else None
+        for s in specs
+    ]
+    return moves if any(d is not None for d in moves) else None

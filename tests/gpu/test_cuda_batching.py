@@ -67,3 +67,16 @@ def test_a_batch_crosses_to_the_host_in_one_copy() -> None:
     assert [int(t) for t in got] == [int(lin(x).argmax()) for x in xs]
     assert all(t.device.type == "cpu" for t in got)
     assert policy.stats is not None and policy.stats.launches == 3  # linear, argmax, copy
+
+
+def test_a_0d_cpu_tensor_goes_with_cuda_values_as_eagerly() -> None:
+    # A scale made inline on the CPU: eagerly torch reads a 0-d CPU tensor as a number
+    # beside tensors on any device; stacked it has a dimension, and moves first.
+    xs = [torch.randn(3, device="cuda") for _ in range(3)]
+    with bg.BatchingPolicy():
+        hs = [bg.batched_value(x) * torch.tensor(0.5) + torch.tensor(2.0, dtype=torch.float64)
+              for x in xs]
+    for x, got in zip(xs, bg.compute(hs), strict=True):
+        want = x * torch.tensor(0.5) + torch.tensor(2.0, dtype=torch.float64)
+        assert got.is_cuda and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

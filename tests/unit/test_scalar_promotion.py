@@ -4,8 +4,10 @@ Before: a true division of an integer tensor by a 0-d integer tensor of another 
 cast the 0-d one to the tensor's dtype first (``uint8_vec / torch.tensor(256)``
 divided by 0, ``/ torch.tensor(-3)`` by 253), where eagerly it is converted to float
 as it is; a complex 0-d input beside float16 tensors made complex64 where eager code
-makes complex32 (``BatchedCallError``); and ``7 / h`` computed ``torch.div(7, h)``
-where a tensor computes ``h.reciprocal() * 7``, one float32 ulp apart.
+makes complex32 (``BatchedCallError``); ``7 / h`` computed ``torch.div(7, h)``
+where a tensor computes ``h.reciprocal() * 7``, one float32 ulp apart; and a 0-d CPU
+input beside CUDA values, fine eagerly, failed the batch ("not on the expected
+device").
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
+from batchgraph.keys import ElementwiseKey
+from batchgraph.specs import CallSignature, InputSlot, TensorSpec
 
 _INTS = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 
@@ -117,3 +121,15 @@ def test_a_number_divided_by_a_handle_rounds_as_by_a_tensor(
 def test_seven_divided_by_three_is_the_tensor_result() -> None:
     x = torch.tensor([3.0, 7.0, 11.0])
     _assert_same(_batched(lambda h: 7 / h, [(x,)]), [7 / x])
+
+
+def test_a_0d_cpu_input_moves_to_the_device_of_the_others() -> None:
+    # Eagerly `x_cuda * torch.tensor(0.5)` works (a 0-d CPU tensor is read as a number);
+    # the batched call gets it stacked, (B,) on the CPU. Shown on the meta device, which
+    # every machine has (tests/gpu checks values on CUDA).
+    x = TensorSpec((3,), torch.float32, torch.device("meta"))
+    c = TensorSpec((), torch.float64, torch.device("cpu"))
+    key = ElementwiseKey(torch.mul, CallSignature((InputSlot(0), InputSlot(1)), (), (x, c), None))
+    out = key.run(torch.mul, [torch.ones(2, 3, device="meta"), torch.tensor([2.0, 3.0]).double()], 2)
+    want = torch.mul(torch.ones(3, device="meta"), torch.tensor(2.0).double())
+    assert (out.shape, out.device, out.dtype) == ((2, 3), want.device, want.dtype)
