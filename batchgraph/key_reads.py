@@ -202,6 +202,11 @@ class ModuleParts:
 # ids of their own, apart from those recorded before it.
 _WATCHED: weakref.WeakSet[KeyReads] = weakref.WeakSet()
 _hook_registered = False
+# Per optimizer stepping now: its parameters that have a gradient (those a step
+# updates), with their versions before the step.
+_BEFORE: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tensor, int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _watch_optimizer_steps(graph: KeyReads) -> None:
@@ -209,11 +214,28 @@ def _watch_optimizer_steps(graph: KeyReads) -> None:
     _WATCHED.add(graph)
     if not _hook_registered:
         _hook_registered = True
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
+        register_optimizer_step_pre_hook(_before_optimizer_step)
         register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def _after_optimizer_step(*_: Any) -> None:
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    if _WATCHED:
+        _BEFORE[optimizer] = [(p, p._version) for group in optimizer.param_groups
+                              for p in group["params"] if p.grad is not None]
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    # A fused step (Adam(fused=True), ...) updates the parameters in one kernel that
+    # leaves their version counters as they were: a call recorded before it would
+    # have computed with the new weights, unrefused, and one recorded after it merged
+    # with the old ones. Count the step as the change it is.
+    unseen = [p for p, version in _BEFORE.pop(optimizer, ()) if p._version == version]
+    if unseen:
+        torch.autograd.graph.increment_version(unseen)
     for graph in list(_WATCHED):
         graph.new_stamp()
