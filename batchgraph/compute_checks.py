@@ -108,6 +108,19 @@ def check_parameters(graph: Graph, schedule: Schedule) -> None:
             )
         if step.key in graph.key_versions and graph.parameters_changed(step.key):
             key = graph.keys[step.key]
+            switched = graph.switched_grads(step.key)
+            if switched:
+                raise ParameterChangedError(
+                    f"{', '.join(repr(n) for n in switched[:5])} of {key.label} in "
+                    f"{graph.name!r} switched requires_grad (requires_grad_(False) to "
+                    "freeze, True to unfreeze) after its calls in this batch "
+                    f"({len(step.nodes)}) were recorded and before they were computed. "
+                    "Eagerly those calls computed with the old setting: a parameter "
+                    "frozen after them still got its gradient from them, and one "
+                    "unfrozen got none. Compute what you recorded before freezing or "
+                    "unfreezing (bg.compute, or read a value), or switch back and "
+                    "compute then, or record the calls again."
+                )
             what = (
                 "the parameters of" if isinstance(key.fn, torch.nn.Module)
                 else "tensors read by"  # closed over, global or bound: batchgraph.captured

@@ -64,7 +64,7 @@ class KeyReads:
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
         if parts.params:
-            versions = tuple([p._version for p in parts.params])
+            versions = _versions(parts.params)
         if parts.submodules:
             submodes = tuple([m.training for m in parts.submodules])
         if parts.buffers:
@@ -144,7 +144,24 @@ class KeyReads:
         if noted is None:
             return False
         params = self._module_parts[id(self.keys[kid].fn)].params
-        return tuple([p._version for p in params]) != noted
+        return _versions(params) != noted
+
+    def switched_grads(self, kid: int) -> list[str]:
+        """The parameters of key ``kid`` (named as in ``named_parameters``; for a
+        function, ``tensor #i`` of those it reads) frozen or unfrozen
+        (``requires_grad_``) since its calls were recorded.
+
+        Exact where the switch came between computes; one made between two calls
+        recorded with no compute in between counts for both."""
+        noted = self.key_versions.get(kid)
+        if noted is None:
+            return []
+        fn = self.keys[kid].fn
+        params = self._module_parts[id(fn)].params
+        then = noted[len(params):]
+        names = ([name for name, _ in fn.named_parameters()] if isinstance(fn, torch.nn.Module)
+                 else [f"tensor #{i}" for i in range(len(params))])
+        return [name for name, p, was in zip(names, params, then) if p.requires_grad != was]
 
     def watched_buffers(self, kid: int) -> tuple[Watch, ...]:
         """The watches of the buffers key ``kid``'s calls read (noted or not)."""
@@ -174,6 +191,14 @@ class KeyReads:
         recorded."""
         noted = self.key_layouts.get(kid)
         return noted is not None and self.layout_of(self.keys[kid].fn) != noted
+
+
+def _versions(params: tuple[torch.Tensor, ...]) -> Versions:
+    """The version counters of ``params``, then whether each requires grad: eagerly
+    a call computes with both as they are when it is made (a parameter frozen after
+    a call still gets its gradient from it), so calls recorded before a change of
+    either are kept apart from those after it, and refused at compute."""
+    return (*[p._version for p in params], *[p.requires_grad for p in params])
 
 
 class ModuleParts:
