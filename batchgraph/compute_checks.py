@@ -106,21 +106,19 @@ def check_parameters(graph: Graph, schedule: Schedule) -> None:
                 "before converting the model (bg.compute, or read a value), or record "
                 "the calls again."
             )
+        unfrozen = graph.unfrozen(step.key) if step.key in graph.key_versions else None
+        if unfrozen:
+            raise ParameterChangedError(
+                f"{', '.join(repr(n) for n in unfrozen[:5])} of {graph.keys[step.key].label}"
+                f" in {graph.name!r} did not require grad when its calls in this batch "
+                f"({len(step.nodes)}) were recorded, and does now (requires_grad_(True) "
+                "before they were computed). Eagerly those calls gave it no gradient "
+                "(their values were computed without it); batched, they would. "
+                "Compute what you recorded before unfreezing (bg.compute, or read a "
+                "value), or record the calls again after unfreezing."
+            )
         if step.key in graph.key_versions and graph.parameters_changed(step.key):
             key = graph.keys[step.key]
-            switched = graph.switched_grads(step.key)
-            if switched:
-                raise ParameterChangedError(
-                    f"{', '.join(repr(n) for n in switched[:5])} of {key.label} in "
-                    f"{graph.name!r} switched requires_grad (requires_grad_(False) to "
-                    "freeze, True to unfreeze) after its calls in this batch "
-                    f"({len(step.nodes)}) were recorded and before they were computed. "
-                    "Eagerly those calls computed with the old setting: a parameter "
-                    "frozen after them still got its gradient from them, and one "
-                    "unfrozen got none. Compute what you recorded before freezing or "
-                    "unfreezing (bg.compute, or read a value), or switch back and "
-                    "compute then, or record the calls again."
-                )
             what = (
                 "the parameters of" if isinstance(key.fn, torch.nn.Module)
                 else "tensors read by"  # closed over, global or bound: batchgraph.captured

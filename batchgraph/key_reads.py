@@ -144,15 +144,19 @@ class KeyReads:
         if noted is None:
             return False
         params = self._module_parts[id(self.keys[kid].fn)].params
-        return _versions(params) != noted
+        return tuple([p._version for p in params]) != noted[:len(params)]
 
-    def switched_grads(self, kid: int) -> list[str]:
+    def unfrozen(self, kid: int) -> list[str]:
         """The parameters of key ``kid`` (named as in ``named_parameters``; for a
-        function, ``tensor #i`` of those it reads) frozen or unfrozen
-        (``requires_grad_``) since its calls were recorded.
+        function, ``tensor #i`` of those it reads) that did not require grad when its
+        calls were recorded and do now (``requires_grad_(True)`` since).
 
-        Exact where the switch came between computes; one made between two calls
-        recorded with no compute in between counts for both."""
+        Eagerly those calls gave such a parameter no gradient; batched, they would.
+        One frozen since is not counted: eagerly a backward after the freeze gives
+        it no gradient either (autograd accumulates only into leaves that require
+        grad then), as the batched calls do. Exact where the switch came between
+        computes; one made between two calls with no compute in between counts for
+        both."""
         noted = self.key_versions.get(kid)
         if noted is None:
             return []
@@ -161,7 +165,7 @@ class KeyReads:
         then = noted[len(params):]
         names = ([name for name, _ in fn.named_parameters()] if isinstance(fn, torch.nn.Module)
                  else [f"tensor #{i}" for i in range(len(params))])
-        return [name for name, p, was in zip(names, params, then) if p.requires_grad != was]
+        return [name for name, p, was in zip(names, params, then) if p.requires_grad and not was]
 
     def watched_buffers(self, kid: int) -> tuple[Watch, ...]:
         """The watches of the buffers key ``kid``'s calls read (noted or not)."""
@@ -195,9 +199,9 @@ class KeyReads:
 
 def _versions(params: tuple[torch.Tensor, ...]) -> Versions:
     """The version counters of ``params``, then whether each requires grad: eagerly
-    a call computes with both as they are when it is made (a parameter frozen after
-    a call still gets its gradient from it), so calls recorded before a change of
-    either are kept apart from those after it, and refused at compute."""
+    a call computes with both as they are when it is made (its value requires grad
+    or not), so calls recorded before a change of either are kept apart from those
+    after it."""
     return (*[p._version for p in params], *[p.requires_grad for p in params])
 
 
