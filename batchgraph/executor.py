@@ -166,6 +166,7 @@ class Executor:
             values = [constants[n] for n in step.nodes]
             if graph.constant_versions:
                 self._check_unchanged(step.nodes)
+                self._detach_switched_on(step.nodes, values)
             return [key.run(key.fn, [values], size)]
         if step.refs:
             inputs: list[Any] = [self._fetch(refs) for refs in step.refs]
@@ -290,6 +291,16 @@ class Executor:
                 step.nodes
             ):
                 wanted[i] = True
+
+    def _detach_switched_on(self, nodes: list[int], values: list[Any]) -> None:
+        """Detach, in ``values``, the tensors of constants ``nodes`` that did not
+        require grad when recorded and do now (a parameter unfrozen,
+        ``x.requires_grad_()`` since): eagerly the calls made with them gave them no
+        gradient, and a stack run with grad for another constant of the step would."""
+        grad_constants = self.graph.grad_constants
+        for i, (n, value) in enumerate(zip(nodes, values)):
+            if isinstance(value, torch.Tensor) and value.requires_grad and n not in grad_constants:
+                values[i] = value.detach()
 
     def _check_unchanged(self, nodes: list[int]) -> None:
         graph = self.graph

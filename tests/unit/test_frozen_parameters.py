@@ -97,3 +97,54 @@ def test_switching_layers_between_recording_and_backward_trains_as_eagerly(
         for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), name
             torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+
+
+class _Scaled(bg.BatchedModule):
+    """Reads a parameter directly in per-example code: recorded as a constant input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * self.scale).sum()
+
+
+@settings(deadline=None, max_examples=15)
+@given(seed=st.integers(0, 2**16),
+       flags=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=4),
+       scale=st.tuples(st.booleans(), st.booleans()))
+def test_tensors_read_as_inputs_get_gradients_as_they_required_grad_when_recorded(
+    seed: int, flags: list[tuple[bool, bool]], scale: tuple[bool, bool]
+) -> None:
+    """Inputs (and a parameter read directly) that require grad at recording or not,
+    switched before compute: each gets a gradient iff it required grad both when its
+    calls were made and at backward, as eagerly. Before, one switched on got a
+    gradient (zeros, or the real one) wherever another input of its step required
+    grad: the step stacking them ran with grad."""
+    torch.manual_seed(seed)
+    eager = _Scaled()
+    model = copy.deepcopy(eager)
+    xs = [[torch.randn(3, dtype=torch.float64, requires_grad=then) for then, _ in flags]
+          for _ in range(2)]
+    xs[1] = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs[0]]
+    for m in (eager, model):
+        m.scale.requires_grad_(scale[0])
+    eager_loss = sum(eager.f(x) for x in xs[0])
+    with bg.BatchingPolicy() as policy:
+        handles = [model.f(x) for x in xs[1]]
+    for inputs in xs:
+        for x, (_, now) in zip(inputs, flags, strict=True):
+            x.requires_grad_(now)
+    for m in (eager, model):
+        m.scale.requires_grad_(scale[1])
+    assert isinstance(eager_loss, torch.Tensor)
+    sum(policy.compute(handles)).backward()
+    eager_loss.backward()
+    pairs = [*zip(xs[0], xs[1], strict=True),
+             *zip(eager.parameters(), model.parameters(), strict=True)]
+    for want, got in pairs:
+        assert (want.grad is None) == (got.grad is None)
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-12)
