@@ -70,6 +70,7 @@ from batchgraph.pipeline.step_checks import (
     scalar_output_warning,
     targets_require_grad_error,
 )
+from batchgraph.pipeline.step_guard import StepGuard
 from batchgraph.pipeline.thread_state import ThreadState
 from batchgraph.pipeline.trace import TimelineEvent
 from batchgraph.threads import compute_pool
@@ -174,6 +175,7 @@ class Coordinator:
         self._stats = PipelineStats()
         self._closed = False
         self._warned_scalar = False  # see train_step: warned once per pipeline
+        self._guard = StepGuard()  # one step at a time
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -196,7 +198,12 @@ class Coordinator:
             stage.close()
 
     def reset(self) -> None:
-        """Forget saved activations, undelivered messages, stats and the timeline."""
+        """Forget saved activations, undelivered messages, stats and the timeline (after
+        the step running on another thread, if any, has ended)."""
+        with self._guard.step("reset"):
+            self._reset()
+
+    def _reset(self) -> None:
         self._check_open()
         self.comm.reset()
         for stage in self.stages:
@@ -229,6 +236,9 @@ class Coordinator:
     def train_step(self, inputs: Batch, targets: Batch) -> Tensor:
         """Forward and backward of one batch; parameter gradients accumulate into ``.grad``.
 
+        One step runs at a time: a call from another thread waits for the running step,
+        one from inside it (the loss, a stage) raises ``PipelineReentrantError``.
+
         Args:
             inputs: a tensor or tuple of tensors (the first stage's inputs), batch in dim 0.
             targets: what the loss compares the last stage's output with, batch in dim 0.
@@ -249,6 +259,10 @@ class Coordinator:
             StageError: if a task fails; the step is abandoned, ``.grad`` may hold part of
                 the step's gradients.
         """
+        with self._guard.step("train_step"):
+            return self._train_step(inputs, targets)
+
+    def _train_step(self, inputs: Batch, targets: Batch) -> Tensor:
         if self.loss is None:
             raise PipelineConfigError("train_step needs a loss: pass loss_fn= to the pipeline")
         loss = self.loss
@@ -324,6 +338,10 @@ class Coordinator:
         Returns:
             The last stage's outputs for the whole batch, concatenated along dim 0.
         """
+        with self._guard.step("forward"):
+            return self._forward(inputs)
+
+    def _forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...]:
         outputs: dict[int, tuple[Tensor, ...]] = {}
 
         def on_output(mb: int, out: tuple[Tensor, ...]) -> None:
@@ -367,7 +385,7 @@ class Coordinator:
         if train and state.inference:
             raise inference_mode_error()
         self._probe(mbs[0])
-        self.reset()
+        self._reset()
         for stage in self.stages:
             stage.autocast = state.autocast
         randoms = [stage.random for stage in self.stages]
@@ -446,7 +464,7 @@ class Coordinator:
     ) -> None:
         comm = self.comm
         record = events.append
-        with state.job(grad=train):
+        with state.job(grad=train), self._guard.inside("train_step" if train else "forward"):
             for stage, action, recv_key, send_key in steps:
                 try:
                     start, end = stage.run_keyed(action, recv_key, send_key, comm, train)

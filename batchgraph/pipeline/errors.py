@@ -13,6 +13,7 @@ __all__ = [
     "PipelineAbortedError",
     "PipelineClosedError",
     "PipelineConfigError",
+    "PipelineReentrantError",
     "PipelineTimeoutError",
     "StageError",
     "StageMismatchError",
@@ -51,3 +52,8 @@ class PipelineTimeoutError(BatchgraphError, TimeoutError):
 
 class PipelineClosedError(BatchgraphError, RuntimeError):
     """The pipeline (or its communicator) was used after ``close()``."""
+
+
+class PipelineReentrantError(BatchgraphError, RuntimeError):
+    """A pipeline was called from inside one of its own running steps (its loss function,
+    a stage's forward or a hook), where the call would wait for itself forever."""
