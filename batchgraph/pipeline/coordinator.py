@@ -277,6 +277,7 @@ class Coordinator:
         caller = CallerGraph(inputs)
         mbs = split_microbatches(caller.inputs, m, "inputs")
         tgs = split_microbatches(targets, m, "targets")
+        one_target = isinstance(targets, Tensor)
         if not any([t.requires_grad for t in mbs[0]]) and not any(
             p.requires_grad for stage in self.stages for p in stage.module.parameters()
         ):
@@ -296,14 +297,15 @@ class Coordinator:
             # values for the batch loss waits until the step is over.
             if m > 1 and not scalars and any([o.dim() == 0 for o in outputs]):
                 scalars.append(mb)
-            tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
+            # As given and as returned: a loss written for (y,) indexes the tuple.
+            tgt = tgs[mb][0] if one_target else tgs[mb]
             weight = loss.weight(mbs[mb][0].shape[0], n)
             attached = last.attached_outputs(mb) if fused else None
             if attached is not None:
                 # The loss on the stage's own outputs; its B starts from it, seeded with
                 # the weight: the gradients of weight * loss, as below.
                 with torch.enable_grad():
-                    value = loss.compute_loss(attached[0] if len(attached) == 1 else attached, tgt)
+                    value = loss.compute_loss(attached[0] if last.bare else attached, tgt)
                 graphs.append(value.requires_grad)
                 last.start_backward_at(mb, (value,))
                 values.append((value.detach(), weight))
@@ -311,7 +313,7 @@ class Coordinator:
             graphs.append(last.has_graph(mb))
             # Detached, so no microbatch's output is kept alive through its loss graph.
             leaves = output_leaves(outputs)
-            out = leaves[0] if len(leaves) == 1 else leaves
+            out = leaves[0] if last.bare else leaves
             with torch.enable_grad():
                 value = loss.compute_loss(out, tgt)
                 grads = loss.compute_gradient(value, out, weight=weight)
@@ -353,10 +355,12 @@ class Coordinator:
             on_output=on_output,
         )
         last = self.stages[-1]
-        return merge_microbatches(
+        merged = merge_microbatches(
             [outputs[i] for i in range(len(outputs))],
             f"the last stage (stage {last.index}, {type(last.module).__name__})",
         )
+        # A model returning (h,) returns it here too (merge gives one output as a tensor).
+        return (merged,) if isinstance(merged, Tensor) and not last.bare else merged
 
     # -- internals ------------------------------------------------------------------------
 

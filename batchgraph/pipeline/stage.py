@@ -140,6 +140,10 @@ class Stage:
         self.num_stages = num_stages
         self.device = torch.device(device) if device is not None else _default_device(module)
         self.split_backward = False
+        # Whether the module's last forward returned a tensor, not a tuple or list of them:
+        # what crosses a cut is always a tuple, but the loss and pipe.forward get the last
+        # stage's outputs as the module returned them ((h,) stays a tuple).
+        self.bare = True
         self._split: TwoStageBackward | None = None
         self._saved: dict[int, _Saved] = {}
         self._weight_pending: dict[int, BackwardTape | _Deferred | None] = {}
@@ -435,6 +439,7 @@ class Stage:
         return _autograd.alias(x) if x is not None and x.requires_grad else x
 
     def _as_outputs(self, result: object) -> tuple[Tensor, ...]:
+        self.bare = not isinstance(result, (tuple, list))
         items: Sequence[object] = result if isinstance(result, (tuple, list)) else (result,)
         for i, item in enumerate(items):
             if not isinstance(item, Tensor):
