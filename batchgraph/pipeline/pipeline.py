@@ -21,9 +21,15 @@ import torch
 from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import PipelineSchedule
-from batchgraph.pipeline.checkpoint import CheckpointMethods, StateNames, guard_split
+from batchgraph.pipeline.checkpoint import (
+    CheckpointMethods,
+    IncompatibleKeys,
+    StateNames,
+    guard_split,
+)
 from batchgraph.pipeline.coordinator import Coordinator
 from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.held_layers import HeldLayers
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
 from batchgraph.pipeline.schedules import make_schedule
@@ -283,6 +289,8 @@ class Pipeline(CheckpointMethods):
             else [s.module if isinstance(s, Stage) else s for s in module]
         )
         self._names = StateNames.by_identity(whole, modules)
+        # A layer replaced in the model later would not reach the stages: refused then.
+        self._held = HeldLayers(whole, modules) if isinstance(whole, nn.Module) else None
         self.schedule = plan
         self.stage_modules = modules
         self.backend = backend
@@ -338,10 +346,45 @@ class Pipeline(CheckpointMethods):
         return self._runtime.forward(cast(Batch, inputs))
 
     def _check_modes(self) -> None:
-        """Refuse, before any work, a mode a graph-split stage was not traced in."""
+        """Refuse, before any work, a mode a graph-split stage was not traced in, and a
+        model whose layers were replaced since the stages were split from it."""
+        self._check_layers()
         for module in self.stage_modules:
             if isinstance(module, ModeParts):
                 module.select()
+
+    def _check_layers(self) -> None:
+        if self._held is not None:
+            self._held.check()
+
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`CheckpointMethods.state_dict`; refused once a layer of the model
+        was replaced (the stages would give the old one's state under its name).
+
+        Example:
+            >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+            >>> with Pipeline(net, stages=2) as pipe:
+            ...     net[2] = nn.Linear(3, 1)
+            ...     pipe.state_dict()  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            batchgraph.pipeline.errors.PipelineConfigError: the model's layer '2' was replaced ...
+        """
+        self._check_layers()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
+        """See :meth:`CheckpointMethods.load_state_dict`; refused once a layer of the
+        model was replaced (the old one would get the state).
+
+        Example:
+            >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+            >>> with Pipeline(net, stages=2) as pipe:
+            ...     pipe.load_state_dict(net.state_dict())
+            IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        """
+        self._check_layers()
+        return super().load_state_dict(state_dict, strict)
 
     @property
     def stats(self) -> PipelineStats:
