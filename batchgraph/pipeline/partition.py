@@ -12,15 +12,19 @@
   parts cut along a topological order of its graph (networkx). Part ``k`` takes the
   values that cross cut ``k-1`` and returns those that cross cut ``k`` (a tensor when one
   value crosses, else a tuple), so running the parts in sequence equals the module.
-  Parameters are fetched where they are used (never sent across a cut). The values that
-  cross a cut must be tensors to travel through a pipeline; a cut right after a
-  ``x.size(0)`` or a tuple-returning call carries a non-tensor and the stage reports it.
+  Parameters are fetched where they are used (never sent across a cut), and so are
+  sizes and shapes (``b, t = idx.size()`` used by a last ``view(b, t, -1)``): a later
+  part reads them again off the tensors they came from, which cross instead; an item
+  taken out of a layer's tuple (an LSTM's ``out, (h, c)``) is taken in the layer's part,
+  so the items cross, not the tuple. Any other non-tensor that crosses a cut (a Python
+  value computed from a tensor's values) is reported by the stage at run time.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -273,6 +277,46 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, cost: str) -> float:
     return 1.0
 
 
+# What reads a tensor's metadata, not its values: a Python number or torch.Size, which
+# cannot cross a cut (a stage sends tensors), so a later part reads it again.
+_SHAPE_METHODS = frozenset({"size", "dim", "numel", "nelement", "stride", "get_device"})
+_SHAPE_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
+# Arithmetic on those (B * T, x.shape[-1] // 2, len(x.shape)) is metadata too.
+_ON_SHAPES = frozenset(
+    {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
+     operator.truediv, operator.mod, operator.neg, operator.pow, len, int}
+)  # fmt: skip
+
+
+def _shape_nodes(order: Sequence[fx.Node]) -> set[fx.Node]:
+    """The nodes whose values are read off tensors' metadata (see ``_SHAPE_METHODS``)."""
+    shape: set[fx.Node] = set()
+    for n in order:
+        if n.op == "call_method" and n.target in _SHAPE_METHODS:
+            shape.add(n)
+        elif n.op == "call_function" and n.target is getattr:
+            if len(n.args) == 2 and n.args[1] in _SHAPE_ATTRIBUTES:
+                shape.add(n)
+        elif n.op == "call_function" and n.target in _ON_SHAPES:
+            inputs = n.all_input_nodes
+            if inputs and all(i in shape for i in inputs):
+                shape.add(n)
+    return shape
+
+
+def _shape_sources(node: fx.Node, shape: set[fx.Node]) -> set[fx.Node]:
+    """The tensors a metadata node is read from (its nearest inputs that are not metadata)."""
+    sources: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i in shape:
+                stack.append(i)
+            else:
+                sources.add(i)
+    return sources
+
+
 def partition_graph(
     module: nn.Module,
     stages: int,
@@ -328,18 +372,24 @@ def partition_graph(
     for n in order:
         if n.op == "placeholder":
             part_of[n] = 0
+        elif n.op == "call_function" and n.target is operator.getitem:
+            # With what it takes apart: an item of a layer's tuple (an LSTM's output and
+            # state) crosses a cut, never the tuple (a tensor index is taken as early).
+            part_of[n] = max(part_of.get(i, 0) for i in n.all_input_nodes)
+    shape = _shape_nodes(order)
     output = next(n for n in order if n.op == "output")
 
     def crossing(k: int) -> list[fx.Node]:
-        """Values made in parts <= k and used after part k (parameters excluded)."""
-        result = []
+        """Values made in parts <= k and used after part k (parameters excluded); for a
+        size or shape, the tensors it is read from (the later part reads it again)."""
+        wanted: set[fx.Node] = set()
         for n in order:
             if n.op in ("get_attr", "output") or part_of[n] > k:
                 continue
             users = list(n.users)
             if any(u is output or part_of.get(u, -1) > k for u in users):
-                result.append(n)
-        return result
+                wanted.update(_shape_sources(n, shape) if n in shape else (n,))
+        return [n for n in order if n in wanted and n.op != "get_attr"]
 
     parts: list[fx.GraphModule] = []
     for k in range(stages):
@@ -356,10 +406,13 @@ def partition_graph(
         def lookup(n: fx.Node, g: fx.Graph = g, env: dict[fx.Node, fx.Node] = env) -> fx.Node:
             if n not in env and n.op == "get_attr":
                 env[n] = g.node_copy(n)  # parameters are fetched where they are used
+            elif n not in env and n in shape:  # read again from the tensors that crossed
+                env[n] = g.node_copy(n, lookup)
             return env[n]
 
-        for n in compute[bounds[k][0] : bounds[k][1]]:
-            env[n] = g.node_copy(n, lookup)
+        for n in compute:
+            if part_of[n] == k:
+                env[n] = g.node_copy(n, lookup)
         if k == stages - 1:
             g.node_copy(output, lookup)
         else:
