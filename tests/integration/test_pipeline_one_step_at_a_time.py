@@ -99,9 +99,7 @@ def test_a_call_from_inside_a_running_step_is_refused(schedule: str, call: str) 
                 pipe.reset()
         return nn.functional.mse_loss(out, target)
 
-    pipe = Pipeline(
-        model, stages=2, microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30
-    )
+    pipe = Pipeline(model, stages=2, microbatches=3, schedule=schedule, loss_fn=loss_fn, timeout=30)
     holder["pipe"] = pipe
     with pytest.raises(StageError, match=r"loss failed") as caught:
         _within(lambda: pipe.train_step(x, y) and None)
