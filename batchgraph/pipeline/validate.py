@@ -2,6 +2,9 @@
 
 Checked in this order (the first failure is raised, with the grid printout):
 
+0. types: counts are ints >= 1, device keys ints, actions :class:`Action` objects of
+   int stages and microbatches (an action given as its text, ``"0F0"``, is named, and
+   so is how to parse it; no grid, as none can be drawn);
 1. shape: devices are ``0..devices-1``; stages ``0..stages-1``; microbatches
    ``0..microbatches-1``; every action sits on the device that owns its stage
    (``stage % devices``);
@@ -42,6 +45,51 @@ def _fail(schedule: PipelineSchedule, message: str) -> ScheduleError:
     return ScheduleError(
         f"invalid schedule {schedule.name!r}: {message}\n\n{format_schedule(schedule)}"
     )
+
+
+def _check_types(schedule: PipelineSchedule) -> None:
+    """Counts, device keys and actions of the right types: the other checks (and the grid
+    the errors show) read them as such, and failed inside with AttributeError or
+    TypeError for an action given as its text ("0F0") or a device key as a string."""
+
+    def bad(message: str) -> ScheduleError:  # no grid: it cannot be drawn from these
+        return ScheduleError(f"invalid schedule {schedule.name!r}: {message}")
+
+    def is_int(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for name in ("stages", "devices", "microbatches", "chunks"):
+        value = getattr(schedule, name)
+        if not is_int(value) or value < 1:
+            raise bad(f"{name} must be an int >= 1, got {value!r}")
+    for device, actions in schedule.order.items():
+        if not is_int(device):
+            raise bad(
+                f"order's key {device!r} is a {type(device).__name__}; the keys are device "
+                f"numbers, ints 0..{schedule.devices - 1}"
+            )
+        if not isinstance(actions, list | tuple):
+            raise bad(
+                f"order[{device}] is a {type(actions).__name__}; give a list of the "
+                "device's Actions in the order it runs them"
+            )
+        for n, a in enumerate(actions):
+            if not (
+                isinstance(a, Action)
+                and is_int(a.stage)
+                and isinstance(a.kind, ActionKind)
+                and is_int(a.microbatch)
+            ):
+                parse = f"; write Action.parse({a!r})" if isinstance(a, str) else ""
+                what = (  # its fields: str() of an Action needs an ActionKind
+                    f"Action(stage={a.stage!r}, kind={a.kind!r}, microbatch={a.microbatch!r})"
+                    if isinstance(a, Action)
+                    else f"{a!r} ({type(a).__name__})"
+                )
+                raise bad(
+                    f"order[{device}][{n}] is {what}, not an Action of an int stage, an "
+                    f"ActionKind and an int microbatch{parse}"
+                )
 
 
 def _check_shape(schedule: PipelineSchedule) -> None:
@@ -190,6 +238,7 @@ def validate_schedule(
         >>> from batchgraph.pipeline.schedules import make_schedule
         >>> validate_schedule(make_schedule("1f1b", stages=4, microbatches=8), max_in_flight=4)
     """
+    _check_types(schedule)
     _check_shape(schedule)
     _check_counts(schedule)
     _check_device_order(schedule)

@@ -6,6 +6,7 @@ import pytest
 
 from batchgraph.pipeline import (
     Action,
+    ActionKind,
     PipelineSchedule,
     ScheduleError,
     format_schedule,
@@ -135,3 +136,51 @@ def test_grid_printout() -> None:
         "   2        1B0",
         "   3  0B0",
     ]
+
+
+def _typed(order: dict[object, object], **counts: object) -> PipelineSchedule:
+    shape: dict[str, object] = {"stages": 2, "devices": 2, "microbatches": 1, "chunks": 1}
+    shape.update(counts)
+    return PipelineSchedule("hand", order=order, **shape)  # type: ignore[arg-type]
+
+
+_GOOD = {
+    0: [Action.parse("0F0"), Action.parse("0B0")],
+    1: [Action.parse("1F0"), Action.parse("1B0")],
+}
+
+
+@pytest.mark.parametrize(
+    ("order", "counts", "match"),
+    [
+        (
+            {0: ["0F0", "0B0"], 1: _GOOD[1]},
+            {},
+            r"order\[0\]\[0\] is '0F0' \(str\), not an Action .*; write Action.parse\('0F0'\)",
+        ),
+        ({"0": _GOOD[0], 1: _GOOD[1]}, {}, r"order's key '0' is a str; the keys are device"),
+        ({0: _GOOD[0], 1: "1F0 1B0"}, {}, r"order\[1\] is a str; give a list of the device's"),
+        (
+            {0: [Action(0, "F", 0), _GOOD[0][1]], 1: _GOOD[1]},  # type: ignore[arg-type]
+            {},
+            r"order\[0\]\[0\] is Action\(stage=0, kind='F', microbatch=0\), not an Action of an int "
+            r"stage, an ActionKind",
+        ),
+        (
+            {0: [Action(0.0, ActionKind.FORWARD, 0)], 1: _GOOD[1]},  # type: ignore[arg-type]
+            {},
+            r"order\[0\]\[0\] is Action\(stage=0.0, kind=<ActionKind.FORWARD: 'F'>",
+        ),
+        ({}, {"stages": 0, "devices": 0}, r"stages must be an int >= 1, got 0"),
+        (_GOOD, {"microbatches": 1.0}, r"microbatches must be an int >= 1, got 1.0"),
+    ],
+)
+def test_malformed_schedules_are_named(
+    order: dict[object, object], counts: dict[str, object], match: str
+) -> None:
+    # They failed inside the checks (AttributeError: 'str' object has no attribute
+    # 'stage'; TypeError comparing a str key with 0) or passed (no stages, no actions).
+    with pytest.raises(ScheduleError, match=match) as info:
+        validate_schedule(_typed(order, **counts))
+    assert str(info.value).startswith("invalid schedule 'hand': ")
+    validate_schedule(_typed(_GOOD))  # the same shape, well typed, is valid
