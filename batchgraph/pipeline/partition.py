@@ -156,6 +156,20 @@ def _param_cost(module: nn.Module) -> float:
     return float(sum(p.numel() for p in module.parameters()) + 1)
 
 
+def _profile_error(
+    index: int, layer: nn.Module, inputs: Sequence[Tensor], exc: Exception
+) -> PipelineConfigError:
+    """A layer that cannot run on what the sample became: name it, and what to give."""
+    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in inputs)
+    came = "sample=" if index == 0 else f"what layers 0..{index - 1} made of sample="
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return PipelineConfigError(
+        f"cost='profile' could not time layer {index} ({type(layer).__name__}) on {came} "
+        f"({shapes}): {type(exc).__name__}: {text}; give sample= one microbatch of the "
+        "model's inputs, what model(sample) takes"
+    )
+
+
 def _profile(layers: Sequence[nn.Module], sample: Batch, repeat: int) -> list[float]:
     """Median forward+backward seconds per layer, leaving ``.grad``, buffers and ``sample``
     untouched."""
@@ -165,7 +179,7 @@ def _profile(layers: Sequence[nn.Module], sample: Batch, repeat: int) -> list[fl
     values: tuple[Tensor, ...] = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
     costs: list[float] = []
     try:
-        for layer in layers:
+        for index, layer in enumerate(layers):
             times: list[float] = []
             out: tuple[Tensor, ...] = ()
             for _ in range(repeat):
@@ -175,7 +189,10 @@ def _profile(layers: Sequence[nn.Module], sample: Batch, repeat: int) -> list[fl
                 leaves = [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values]
                 xs = tuple(_autograd.alias(v) if v.requires_grad else v for v in leaves)
                 start = time.perf_counter()
-                result = layer(xs[0] if len(xs) == 1 else xs)  # as nn.Sequential calls it
+                try:
+                    result = layer(xs[0] if len(xs) == 1 else xs)  # as nn.Sequential does
+                except Exception as exc:
+                    raise _profile_error(index, layer, xs, exc) from exc
                 out = tuple(result) if isinstance(result, (tuple, list)) else (result,)
                 diff = [o for o in out if isinstance(o, Tensor) and o.requires_grad]
                 if diff:

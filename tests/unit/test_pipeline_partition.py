@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from batchgraph.pipeline import (
+    Pipeline,
     balanced_partition,
     layer_costs,
     partition_graph,
@@ -115,3 +116,29 @@ def test_graph_split_equals_original(parts: int) -> None:
     # Parameters are shared, never copied.
     own = {id(p) for p in net.parameters()}
     assert all(id(p) in own for piece in pieces for p in piece.parameters())
+
+
+@pytest.mark.parametrize(
+    ("sample", "match"),
+    [
+        (
+            torch.randn(3, 5),
+            r"could not time layer 0 \(Linear\) on sample= \(\(3, 5\) torch.float32\): "
+            r"RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+        ),
+        (
+            torch.randn(3, 4, dtype=torch.float64),
+            r"could not time layer 0 \(Linear\) on sample= \(\(3, 4\) torch.float64\)",
+        ),
+    ],
+)
+def test_profile_names_the_layer_a_wrong_sample_fails_in(sample: torch.Tensor, match: str) -> None:
+    # The layer's own error came out bare ("mat1 and mat2 shapes cannot be multiplied"),
+    # from Pipeline(..., cost="profile"), with nothing saying it was the profiling sample.
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(PipelineConfigError, match=match) as info:
+        Pipeline(net, stages=2, cost="profile", sample=sample)
+    assert "give sample= one microbatch of the model's inputs" in str(info.value)
+    narrow = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(4, 2))  # 3 -> 4 breaks
+    with pytest.raises(PipelineConfigError, match=r"layer 2 \(Linear\) on what layers 0\.\.1"):
+        layer_costs(list(narrow), "profile", torch.randn(2, 4))
