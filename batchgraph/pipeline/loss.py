@@ -48,13 +48,34 @@ Output = Tensor | tuple[Tensor, ...]
 _REDUCTIONS: dict[str, Reduction] = {"mean": "mean", "batchmean": "batchmean", "sum": "sum"}
 
 
-def _declared(fn: Callable[..., object]) -> str:
-    """The reduction ``fn`` declares: its ``reduction`` attribute (``torch.nn`` losses), a
-    ``functools.partial``'s ``reduction=`` keyword, else ``"mean"`` (``torch.nn.functional``'s
-    default)."""
+def _own(fn: Callable[..., object]) -> str | None:
+    """The reduction ``fn`` says it makes: its ``reduction`` attribute (``torch.nn`` losses)
+    or a ``functools.partial``'s ``reduction=`` keyword; ``None`` when it says none."""
     if isinstance(fn, functools.partial) and "reduction" in fn.keywords:
         return str(fn.keywords["reduction"])
-    return str(getattr(fn, "reduction", "mean"))
+    value = getattr(fn, "reduction", None)
+    return value if isinstance(value, str) else None
+
+
+def _declared(fn: Callable[..., object]) -> str:
+    """The reduction ``fn`` declares (see :func:`_own`), else ``"mean"``
+    (``torch.nn.functional``'s default)."""
+    return _own(fn) or "mean"
+
+
+def _check_agrees(fn: Callable[..., object], reduction: str) -> None:
+    """Refuse a ``reduction=`` passed for a loss that says it makes another: the weights
+    would be another reduction's (``MSELoss(reduction="sum")`` weighted as a mean gave
+    ``sum_i (n_i / N) * sum_i``, neither the batch's sum nor its mean)."""
+    own = _own(fn)
+    if own is not None and own != reduction:
+        raise PipelineConfigError(
+            f"reduction={reduction!r} was passed, but the loss function reduces with "
+            f"{own!r} (its reduction attribute, or its functools.partial's keyword): the "
+            "microbatch losses would be weighted for the wrong reduction and the step's loss "
+            "and gradients would not be one device's; leave reduction='auto' (the default) "
+            "to read it, or give the loss function the reduction you mean"
+        )
 
 
 def output_leaves(outputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -135,7 +156,8 @@ class Loss:
 
     Raises:
         PipelineConfigError: if the reduction is not one of those (``"none"`` gives no
-            scalar to differentiate).
+            scalar to differentiate), or is passed against the one ``fn`` says it makes
+            (its ``reduction`` attribute or partial keyword; checked again at each step).
 
     Example:
         >>> import torch
@@ -153,6 +175,8 @@ class Loss:
         self.fn = fn
         self._auto = reduction == "auto"
         self.reduction: Reduction = _checked(_declared(fn) if self._auto else reduction)
+        if not self._auto:
+            _check_agrees(fn, self.reduction)
         # This step's count for a mean over counted targets (see begin_step), or None.
         self._count: float | None = None
         self._spec: _Counted | None = None  # the loss _count is for
@@ -177,6 +201,8 @@ class Loss:
         fn = self.fn
         if self._auto:  # e.g. loss_fn.reduction = "sum" after the pipeline was built
             self.reduction = _checked(_declared(fn))
+        else:
+            _check_agrees(fn, self.reduction)
         spec = _counted(fn)
         if (
             self.reduction != "mean"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchgraph.pipeline import Pipeline
+from batchgraph.pipeline import Pipeline, PipelineConfigError
 from tests.integration.test_pipeline_equals_single_device import log_probs_step_equals_single_device
 from tests.pipeline_models import assert_grads_equal, mlp, reference
 
@@ -78,3 +78,35 @@ def test_functional_cross_entropy_with_ignored_targets_equals_single_device(
     if isinstance(loss_fn, functools.partial) and loss_fn.keywords.get("ignore_index") == 0:
         y = torch.tensor([0, 0, 1, 2, 0, 1, 2])
     log_probs_step_equals_single_device(y, loss_fn, schedule, 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "declared"),
+    [
+        (lambda: nn.MSELoss(reduction="sum"), "mean"),
+        (lambda: nn.MSELoss(), "sum"),
+        (lambda: functools.partial(F.mse_loss, reduction="sum"), "mean"),
+        (lambda: nn.KLDivLoss(reduction="batchmean"), "mean"),
+    ],
+    ids=["sum-as-mean", "mean-as-sum", "partial", "batchmean-as-mean"],
+)
+def test_a_reduction_passed_against_the_losss_own_is_refused(
+    make_loss: Callable[[], Callable[[Tensor, Tensor], Tensor]], declared: str
+) -> None:
+    # Taken as declared, the microbatch losses were weighted for the other reduction: an
+    # MSELoss(reduction="sum") declared "mean" gave sum_i (n_i / N) * sum_i, silently.
+    model = mlp(layers=4)
+    with pytest.raises(PipelineConfigError, match=rf"reduction='{declared}' was passed, but"):
+        Pipeline(model, stages=2, microbatches=3, loss_fn=make_loss(), reduction=declared)
+    # Changed to disagree after the pipeline was built: refused at the step.
+    loss_fn = nn.MSELoss()
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    with Pipeline(model, stages=2, microbatches=3, loss_fn=loss_fn, reduction="mean") as pipe:
+        loss_fn.reduction = "sum"
+        with pytest.raises(PipelineConfigError, match=r"reduction='mean' was passed, but"):
+            pipe.train_step(x, y)
+        loss_fn.reduction = "mean"  # agreeing again: exact
+        want_loss, want = reference(model, x, y, loss_fn)
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want)
