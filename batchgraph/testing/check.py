@@ -12,8 +12,9 @@ pass by accident (a plain ``sum`` would hide permutations).
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,10 @@ import torch
 from torch import nn
 
 from batchgraph.captured import captured_tensors
+from batchgraph.coroutines import run_all
 from batchgraph.policy import BatchingPolicy
 from batchgraph.scheduling import ScheduleStats
+from batchgraph.testing.leaves import Leaf, first_difference, flatten, scalar_differs
 
 __all__ = ["BatchedCheckReport", "assert_batched_matches_eager"]
 
@@ -39,30 +42,22 @@ class BatchedCheckReport:
     stats: ScheduleStats | None
 
 
-def _flatten(value: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append((path, value))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _flatten(v, f"{path}[{i}]", out)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(v, f"{path}[{k!r}]", out)
-
-
-def _weighted_loss(outputs: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def _weighted_loss(outputs: Sequence[Leaf]) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
     total: torch.Tensor | None = None
     for _, t in outputs:
-        if not t.is_floating_point():
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
             continue
+        if t.is_complex():  # both parts weighted, so each carries a gradient
+            t = torch.view_as_real(t.resolve_conj())
         weight = torch.rand(t.shape, generator=generator, dtype=t.dtype).to(t.device)
         term = (t * weight).sum()
         total = term if total is None else total + term
     if total is None:
         raise ValueError(
-            "no floating-point output to differentiate, so gradients cannot be compared; "
-            "pass check_gradients=False for a function that returns only integers or bools"
+            "no floating-point or complex tensor among the outputs to differentiate, so "
+            "gradients cannot be compared; pass check_gradients=False for a function that "
+            "returns only integer or bool tensors or plain Python values"
         )
     return total
 
@@ -82,10 +77,13 @@ def _parameters(fn: Callable[..., Any], module: nn.Module | None) -> list[tuple[
 
 def _input_leaves(examples: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
     # The examples' own tensors that require grad: their gradients are compared too.
-    flat: list[tuple[str, torch.Tensor]] = []
+    flat: list[Leaf] = []
     for i, example in enumerate(examples):
-        _flatten(example, f"example {i}: input", flat)
-    return [(path, t) for path, t in flat if t.requires_grad and t.is_leaf]
+        flatten(example, f"example {i}: input", flat)
+    return [
+        (path, t) for path, t in flat
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+    ]
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -95,7 +93,8 @@ def _describe(t: torch.Tensor) -> str:
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if not a.numel():
         return 0.0
-    a, b = a.detach().double(), b.detach().double()
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    a, b = a.detach().to(wide), b.detach().to(wide)
     both_nan = torch.isnan(a) & torch.isnan(b)  # NaN where eager has NaN is a match
     return float(torch.where(both_nan, 0.0, (a - b).abs()).max().item())
 
@@ -113,15 +112,19 @@ def assert_batched_matches_eager(
     """Check that batching ``fn`` over ``examples`` changes neither outputs nor gradients.
 
     Args:
-        fn: per-example function (e.g. ``model.encode``); it must return tensors, or
-            lists/tuples/dicts of them.
+        fn: per-example function (e.g. ``model.encode``), or an ``async def`` one whose
+            examples await ``bg.value`` (run batched by ``bg.run_all``); it returns
+            tensors and plain values (numbers, strings, None), or lists, tuples, dicts
+            and dataclasses of them. Plain values are compared too (numbers within the
+            tolerances).
         examples: the inputs, one per call of ``fn``; their tensors that require grad
             have their gradients compared too.
         module: whose parameter gradients to compare; defaults to ``fn.__self__``, and
             for a plain function to the modules and tensors it closes over or names.
         rtol, atol: tolerances (use ~1e-10 in float64).
         check_gradients: also compare parameter gradients.
-        **policy_options: passed to ``BatchingPolicy`` (e.g. ``scheduler="depth"``).
+        **policy_options: passed to ``BatchingPolicy`` (e.g. ``scheduler="depth"``;
+            for coroutine examples, to each lane's policy).
 
     Returns:
         A ``BatchedCheckReport``.
@@ -153,14 +156,8 @@ def assert_batched_matches_eager(
     seen = {id(p) for _, p in params}
     params += [(path, t) for path, t in _input_leaves(examples) if id(t) not in seen]
 
-    eager = [fn(x) for x in examples]
-    eager_flat: list[tuple[str, torch.Tensor]] = []
-    for i, value in enumerate(eager):
-        _flatten(value, f"example {i}: output", eager_flat)
-    with BatchingPolicy(**policy_options) as policy:
-        handles = [fn(x) for x in examples]
-    batched = policy.compute(handles)
-    if examples and not policy.graph.calls_recorded:
+    eager, batched, policies = _run_both(fn, examples, policy_options)
+    if examples and not any(p.graph.calls_recorded for p in policies):
         warnings.warn(
             f"{getattr(fn, '__qualname__', fn)!r} recorded no call under the BatchingPolicy: "
             "it ran eagerly there too, so this check compared eager with eager. Calls "
@@ -168,17 +165,88 @@ def assert_batched_matches_eager(
             "submodules of a bg.BatchedModule",
             stacklevel=2,
         )
-    batched_flat: list[tuple[str, torch.Tensor]] = []
-    for i, value in enumerate(batched):
-        _flatten(value, f"example {i}: output", batched_flat)
+    eager_flat: list[Leaf] = []
+    batched_flat: list[Leaf] = []
+    for i, (e, b) in enumerate(zip(eager, batched)):
+        flatten(e, f"example {i}: output", eager_flat)
+        flatten(b, f"example {i}: output", batched_flat)
+    where = first_difference(eager_flat, batched_flat)
+    if where is not None:
+        raise AssertionError(f"batched outputs do not have the eager structure: {where}")
+    max_out = _compare_outputs(eager_flat, batched_flat, rtol, atol)
+    compared, max_grad = (
+        _compare_gradients(params, eager_flat, batched_flat, rtol, atol)
+        if check_gradients and params
+        else (0, 0.0)
+    )
+    return BatchedCheckReport(
+        examples=len(examples),
+        outputs_compared=len(eager_flat),
+        gradients_compared=compared,
+        max_output_diff=max_out,
+        max_gradient_diff=max_grad,
+        stats=policies[0].stats if policies else None,
+    )
 
-    if [p for p, _ in eager_flat] != [p for p, _ in batched_flat]:
-        raise AssertionError(
-            "batched outputs do not have the eager structure: eager "
-            f"{[p for p, _ in eager_flat][:5]} vs batched {[p for p, _ in batched_flat][:5]}"
+
+def _run_both(
+    fn: Callable[[Any], Any], examples: list[Any], policy_options: dict[str, Any]
+) -> tuple[list[Any], list[Any], list[BatchingPolicy]]:
+    """``fn`` over ``examples`` eagerly and batched: the results of each, and the
+    policies that recorded. A coroutine function (``async def`` examples) runs batched
+    by ``run_all``, and eagerly to its end (each await finishes at once there)."""
+    eager = [fn(x) for x in examples]
+    coroutines = [inspect.iscoroutine(r) for r in eager]
+    if not any(coroutines):
+        with BatchingPolicy(**policy_options) as policy:
+            handles = [fn(x) for x in examples]
+        return eager, policy.compute(handles), [policy]
+    if not all(coroutines):
+        for r in eager:
+            if inspect.iscoroutine(r):
+                r.close()
+        raise TypeError(
+            f"{getattr(fn, '__qualname__', fn)!r} returned a coroutine for example "
+            f"{coroutines.index(True)} but not for example {coroutines.index(False)}; "
+            "the check runs either per-example functions or coroutine examples: make "
+            "fn always an async def (or never)"
         )
+    eager = [_run_eagerly(c, i) for i, c in enumerate(eager)]
+    policies: list[BatchingPolicy] = []
+
+    def make_policy() -> BatchingPolicy:
+        policies.append(BatchingPolicy(**policy_options))
+        return policies[-1]
+
+    batched = run_all([fn(x) for x in examples], make_policy=make_policy)
+    return eager, batched, policies
+
+
+def _run_eagerly(coroutine: Coroutine[Any, Any, Any], index: int) -> Any:
+    # Outside run_all an await of bg.value finishes at once: the coroutine runs to its
+    # end in one send. One that suspends awaited something run_all refuses as well.
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coroutine.close()
+    raise TypeError(
+        f"example {index}: the coroutine suspended when run eagerly, so it awaited "
+        "something other than bg.value(...) or a handle, which run_all cannot batch "
+        "either; await only bg.value(...) in the examples checked"
+    )
+
+
+def _compare_outputs(eager: list[Leaf], batched: list[Leaf], rtol: float, atol: float) -> float:
+    """Raise at the first output that differs; else return the largest difference."""
     max_out = 0.0
-    for (path, eo), (_, bo) in zip(eager_flat, batched_flat):
+    for (path, eo), (_, bo) in zip(eager, batched):
+        if not isinstance(eo, torch.Tensor) or not isinstance(bo, torch.Tensor):
+            if isinstance(eo, torch.Tensor) or isinstance(bo, torch.Tensor) or scalar_differs(
+                eo, bo, rtol, atol
+            ):
+                raise AssertionError(f"{path} differs: eager {eo!r}, batched {bo!r}")
+            continue
         if (eo.shape, eo.dtype, eo.device, eo.requires_grad) != (
             bo.shape, bo.dtype, bo.device, bo.requires_grad
         ):
@@ -187,44 +255,45 @@ def assert_batched_matches_eager(
         max_out = max(max_out, diff)
         if not torch.allclose(bo.detach(), eo.detach(), rtol=rtol, atol=atol, equal_nan=True):
             raise AssertionError(f"{path} differs: max abs diff {diff:.3g} (rtol={rtol}, atol={atol})")
+    return max_out
 
-    max_grad = 0.0
-    compared = 0
-    e: torch.Tensor | None
-    b: torch.Tensor | None
-    if check_gradients and params:
-        tensors = [p for _, p in params]
-        eager_grads = torch.autograd.grad(
-            _weighted_loss(eager_flat), tensors, allow_unused=True
-        )
-        batched_loss = _weighted_loss(batched_flat)
-        # A batched run cut off from autograd reaches no parameter at all.
-        batched_grads = (
-            torch.autograd.grad(batched_loss, tensors, allow_unused=True)
-            if batched_loss.requires_grad
+
+def _compare_gradients(
+    params: list[tuple[str, Any]],
+    eager: list[Leaf],
+    batched: list[Leaf],
+    rtol: float,
+    atol: float,
+) -> tuple[int, float]:
+    """Raise at the first gradient that differs under the weighted loss; else return
+    how many were compared and the largest difference."""
+    tensors = [p for _, p in params]
+    grads: list[Sequence[torch.Tensor | None]] = []
+    for flat in (eager, batched):
+        loss = _weighted_loss(flat)
+        # Outputs with no autograd graph (computed under no_grad, or a batched run cut
+        # off from autograd) reach no parameter at all.
+        grads.append(
+            torch.autograd.grad(loss, tensors, allow_unused=True)
+            if loss.requires_grad
             else (None,) * len(tensors)
         )
-        for (name, _), e, b in zip(params, eager_grads, batched_grads):
-            if e is None and b is None:
-                continue
-            if e is None or b is None:
-                raise AssertionError(
-                    f"gradient of {name}: eager {'none' if e is None else 'set'}, "
-                    f"batched {'none' if b is None else 'set'}"
-                )
-            diff = _max_diff(e, b)
-            max_grad = max(max_grad, diff)
-            compared += 1
-            if not torch.allclose(b, e, rtol=rtol, atol=atol, equal_nan=True):
-                raise AssertionError(
-                    f"gradient of parameter {name} differs: max abs diff {diff:.3g} "
-                    f"(rtol={rtol}, atol={atol})"
-                )
-    return BatchedCheckReport(
-        examples=len(examples),
-        outputs_compared=len(eager_flat),
-        gradients_compared=compared,
-        max_output_diff=max_out,
-        max_gradient_diff=max_grad,
-        stats=policy.stats,
-    )
+    max_grad = 0.0
+    compared = 0
+    for (name, _), e, b in zip(params, *grads):
+        if e is None and b is None:
+            continue
+        if e is None or b is None:
+            raise AssertionError(
+                f"gradient of {name}: eager {'none' if e is None else 'set'}, "
+                f"batched {'none' if b is None else 'set'}"
+            )
+        diff = _max_diff(e, b)
+        max_grad = max(max_grad, diff)
+        compared += 1
+        if not torch.allclose(b, e, rtol=rtol, atol=atol, equal_nan=True):
+            raise AssertionError(
+                f"gradient of parameter {name} differs: max abs diff {diff:.3g} "
+                f"(rtol={rtol}, atol={atol})"
+            )
+    return compared, max_grad
