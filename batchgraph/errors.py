@@ -35,8 +35,14 @@ class PolicyClosedError(BatchgraphError, RuntimeError):
     """A handle was used to record a new call after its policy's ``with`` block ended."""
 
 
-class NotComputedError(BatchgraphError, RuntimeError):
-    """A handle's value was read before ``compute`` ran it."""
+class NotComputedError(BatchgraphError, RuntimeError, TypeError):
+    """A handle's value was read before ``compute`` ran it (``h.value``, ``float(h)``,
+    ``if h > 0:``, ``h.item()``).
+
+    Also a ``TypeError``: that is what Python's protocols (``bool``, ``int``,
+    ``operator.index``) and torch's argument parsing take for "not this kind of value",
+    and what such reads of a handle raised before they raised this.
+    """
 
 
 class ShapeMismatchError(BatchgraphError, ValueError):

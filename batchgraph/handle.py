@@ -410,8 +410,8 @@ def _in_subscript(frame: types.FrameType) -> bool:
     return op in _SUBSCRIPTS or (op == _BINARY_OP and code[at + 1] == _NB_SUBSCR)
 
 
-def _not_known(what: str) -> TypeError:
-    return TypeError(
+def _not_known(what: str) -> NotComputedError:
+    return NotComputedError(
         f"{what} is not known while recording. Compute it first, or write the example "
         "as a coroutine and `await bg.value(h)` (see bg.run_all)."
     )

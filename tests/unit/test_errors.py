@@ -227,6 +227,22 @@ def test_reading_a_python_value_of_a_handle_tells_how(read: Any) -> None:
             read(h)
 
 
+@pytest.mark.parametrize("read", [
+    bool, int, float, lambda h: h.item(), lambda h: h.tolist(), lambda h: [0, 1][h],
+    lambda h: 1 if h > 0 else 0, lambda h: h.value,
+])
+def test_reading_a_value_before_compute_is_a_not_computed_error(read: Any) -> None:
+    """The README's Errors section names NotComputedError for a value read before
+    compute; `float(h)`, `if h > 0:` and `h.item()` raised a bare TypeError, which
+    `except bg.NotComputedError` (or `except bg.BatchgraphError`) did not catch. It
+    stays a TypeError, as Python's protocols and torch's argument parsing expect."""
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.tensor(1))
+        with pytest.raises(bg.NotComputedError) as caught:
+            read(h)
+    assert isinstance(caught.value, TypeError) and isinstance(caught.value, bg.BatchgraphError)
+
+
 @pytest.mark.parametrize("call", [
     lambda h: h.sum().backward(), lambda h: h.register_hook(print), lambda h: h.retain_grad(),
 ])
