@@ -18,9 +18,49 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from batchgraph.pipeline import ActionCosts, PipelineSchedule
 
-__all__ = ["build_parser", "main"]
+__all__ = ["at_least", "build_parser", "main"]
 
 _Handler = Callable[[argparse.Namespace], int]
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type=`` for an int flag that must be ``>= minimum``.
+
+    A value out of range then fails as argparse fails any bad value: the usage, the
+    flag and the value, exit status 2, instead of a traceback from deep inside the
+    run (``range() arg 3 must not be zero`` for a batch size of 0).
+
+    Args:
+        minimum: the smallest value accepted.
+
+    Returns:
+        A converter for ``add_argument(..., type=at_least(1))``.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="demo")
+        >>> _ = parser.add_argument("--examples", type=at_least(1), default=4)
+        >>> parser.parse_args(["--examples", "2"]).examples
+        2
+        >>> at_least(1)("0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be an integer >= 1, got 0
+    """
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {minimum}, got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    # argparse names the type in its own messages ("invalid at_least value").
+    convert.__name__ = f"integer >= {minimum}"
+    return convert
 
 
 def _run_schedule(args: argparse.Namespace) -> int:
@@ -85,10 +125,10 @@ def _add_schedule(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "and print makespan, bubble and peak in-flight microbatches per stage.",
     )
     p.add_argument("name", choices=SCHEDULE_NAMES, help="the schedule")
-    p.add_argument("-p", "--stages", type=int, default=4, help="devices (default 4)")
-    p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches (default 8)")
+    p.add_argument("-p", "--stages", type=at_least(1), default=4, help="devices (default 4)")
+    p.add_argument("-m", "--microbatches", type=at_least(1), default=8, help="microbatches (default 8)")
     p.add_argument(
-        "-v", "--chunks", type=int, default=1, help="stages per device (interleaved-1f1b only)"
+        "-v", "--chunks", type=at_least(1), default=1, help="stages per device (interleaved-1f1b only)"
     )
     p.add_argument(
         "--costs",
@@ -130,8 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (without the program name); ``sys.argv[1:]`` when None.
 
     Returns:
-        The exit status: 0 on success, 2 for bad arguments, 1 when an optional extra
-        is missing.
+        The exit status: 0 on success (and after ``--help``), 2 for bad arguments
+        (argparse's among them, after it printed the usage), 1 when an optional extra
+        is missing or an output file cannot be written.
 
     Example:
         >>> main(["schedule", "gpipe", "--stages", "2", "--microbatches", "1"])  # doctest: +ELLIPSIS
@@ -139,7 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # argparse exits on a bad value (2, after printing the usage) and after --help
+        # (0): return that status, as for every other outcome, so that a caller of
+        # main() gets the status the docstring promises instead of an exception.
+        return exc.code if isinstance(exc.code, int) else 2
     func: _Handler | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
+from batchgraph.cli import at_least
 
 BOS, EOS = 0, 1
 
@@ -180,12 +181,13 @@ def compare(name: str, make: Any, sources: list[list[int]]) -> tuple[list[Any], 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=20)
-    parser.add_argument("--beam", type=int, default=3)
-    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--examples", type=at_least(1), default=64)
+    parser.add_argument("--vocab", type=at_least(3), default=40,
+                        help="tokens, BOS and EOS included (default 40)")
+    parser.add_argument("--hidden", type=at_least(1), default=64)
+    parser.add_argument("--max-len", type=at_least(1), default=20)
+    parser.add_argument("--beam", type=at_least(1), default=3)
+    parser.add_argument("--depth", type=at_least(0), default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = sorted(len(g) for g in greedy)
     print(f"{args.examples} examples; greedy lengths {lengths[0]}..{lengths[-1]} "
           f"(each stops at its own end token)")
-    for i in range(3):
+    for i in range(min(3, args.examples)):  # the first few, however many there are
         print(f"  src {sources[i]}\n    greedy {greedy[i]}\n    beam   {beams[i]}\n"
               f"    tree   {show_tree(trees[i])}")
     print(f"\n{'decoder':8} {'eager s':>9} {'run_all s':>10} {'speed-up':>9} {'2 groups s':>11}")

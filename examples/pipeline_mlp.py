@@ -26,6 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from batchgraph.cli import at_least
 from batchgraph.pipeline import Pipeline, draw_timeline
 
 
@@ -40,19 +41,23 @@ def build(width: int, depth: int) -> nn.Sequential:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256, help="global batch (all replicas)")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--chunks", type=at_least(1), default=1)
+    parser.add_argument("--replicas", type=at_least(1), default=1)
+    parser.add_argument("--microbatches", type=at_least(1), default=8)
+    parser.add_argument("--batch", type=at_least(1), default=256, help="global batch (all replicas)")
+    parser.add_argument("--width", type=at_least(1), default=256)
+    parser.add_argument("--depth", type=at_least(1), default=8)
+    parser.add_argument("--steps", type=at_least(0), default=10)
     parser.add_argument("--png", default="out/pipeline_mlp_timeline.png")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one intra-op thread per rank: ranks share the cores
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.replicas:
+        dist.destroy_process_group()
+        parser.error(f"--replicas {args.replicas} does not divide the {world} processes: "
+                     "run stages x replicas processes (torchrun --nproc-per-node)")
     stages = world // args.replicas
     replica, device = rank // stages, rank % stages
     first, last = device == 0, device == stages - 1

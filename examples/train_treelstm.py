@@ -31,6 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import batchgraph as bg
+from batchgraph.cli import at_least
 
 PACKAGES = ("asyncio", "email", "json", "http", "unittest", "xml", "concurrent", "importlib")
 MAX_LEAVES = 64
@@ -141,13 +142,13 @@ def batches_from_workers(epoch: Any, binder: bg.Binder) -> Any:
 def main(argv: list[str] | None = None) -> float:
     """Train; returns the last minibatch's loss (for comparing the two paths)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=at_least(0), default=1)
     parser.add_argument("--in-process", action="store_true", help="record in this process")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--limit", type=int, default=2000, help="number of trees")
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--pool", type=int, default=8, help="bucketing pool, in batches")
+    parser.add_argument("--epochs", type=at_least(0), default=3)
+    parser.add_argument("--batch-size", type=at_least(1), default=64)
+    parser.add_argument("--limit", type=at_least(1), default=2000, help="number of trees")
+    parser.add_argument("--dim", type=at_least(1), default=64)
+    parser.add_argument("--pool", type=at_least(1), default=8, help="bucketing pool, in batches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default="treelstm.pt")
     parser.add_argument("--resume", action="store_true")

@@ -29,23 +29,24 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import batchgraph as bg
+from batchgraph.cli import at_least
 from batchgraph.data import Tree, stdlib_function_trees
 from batchgraph.models import TreeLSTMClassifier
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
-    p.add_argument("--batch-size", type=int, default=32, help="trees per batch (default 32)")
-    p.add_argument("--limit", type=int, default=2000,
+    p.add_argument("--epochs", type=at_least(0), default=8, help="training epochs (default 8)")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="trees per batch (default 32)")
+    p.add_argument("--limit", type=at_least(1), default=2000,
                    help="stdlib functions to use, train + test (default 2000)")
-    p.add_argument("--hidden", type=int, default=64, help="TreeLSTM/embedding size (default 64)")
+    p.add_argument("--hidden", type=at_least(1), default=64, help="TreeLSTM/embedding size (default 64)")
     p.add_argument("--lr", type=float, default=0.2,
                    help="SGD learning rate on the summed loss (default 0.2)")
-    p.add_argument("--classes", type=int, default=8, help="stdlib packages to tell apart")
+    p.add_argument("--classes", type=at_least(2), default=8, help="stdlib packages to tell apart")
     p.add_argument("--scheduler", choices=["agenda", "depth"], default="agenda")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
-    p.add_argument("--timing-batches", type=int, default=2,
+    p.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads (default 1)")
+    p.add_argument("--timing-batches", type=at_least(1), default=2,
                    help="batches timed eagerly and batched for the speed-up (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

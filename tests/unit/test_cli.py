@@ -40,8 +40,7 @@ def test_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "chunks must be 1" in capsys.readouterr().err
     assert main(["schedule", "1f1b", "--costs", "1,2"]) == 2
     assert "expected 4 or 5 finite non-negative numbers" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["schedule", "pipedream"])
+    assert main(["schedule", "pipedream"]) == 2
     assert "invalid choice: 'pipedream'" in capsys.readouterr().err
     assert main([]) == 2
     assert "schedule" in capsys.readouterr().out
@@ -87,3 +86,29 @@ def test_output_paths_that_cannot_be_written_say_so(
         assert main(["schedule", "1f1b", "-p", "2", "-m", "2", option, str(target)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("batchgraph schedule: error: cannot write ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-p", "0"], "argument -p/--stages: must be an integer >= 1, got 0"),
+        (["--microbatches", "-3"], "argument -m/--microbatches: must be an integer >= 1, got -3"),
+        (["-v", "two"], "argument -v/--chunks: must be an integer >= 1, got 'two'"),
+    ],
+)
+def test_counts_out_of_range_name_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: "stages must be an int >= 1, got 0; pass the number of devices as
+    # stages= ...", the Python keyword, which the command does not take.
+    assert main(["schedule", "gpipe", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: batchgraph schedule" in err
+
+
+def test_main_returns_the_status_instead_of_raising(capsys: pytest.CaptureFixture[str]) -> None:
+    # main()'s docstring promises an exit status; argparse's exits escaped as SystemExit.
+    assert main(["--help"]) == 0
+    assert "schedule" in capsys.readouterr().out
+    assert main(["bogus"]) == 2
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
