@@ -208,11 +208,19 @@ class Pipeline(CheckpointMethods):
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
         ...                     nn.Linear(8, 1))
+        >>> x, y = torch.randn(10, 4), torch.randn(10, 1)
         >>> with Pipeline(net, stages=2, microbatches=4, schedule="1f1b",
         ...               loss_fn=nn.MSELoss()) as pipe:
-        ...     loss = pipe.train_step(torch.randn(10, 4), torch.randn(10, 1))
-        ...     print(f"{pipe.stats.utilization:.2f}" != "", loss.shape)
-        True torch.Size([])
+        ...     loss = pipe.train_step(x, y)   # 4 microbatches of 3, 3, 2 and 2 samples
+        ...     busy = pipe.stats.utilization  # share of device time spent computing
+        >>> grads = [p.grad.clone() for p in net.parameters()]
+        >>> net.zero_grad()
+        >>> one_device = nn.MSELoss()(net(x), y)   # the same step, unsplit
+        >>> one_device.backward()
+        >>> torch.allclose(loss, one_device), 0 < busy <= 1
+        (True, True)
+        >>> all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(grads, net.parameters()))
+        True
     """
 
     def __init__(
