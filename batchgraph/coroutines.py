@@ -121,14 +121,14 @@ def run_all(
 
     Example:
         >>> import batchgraph as bg, torch
-        >>> double = bg.batched_func(torch.mul)
-        >>> async def countdown(n):
+        >>> mul = bg.batched_func(torch.mul)
+        >>> async def halvings(n):                 # how often n halves before it is <= 1
         ...     x = torch.tensor(float(n))
         ...     steps = 0
         ...     while (await bg.value(x)) > 1:        # each await is one batched step
-        ...         x, steps = double(x, 0.5), steps + 1
+        ...         x, steps = mul(x, 0.5), steps + 1
         ...     return steps
-        >>> bg.run_all([countdown(n) for n in (1, 4, 16)])
+        >>> bg.run_all([halvings(n) for n in (1, 4, 16)])
         [0, 2, 4]
     """
     items = list(coroutines)
