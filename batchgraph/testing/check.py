@@ -32,7 +32,17 @@ __all__ = ["BatchedCheckReport", "assert_batched_matches_eager"]
 
 @dataclass
 class BatchedCheckReport:
-    """What the check compared: sizes, largest differences, and the batched run's stats."""
+    """What the check compared: sizes, largest differences, and the batched run's stats.
+
+    Attributes:
+        examples: how many examples ran.
+        outputs_compared: output leaves compared (tensors and plain values).
+        gradients_compared: parameters and example tensors whose gradients were compared.
+        max_output_diff: the largest absolute difference among the output tensors.
+        max_gradient_diff: the largest absolute difference among the gradients.
+        stats: the batched run's last compute (for ``async def`` examples, the first
+            lane's last step).
+    """
 
     examples: int
     outputs_compared: int
@@ -136,7 +146,7 @@ def assert_batched_matches_eager(
 
     Warns:
         UserWarning: when ``fn`` recorded no call under the policy (it ran eagerly there
-            too, so nothing batched was checked).
+            too, so nothing batched was checked), or when ``examples`` is empty.
 
     Example:
         >>> import batchgraph as bg, torch
@@ -156,6 +166,14 @@ def assert_batched_matches_eager(
     seen = {id(p) for _, p in params}
     params += [(path, t) for path, t in _input_leaves(examples) if id(t) not in seen]
 
+    if not examples:
+        # An exhausted generator, or a strategy that may draw an empty list: the check
+        # would pass having compared nothing.
+        warnings.warn(
+            "assert_batched_matches_eager got no examples, so it compared nothing; pass "
+            "at least one (with hypothesis, st.lists(..., min_size=1))",
+            stacklevel=2,
+        )
     eager, batched, policies = _run_both(fn, examples, policy_options)
     if examples and not any(p.graph.calls_recorded for p in policies):
         warnings.warn(
@@ -176,7 +194,7 @@ def assert_batched_matches_eager(
     max_out = _compare_outputs(eager_flat, batched_flat, rtol, atol)
     compared, max_grad = (
         _compare_gradients(params, eager_flat, batched_flat, rtol, atol)
-        if check_gradients and params
+        if check_gradients and params and eager_flat
         else (0, 0.0)
     )
     return BatchedCheckReport(

@@ -159,3 +159,11 @@ def test_a_coroutine_that_awaits_something_else_is_refused() -> None:
 
     with pytest.raises(TypeError, match=r"example 0: the coroutine suspended when run eagerly"):
         assert_batched_matches_eager(sleepy, [torch.randn(2)])
+
+
+def test_no_examples_warns_that_nothing_was_compared() -> None:
+    # Before, an empty list (an exhausted generator) passed silently, comparing nothing.
+    model = _model()
+    with pytest.warns(UserWarning, match=r"got no examples, so it compared nothing"):
+        report = assert_batched_matches_eager(model.encode, iter([]))
+    assert report.outputs_compared == 0
