@@ -85,6 +85,36 @@ def _parameters(fn: Callable[..., Any], module: nn.Module | None) -> list[tuple[
     return [(f"captured tensor {i} of shape {tuple(t.shape)}", t) for i, t in enumerate(found)]
 
 
+def _graph_leaves(
+    fn: Callable[..., Any], outputs: Sequence[Leaf], known: set[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors requiring grad that the eager outputs' autograd graph reaches and
+    ``known`` (ids) does not hold: parameters of a model that ``fn`` reads through an
+    object of its own (``wrapper.run`` calling ``self.model.encode``, a callable
+    object), which neither ``fn.__self__`` nor what ``fn`` closes over shows. Named by
+    their attribute path from that object where one holds them as a module's."""
+    names: dict[int, str] = {}
+    owner = getattr(fn, "__self__", fn)
+    for attr, value in getattr(owner, "__dict__", {}).items():
+        if isinstance(value, nn.Module):
+            names.update({id(p): f"{attr}.{n}" for n, p in value.named_parameters()})
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[Any] = set()
+    stack = [t.grad_fn for _, t in outputs if isinstance(t, torch.Tensor)]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:  # autograd's node objects are unique per node
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad: a leaf's gradient
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in known:
+            known.add(id(leaf))
+            found.append((names.get(id(leaf), f"tensor of shape {tuple(leaf.shape)} the "
+                          "eager outputs depend on"), leaf))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 def _input_leaves(examples: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
     # The examples' own tensors that require grad: their gradients are compared too.
     flat: list[Leaf] = []
@@ -130,7 +160,9 @@ def assert_batched_matches_eager(
         examples: the inputs, one per call of ``fn``; their tensors that require grad
             have their gradients compared too.
         module: whose parameter gradients to compare; defaults to ``fn.__self__``, and
-            for a plain function to the modules and tensors it closes over or names.
+            for a plain function to the modules and tensors it closes over or names;
+            without ``module``, every other tensor requiring grad that the eager
+            outputs depend on too (a model read through an object of yours).
         rtol, atol: tolerances (use ~1e-10 in float64).
         check_gradients: also compare parameter gradients.
         **policy_options: passed to ``BatchingPolicy`` (e.g. ``scheduler="depth"``;
@@ -188,6 +220,8 @@ def assert_batched_matches_eager(
     for i, (e, b) in enumerate(zip(eager, batched)):
         flatten(e, f"example {i}: output", eager_flat)
         flatten(b, f"example {i}: output", batched_flat)
+    if module is None:
+        params += _graph_leaves(fn, eager_flat, {id(p) for _, p in params})
     where = first_difference(eager_flat, batched_flat)
     if where is not None:
         raise AssertionError(f"batched outputs do not have the eager structure: {where}")

@@ -167,3 +167,37 @@ def test_no_examples_warns_that_nothing_was_compared() -> None:
     with pytest.warns(UserWarning, match=r"got no examples, so it compared nothing"):
         report = assert_batched_matches_eager(model.encode, iter([]))
     assert report.outputs_compared == 0
+
+
+class DoubledGradientKey(bg.StackKey):
+    """A broken rule: right values, twice the gradient."""
+
+    def run(self, fn, inputs, size):  # type: ignore[no-untyped-def]
+        out = super().run(fn, inputs, size)
+        return out * 2 - out.detach()
+
+
+class Service:
+    """A user's object holding the model: its methods are neither the module's nor
+    closures over it."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+    def run(self, x: torch.Tensor) -> Encoded:
+        return self.model.encode(x)
+
+    def __call__(self, x: torch.Tensor) -> Encoded:
+        return self.model.encode(x)
+
+
+@pytest.mark.parametrize("how", ["method", "callable object"])
+def test_gradients_of_a_model_read_through_an_object_are_compared(how: str) -> None:
+    # Before, no gradient was compared for these (gradients_compared == 0), so a rule
+    # that doubled every gradient passed.
+    service = Service(_model())
+    fn = service.run if how == "method" else service
+    report = assert_batched_matches_eager(fn, _examples(), rtol=0, atol=1e-12)
+    assert report.gradients_compared == 2
+    with pytest.raises(AssertionError, match=r"gradient of parameter model\.lin\.weight differs"):
+        assert_batched_matches_eager(fn, _examples(), rules={nn.Linear: DoubledGradientKey})
