@@ -217,6 +217,14 @@ class ResultHandle(TensorOperators):
     def element_size(self) -> int:
         return self.dtype.itemsize
 
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
+
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
