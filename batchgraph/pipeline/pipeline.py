@@ -162,7 +162,8 @@ class Pipeline(CheckpointMethods):
     Args:
         module: an ``nn.Sequential`` or a list of layers (split into ``stages * chunks``
             balanced stages), a list of stage modules or :class:`Stage` objects (one per
-            stage; ``stages`` is then inferred), or any ``torch.fx``-traceable module
+            stage, in order: Stage ``i`` at position ``i``, with ``num_stages`` the
+            list's length; ``stages`` is then inferred), or any ``torch.fx``-traceable module
             (its graph is split; where its Python reads ``self.training``, each stage
             runs the graph traced in the model's current mode, see
             :mod:`batchgraph.pipeline.traced_modes`).

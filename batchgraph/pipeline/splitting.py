@@ -83,6 +83,29 @@ def stage_modules(
         raise _too_few_layers(exc, stages, chunks, schedule, what) from None
 
 
+def _check_stage_objects(module: Sequence[object], stages: int | None, chunks: int) -> None:
+    """Refuse ``Stage`` objects whose own ``index`` and ``num_stages`` say otherwise
+    than the list: the list runs in its order, one stage per item, and the runtime
+    builds its stages from their modules, so a differing index or count would be
+    silently ignored (and a ``stages=`` that differs merged several of them into one)."""
+    count = len(module)
+    for position, stage in enumerate(module):
+        if isinstance(stage, Stage) and (stage.index, stage.num_stages) != (position, count):
+            raise PipelineConfigError(
+                f"module[{position}] is {stage!r}, but a list runs in its order, one stage "
+                f"per item: give Stage(..., index={position}, num_stages={count}) there, "
+                "or put the Stages in index order"
+            )
+    if stages is not None and stages * chunks != count and any(
+        isinstance(stage, Stage) for stage in module
+    ):
+        raise PipelineConfigError(
+            f"module is a list of {count} Stages, one per stage, but stages={stages} x "
+            f"chunks={chunks} asks for {stages * chunks}; leave stages= out (it is "
+            f"inferred from the list) or give {stages * chunks} Stages"
+        )
+
+
 def _split_modules(
     module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
     stages: int | None,
@@ -91,6 +114,7 @@ def _split_modules(
     sample: Batch | None,
 ) -> list[nn.Module]:
     if isinstance(module, (list, tuple)):
+        _check_stage_objects(module, stages, chunks)
         items = [s.module if isinstance(s, Stage) else s for s in module]
         for i, item in enumerate(items):
             if not isinstance(item, nn.Module):
