@@ -63,7 +63,9 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
     tensor was changed in place read it as it is then.
 
     Args:
-        value: a tensor, a Python scalar, or anything ``torch.as_tensor`` accepts.
+        value: a tensor, a Python scalar, or anything ``torch.as_tensor`` accepts; a
+            handle is returned as it is (``device`` given: moved there), as eagerly
+            ``torch.as_tensor`` returns the tensor it is given.
         device: where the constant lives. For Python scalars this costs nothing per
             example: the batch's scalars become one tensor on ``device`` (one copy to
             the GPU per batch instead of one per example).
@@ -86,6 +88,11 @@ def batched_value(value: Any, device: torch.device | str | None = None) -> Any:
         h.spec = graph.node_spec[node]
         h._out = None
         return h
+    if type(value) is ResultHandle:
+        # Eagerly this is torch.as_tensor(t): t itself (moved to ``device``), so code
+        # that wraps whatever token it holds (a predicted one, a handle, while
+        # recording) runs as eagerly; torch.as_tensor of a handle would fail.
+        return value if device is None else value.to(device)
     where = torch.device(device) if device is not None else None
     if policy is None:
         return torch.as_tensor(value, device=where)
