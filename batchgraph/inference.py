@@ -65,6 +65,11 @@ _UNKNOWABLE = (
 # ``item()`` and ``tolist()``): on a fake tensor they fail with a RuntimeError that
 # reads like any other, a shape error included.
 _NUMPY, _ARRAY = torch.Tensor.numpy, torch.Tensor.__array__
+# Tensor methods that call a Python function on each element's value: on a fake
+# tensor ``apply_`` reads memory a fake has not (the process died of a segmentation
+# fault) and ``map_``/``map2_`` fail with "not supported for tensor subclasses",
+# which read as a shape error. Value-dependent Python, as ``item()`` is.
+_PER_ELEMENT_PYTHON = frozenset({torch.Tensor.apply_, torch.Tensor.map_, torch.Tensor.map2_})
 
 
 # Python's in-place operators on tensors, besides the methods whose names end in "_".
@@ -109,6 +114,11 @@ class _FakeRunGuard(TorchFunctionMode):
                 return args[0]  # an in-place method returns the tensor it changed
         elif (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
             raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
+        if func in _PER_ELEMENT_PYTHON and any(
+            isinstance(a, FakeTensor) for a in (*args, *kwargs.values())
+        ):
+            raise _HostRead(f"{func.__name__}() runs Python on values only known when "
+                            "the call runs")
         out = kwargs.get("out")
         if isinstance(out, torch.Tensor) and not isinstance(out, FakeTensor):
             return out

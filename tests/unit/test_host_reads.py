@@ -83,3 +83,36 @@ def test_a_shape_error_after_a_held_tensors_host_read_is_still_a_shape_error() -
     f = bg.batched_func(bad)
     with bg.BatchingPolicy(), pytest.raises(bg.ShapeMismatchError, match="check the shapes"):
         f(bg.batched_value(torch.ones(3)))
+
+
+# Tensor methods that run a Python function on each element's value. On the fake
+# tensors of shape inference ``apply_`` read memory a fake has not: the process died
+# of a segmentation fault. ``map_`` failed as a shape error ("check the shapes").
+_PER_ELEMENT: dict[str, Callable[[Any], Any]] = {
+    "apply_ on a handle": lambda h: h.apply_(lambda v: v * v + 1.0),
+    "map_ on a handle": lambda h: h.map_(h * 2, lambda a, b: a - b / 4),
+    "map2_ on a handle": lambda h: h.map2_(h + 1, h * 3, lambda a, b, c: a * b + c),
+    "apply_ in a recorded function": lambda h: bg.batched_func(
+        lambda x: x.clone().apply_(lambda v: abs(v) - 0.5))(h),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PER_ELEMENT))
+def test_per_element_python_methods_run_one_at_a_time_with_eager_values(name: str) -> None:
+    op = _PER_ELEMENT[name]
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    with bg.BatchingPolicy() as policy:
+        handles = []
+        for x in xs:
+            h = bg.batched_value(x) * 2
+            alias = h
+            out = op(h)
+            handles.append((out, alias))
+    for x, (out, alias) in zip(xs, bg.compute(handles), strict=True):
+        eager = x * 2
+        eager_alias = eager
+        want = op(eager)
+        torch.testing.assert_close(out, want)
+        # In place on a handle: every name bound to it sees the change, as eagerly.
+        torch.testing.assert_close(alias, eager_alias)
+    assert policy.stats is not None and policy.stats.unbatched_calls >= 3
