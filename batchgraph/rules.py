@@ -417,7 +417,8 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
                 for s in key.call.input_specs
                 if s is not None
             ]
-            out = key.run_vmapped(key.fn, inputs, 2)
+            with _NoSetUnderVmap():  # type: ignore[no-untyped-call]
+                out = key.run_vmapped(key.fn, inputs, 2)
             if spec is None:
                 return True
             leaves: list[torch.Tensor] = []
@@ -434,3 +435,19 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
             return same_dtypes(key.per_example, examples, inputs)
     except Exception:
         return False
+
+
+class _NoSetUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Fails the probe of a call that points a tensor at other memory (``y.set_(t)``).
+
+    Under vmap, torch runs ``set_`` on each example's slice of the batch, a view: the
+    slice is pointed elsewhere and the batch keeps its values, with no error (``y``
+    read afterwards held its old values). Run one at a time, the call is eager.
+    (``set_`` is not dispatched to torch function modes: this sees aten's.)
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func.overloadpacket is torch.ops.aten.set_:
+            raise RuntimeError("Tensor.set_ under vmap changes a slice of the batch only")
+        return func(*args, **(kwargs or {}))

@@ -409,3 +409,29 @@ def test_rows_gathered_by_cat_from_an_empty_tensor_match_eager() -> None:
     xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     policy = _assert_equal_eager(_rows_gathered_in_a_loop, xs)
     assert policy.stats.unbatched_calls == 0
+
+
+def _set_to_ones(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y.set_(torch.ones(x.shape))
+    return x + y
+
+
+def _set_to_storage(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y.set_(torch.arange(3.0).untyped_storage(), 0, x.shape, (0, 1))
+    return x * y
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("fn", [_set_to_ones, _set_to_storage])
+def test_a_function_pointing_a_tensor_elsewhere_with_set_matches_eager(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    # Under vmap, set_ points one example's slice of the batch elsewhere, and the
+    # batch kept its values with no error: y read as x's copy.
+    xs = [torch.arange(6.0).view(2, 3) + i for i in range(3)]
+    got, policy = _batched(bg.batched_func(fn), xs)
+    for x, value in zip(xs, got, strict=True):
+        torch.testing.assert_close(value, fn(x))
+    assert policy.stats is not None and policy.stats.unbatched_calls == 3
