@@ -379,6 +379,8 @@ class ResultHandle(TensorOperators):
     ) -> Any:
         if func in _PYTHON_VALUED:
             raise _not_known(f"{getattr(func, '__name__', func)}(...) of a handle")
+        if func in _DIFFERENTIATIONS:
+            raise _not_differentiable(func)
         return _record(func, tuple(args), kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
@@ -439,6 +441,23 @@ _PYTHON_VALUED = frozenset({
     torch.equal, torch.allclose, torch.is_nonzero,
     torch.Tensor.equal, torch.Tensor.allclose, torch.Tensor.is_nonzero,
 })
+
+
+# Recorded as one call, these would get fakes (then batches) of their outputs and
+# inputs, unconnected: the graph between them is built only when the batch runs.
+_DIFFERENTIATIONS = frozenset({torch.autograd.grad, torch.autograd.backward})
+
+
+def _not_differentiable(func: Callable[..., Any]) -> TypeError:
+    name = f"torch.autograd.{getattr(func, '__name__', func)}"
+    return TypeError(
+        f"{name}(...) of handles cannot be recorded: the graph from the inputs to the "
+        "outputs is built only when their batch runs. Differentiate inside one recorded "
+        "function, bg.batched_func(f), where f computes the outputs from its inputs and "
+        f"calls {name} itself (forces = -torch.autograd.grad(energy, pos, "
+        "create_graph=True)[0]; it runs one example at a time), or call it on computed "
+        "values."
+    )
 
 
 def _recorded_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -221,14 +221,21 @@ def infer_spec(
     except TypeError:
         raise
     except Exception as err:
-        shown = ", ".join(
-            f"input {i}: {s.describe()}" for i, s in enumerate(call.input_specs) if s
-        )
-        raise ShapeMismatchError(
-            f"{name} does not accept these per-example inputs ({shown}): "
-            f"{type(err).__name__}: {err}. Per-example values carry no batch "
-            "dimension; check the shapes the per-example code passes to this call."
-        ) from err
+        try:
+            # Fakes require no grad, and a function differentiating with respect to
+            # its input (forces = -torch.autograd.grad(energy, pos)) fails on them
+            # where eagerly its input requires grad. Its spec is that of a run on
+            # fakes that do; any other failure is the first run's.
+            out = _fake_apply(fn, call, draws, frozenset(), grad=True)
+        except Exception:
+            shown = ", ".join(
+                f"input {i}: {s.describe()}" for i, s in enumerate(call.input_specs) if s
+            )
+            raise ShapeMismatchError(
+                f"{name} does not accept these per-example inputs ({shown}): "
+                f"{type(err).__name__}: {err}. Per-example values carry no batch "
+                "dimension; check the shapes the per-example code passes to this call."
+            ) from err
     try:
         return spec_of(out), draws.seen, sequence_kind(out)
     except TypeError as err:
@@ -303,14 +310,17 @@ def fake_apply(fn: Callable[..., Any], call: CallSignature) -> Any:
 
 
 def _fake_apply(
-    fn: Callable[..., Any], call: CallSignature, draws: RandomDraws, as_zero: frozenset[int]
+    fn: Callable[..., Any], call: CallSignature, draws: RandomDraws, as_zero: frozenset[int],
+    grad: bool = False,
 ) -> Any:
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
-    get the int 0 instead)."""
+    get the int 0 instead; with ``grad``, floating fakes require grad)."""
     with on_fake_tensors(), draws, draws.calls():
         slots = [(i, s) for i, s in enumerate(call.input_specs) if s is not None]
         fakes = [
-            0 if i in as_zero else torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            0 if i in as_zero else torch.empty(
+                s.shape, dtype=s.dtype, device=s.device,
+                requires_grad=grad and (s.dtype.is_floating_point or s.dtype.is_complex))
             for i, s in slots
         ]
         out = call.apply(fn, fakes)
