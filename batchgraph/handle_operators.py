@@ -68,9 +68,10 @@ class TensorOperators:
         return _binary(torch.div, (self, other))
 
     def __rtruediv__(self, other: Any) -> Any:
-        if type(other) in _NUMBERS:
+        if not isinstance(other, torch.Tensor):  # a number, NumPy's included
             # As a tensor computes `7 / t`: t.reciprocal() * 7, which rounds otherwise
-            # than torch.div(7, t) (7 / 3 is one float32 ulp off).
+            # than torch.div(7, t) (7 / 3 is one float32 ulp off, and 1e-10 / t of a
+            # subnormal t is inf eagerly, 1e29 by div).
             return _binary(torch.Tensor.__rtruediv__, (self, other))
         return _binary(torch.div, (other, self))
 
@@ -207,6 +208,14 @@ class TensorOperators:
     def __neg__(self) -> Any:
         return _record(torch.neg, (self,), {})
 
+    def __reversed__(self) -> Any:
+        # As a tensor's: ``reversed(t)`` is ``t.flip(0)``, a tensor (Python's reversed
+        # iterator over rows would fail at `reversed(h) * 2`), and a 0-d ``t`` itself.
+        spec = cast("ResultHandle", self).spec
+        if type(spec) is TensorSpec and not spec.shape:
+            return self
+        return _record(torch.Tensor.__reversed__, (self,), {})
+
     def __abs__(self) -> Any:
         return _record(torch.abs, (self,), {})
 
@@ -321,8 +330,6 @@ def _rebind(handle: ResultHandle, result: ResultHandle, shared: Set[int] = froze
     handle._gen, handle._out = result._gen, None
     return handle
 
-
-_NUMBERS = frozenset({int, float, bool, complex})
 
 
 def _binary(fn: Callable[..., Any], args: tuple[Any, Any]) -> Any:
