@@ -13,7 +13,7 @@ always its dtypes, in two ways that give other values without an error:
   as a matrix product, which autocast runs in bfloat16; ``torch.addmv`` even comes
   back float32, its product computed in bfloat16.
 
-``same_dtypes`` runs a call on fake tensors per example and vmapped, and compares, for
+``vmap_traced`` runs a call on fake tensors per example and vmapped, and compares, for
 each torch function the call's own code makes, the dtypes of its results and, under
 autocast, the floating dtypes its kernels computed in. A call that differs runs one
 example at a time, as eagerly.
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from batchgraph.autocasting import autocast_enabled
 
-__all__ = ["DtypeTrace", "same_dtypes"]
+__all__ = ["DtypeTrace", "vmap_traced"]
 
 # One entry per torch function the traced code called: the function, its results'
 # dtypes, and the floating dtypes its kernels read or wrote (under autocast only).
@@ -127,33 +127,34 @@ class _KernelDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-def _traced(run: Callable[[], Any], trace: DtypeTrace) -> list[Entry]:
+def _traced(run: Callable[[], Any], trace: DtypeTrace) -> None:
     if trace.kernels:
         with _KernelDtypes(trace):
             run()
     else:
         run()
-    return trace.entries
 
 
-def same_dtypes(
+def vmap_traced(
     per_example: Callable[..., Any],
     examples: Sequence[torch.Tensor],
     batched: Sequence[torch.Tensor],
-) -> bool:
-    """Whether ``per_example`` computes in the same dtypes on ``examples`` (one
-    example's inputs) as vmapped over ``batched`` (a batch of them): each torch
-    function it calls gives results of the same dtypes, and, under autocast, its
-    kernels compute in the same floating dtypes; and no call mixes integer dtypes
-    across a 0-d input where vmap computes otherwise (``_mixes_integers``). Run on
-    fake tensors by the caller.
+) -> tuple[Any, bool]:
+    """``per_example`` vmapped over ``batched`` (its output, as ``torch.func.vmap``
+    gives it), and whether it computes there in the same dtypes as on ``examples``
+    (one example's inputs): each torch function it calls gives results of the same
+    dtypes, under autocast its kernels compute in the same floating dtypes, and no
+    call mixes integer dtypes across a 0-d input, where vmap computes otherwise
+    (``_mixes_integers``). Run on fake tensors by the caller.
 
     Example:
         >>> x, c = torch.ones(3), torch.tensor(2.0, dtype=torch.float64)
-        >>> same_dtypes(torch.mul, [x, c], [x.expand(2, 3), c.expand(2)])
+        >>> vmap_traced(torch.mul, [x, c], [x.expand(2, 3), c.expand(2)])[1]
         True
-        >>> same_dtypes(torch.addcmul, [x, x, c], [x.expand(2, 3), x.expand(2, 3), c.expand(2)])
-        False
+        >>> out, same = vmap_traced(torch.addcmul, [x, x, c],
+        ...                         [x.expand(2, 3), x.expand(2, 3), c.expand(2)])
+        >>> out.dtype, same        # eagerly float32
+        (torch.float64, False)
     """
     kernels = autocast_enabled()
     eager, vmapped = DtypeTrace(kernels), DtypeTrace(kernels)
@@ -170,16 +171,19 @@ def same_dtypes(
 
     try:
         _traced(run_eager, eager)
+        compared = True
     except Exception:
         # No eager trace to compare with: a run on fake tensors that vmap makes but
         # one example cannot (``table[i]`` with a 0-d index is read on the host, where
         # vmap indexes with the batch). The vmapped run is taken as it is.
-        return True
-    if eager.mixed_integers:
-        return False
-    _traced(lambda: torch.func.vmap(traced_example, randomness="different")(*batched),
-            vmapped)
-    return _entries_match(eager.entries, vmapped.entries, kernels)
+        compared = False
+    box: list[Any] = []
+    _traced(lambda: box.append(
+        torch.func.vmap(traced_example, randomness="different")(*batched)), vmapped)
+    if not compared:
+        return box[0], True
+    same = not eager.mixed_integers and _entries_match(eager.entries, vmapped.entries, kernels)
+    return box[0], same
 
 
 def _entries_match(eager: list[Entry], vmapped: list[Entry], autocast: bool) -> bool:

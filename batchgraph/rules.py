@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchgraph.dtype_trace import same_dtypes
+from batchgraph.dtype_trace import vmap_traced
 from batchgraph.keys import (
     DIM_FUNCTIONS,
     ELEMENTWISE_FUNCTIONS,
@@ -418,7 +418,12 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
                 if s is not None
             ]
             with _NoSetUnderVmap():  # type: ignore[no-untyped-call]
-                out = key.run_vmapped(key.fn, inputs, 2)
+                if inputs and spec is not None:
+                    # One vmapped run, traced: the shapes come from it too (a function's
+                    # side effects, a module's hooks, run once here as before).
+                    out, same = vmap_traced(key.per_example, [x[0] for x in inputs], inputs)
+                else:
+                    out, same = key.run_vmapped(key.fn, inputs, 2), True
             if spec is None:
                 return True
             leaves: list[torch.Tensor] = []
@@ -431,8 +436,7 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
                 for leaf, w in zip(leaves, wanted)
             ):
                 return False
-            examples = [x[0] for x in inputs]
-            return same_dtypes(key.per_example, examples, inputs)
+            return same
     except Exception:
         return False
 
