@@ -133,3 +133,57 @@ def test_a_0d_cpu_input_moves_to_the_device_of_the_others() -> None:
     out = key.run(torch.mul, [torch.ones(2, 3, device="meta"), torch.tensor([2.0, 3.0]).double()], 2)
     want = torch.mul(torch.ones(3, device="meta"), torch.tensor(2.0).double())
     assert (out.shape, out.device, out.dtype) == ((2, 3), want.device, want.dtype)
+
+
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+           torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+_BINARY: list[Callable[..., Any]] = [
+    torch.add, torch.sub, torch.mul, torch.div, torch.floor_divide, torch.remainder,
+    torch.maximum, torch.lt, torch.eq, torch.bitwise_and, torch.logical_and,
+    lambda a, b: torch.where(b != 0, a, b), lambda a, b: a * 2.5 + b, lambda a, b: (a / b) > 1,
+]
+
+
+def _value(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 5
+    if dtype == torch.bool:
+        return x > 0
+    return torch.complex(x, -x).to(dtype) if dtype.is_complex else x.to(dtype)
+
+
+def _ulp_known(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """The accepted case: a float16/bfloat16 result with a wider 0-d float operand,
+    which eager code reads as a number in its own precision (one ulp apart)."""
+    low = (torch.float16, torch.bfloat16)
+    return out.dtype in low and any(
+        t.dim() == 0 and t.dtype.is_floating_point and t.dtype != out.dtype for t in (a, b))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@settings(max_examples=80, deadline=None)
+@given(
+    op=st.sampled_from(_BINARY),
+    dtypes=st.tuples(st.sampled_from(_DTYPES), st.sampled_from(_DTYPES)),
+    shapes=st.sampled_from([((), (3,)), ((3,), ()), ((2, 3), ()), ((), ()), ((3,), (2, 3))]),
+    seed=st.integers(0, 1000),
+)
+def test_binary_ops_on_mixed_dtypes_and_ranks_give_the_eager_dtypes_and_values(
+    op: Callable[..., Any], dtypes: tuple[torch.dtype, torch.dtype],
+    shapes: tuple[tuple[int, ...], tuple[int, ...]], seed: int,
+) -> None:
+    examples = [(_value(dtypes[0], shapes[0], seed + i), _value(dtypes[1], shapes[1], -seed - i))
+                for i in range(3)]
+    try:
+        want = [op(*e) for e in examples]
+    except (RuntimeError, TypeError, NotImplementedError):
+        # Values are compared here; refusals are not (a bool 0-d input of `-` is
+        # refused eagerly but cast to the other input's dtype when stacked).
+        return
+    got = _batched(op, examples)
+    for (a, b), g, w in zip(examples, got, want, strict=True):
+        assert g.dtype == w.dtype
+        if _ulp_known(a, b, w):
+            torch.testing.assert_close(g, w, equal_nan=True)
+        else:
+            torch.testing.assert_close(_comparable(g), _comparable(w), rtol=0, atol=0,
+                                       equal_nan=True)
