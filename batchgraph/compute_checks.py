@@ -124,8 +124,10 @@ def check_parameters(graph: Graph, schedule: Schedule) -> None:
                 else "tensors read by"  # closed over, global or bound: batchgraph.captured
             )
             raise ParameterChangedError(
-                f"{what} {key.label} in {graph.name!r} changed in place "
-                "(optimizer.step(), or an in-place update) after its calls in this "
+                f"{what} {key.label} in {graph.name!r} changed in place or were "
+                "replaced (optimizer.step(), an in-place update, "
+                "load_state_dict(assign=True), `lin.weight = nn.Parameter(...)`) after "
+                "its calls in this "
                 f"batch ({len(step.nodes)}) were recorded and before they were "
                 "computed. A batched call reads the parameters when it runs, so "
                 "those calls would use the new values where eager calls used the old "

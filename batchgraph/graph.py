@@ -115,9 +115,9 @@ class Graph(KeyReads):
         # check at compute. Noted when a call goes through ``key_id``: the first call
         # of a key after each compute and after each optimizer step.
         self.key_versions: dict[int, tuple[int, ...]] = {}
-        # And their dtypes and devices (layout_of), per key id with versions: a
-        # module converted (model.double()) before its calls computed is refused.
+        # Per key id with versions: dtypes, devices and the tensors (converted, replaced).
         self.key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]] = {}
+        self.key_params: dict[int, tuple[torch.Tensor, ...]] = {}
         # A module's buffers (running statistics, a counter; for a function, those
         # of the modules it reads) are read when its calls compute too, but the
         # computation may change them itself: their epochs (batchgraph.buffers), which

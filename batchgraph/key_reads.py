@@ -48,6 +48,7 @@ class KeyReads:
 
     keys: list[BatchKey]
     key_versions: dict[int, Versions]
+    key_params: dict[int, tuple[torch.Tensor, ...]]
     key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]]
     key_buffers: dict[int, Versions]
     key_submodes: dict[int, tuple[bool, ...]]
@@ -63,6 +64,11 @@ class KeyReads:
         epochs (each None where it has none)."""
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
+        if isinstance(fn, torch.nn.Module) and _replaced(parts.params, fn):
+            # A parameter replaced (load_state_dict(assign=True), `lin.weight =
+            # nn.Parameter(...)`): list the module's parts anew.
+            self.forget_parts(fn)
+            parts = self._parts_of(fn)
         if parts.params:
             versions = _versions(parts.params)
         if parts.submodules:
@@ -82,6 +88,7 @@ class KeyReads:
         at compute."""
         if versions is not None:
             self.key_versions[kid] = versions
+            self.key_params[kid] = self._parts_of(fn).params
             self.key_layouts[kid] = self.layout_of(fn)
             _watch_optimizer_steps(self)
         if submodes is not None:
@@ -143,7 +150,9 @@ class KeyReads:
         noted = self.key_versions.get(kid)
         if noted is None:
             return False
-        params = self._module_parts[id(self.keys[kid].fn)].params
+        params, fn = self.key_params[kid], self.keys[kid].fn
+        if isinstance(fn, torch.nn.Module) and _replaced(params, fn):
+            return True
         return tuple([p._version for p in params]) != noted[:len(params)]
 
     def unfrozen(self, kid: int) -> list[str]:
@@ -161,8 +170,8 @@ class KeyReads:
         if noted is None:
             return []
         fn = self.keys[kid].fn
-        params = self._module_parts[id(fn)].params
-        then = noted[len(params):]
+        params = self.key_params[kid]
+        then = noted[len(params):-1]
         names = ([name for name, _ in fn.named_parameters()] if isinstance(fn, torch.nn.Module)
                  else [f"tensor #{i}" for i in range(len(params))])
         return [name for name, p, was in zip(names, params, then) if p.requires_grad and not was]
@@ -198,11 +207,18 @@ class KeyReads:
 
 
 def _versions(params: tuple[torch.Tensor, ...]) -> Versions:
-    """The version counters of ``params``, then whether each requires grad: eagerly
-    a call computes with both as they are when it is made (its value requires grad
-    or not), so calls recorded before a change of either are kept apart from those
-    after it."""
-    return (*[p._version for p in params], *[p.requires_grad for p in params])
+    """The version counters of ``params``, then whether each requires grad, then the
+    list's id: eagerly a call computes with the parameters as they are when it is
+    made (its value requires grad or not), so calls recorded before a change of
+    either, or before a parameter was replaced (a new list, kept by the key ids
+    noted with it), are kept apart from those after it."""
+    return (*[p._version for p in params], *[p.requires_grad for p in params], id(params))
+
+
+def _replaced(params: tuple[torch.Tensor, ...], module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are other tensors than ``params`` now."""
+    now = tuple(module.parameters())
+    return len(now) != len(params) or any(a is not b for a, b in zip(now, params))
 
 
 class ModuleParts:

@@ -1,0 +1,66 @@
+"""A module's parameters replaced by new tensors between recording and compute.
+
+``load_state_dict(..., assign=True)`` or ``lin.weight = nn.Parameter(...)`` puts new
+tensors in place of the parameters. batchgraph listed a module's parameters once per
+graph and watched those: a call recorded before the replacement computed with the new
+tensors (eagerly it used the old ones), and for the rest of a long-lived policy the
+new tensors were not watched at all, so an optimizer step on them between recording
+and compute went unrefused. Both silently gave other values than eager code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import batchgraph as bg
+
+
+def _assign(lin: nn.Linear) -> None:
+    lin.load_state_dict({k: v * 2 for k, v in lin.state_dict().items()}, assign=True)
+
+
+def _new_weight(lin: nn.Linear) -> None:
+    lin.weight = nn.Parameter(lin.weight.detach() * 2)
+
+
+REPLACE: dict[str, Callable[[nn.Linear], None]] = {"assign": _assign, "attribute": _new_weight}
+
+
+@pytest.mark.parametrize("how", sorted(REPLACE))
+def test_a_replacement_between_recording_and_compute_is_refused(how: str) -> None:
+    lin = nn.Linear(3, 3)
+    with bg.BatchingPolicy() as policy:
+        h = bg.batched_func(lin)(torch.ones(3))
+    REPLACE[how](lin)
+    with pytest.raises(bg.ParameterChangedError, match="replaced"):
+        policy.compute(h)
+
+
+@settings(deadline=None, max_examples=10)
+@given(how=st.sampled_from(sorted(REPLACE)), rounds=st.integers(1, 3), seed=st.integers(0, 99))
+def test_a_long_lived_policy_watches_the_new_parameters(how: str, rounds: int, seed: int) -> None:
+    """Each round: parameters replaced, calls recorded and computed (the new weights,
+    as eagerly), then a call recorded before an optimizer step on the new tensors
+    (refused at compute)."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(3, 3).double()
+    site, policy = bg.batched_func(lin), bg.BatchingPolicy()
+    x = torch.randn(3, dtype=torch.float64)
+    for _ in range(rounds):
+        REPLACE[how](lin)
+        with policy:
+            h = site(x)
+        torch.testing.assert_close(policy.compute(h), lin(x), rtol=0, atol=0)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        lin(x).sum().backward()
+        with policy:
+            stale = site(x + 1)  # x itself merges with `h`, computed already
+        opt.step()
+        with pytest.raises(bg.ParameterChangedError):
+            policy.compute(stale)
