@@ -263,14 +263,19 @@ def set_item(value: torch.Tensor, index: Any, item: Any) -> torch.Tensor:
     return out
 
 
-def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
+def _refuse_shared(handle: ResultHandle, symbol: str, instead: str,
+                   flag_only: bool = False) -> set[int]:
     """Refuse to change ``handle`` in place (by ``symbol``) where eagerly the change
     would reach a tensor of the caller's: the tensor given to ``bg.batched_value``,
     itself or through a view. Else return the nodes whose values share memory with
     the handle's eagerly (views; ``batchgraph.aliasing``), to note as changed once the
-    new value is recorded (``_rebind``)."""
+    new value is recorded (``_rebind``).
+
+    ``flag_only``: the change is to the tensor's own flag (``requires_grad_``), which
+    never reaches the tensors it shares memory with (``z.detach().requires_grad_()``
+    makes a leaf, z stays); only a tensor the caller holds is refused."""
     graph = handle._graph
-    view = view_of(graph, handle.node)
+    view = None if flag_only else view_of(graph, handle.node)
     if view is not None:
         if symbol == "h[index] = value":
             hint = "; to set an item of y[i], index y at once: y[i, j] = v, not y[i][j] = v"
@@ -283,7 +288,7 @@ def _refuse_shared(handle: ResultHandle, symbol: str, instead: str) -> set[int]:
             f"({view}): eagerly the change reaches that value too, which cannot be "
             f"recorded. Make a new value instead: {instead}{hint}."
         )
-    group = alias_group(graph, handle.node)
+    group = set() if flag_only else alias_group(graph, handle.node)
     for n in group or (handle.node,):
         # (A constant whose value a coroutine lane released is still the caller's.)
         if isinstance(graph.constants.get(n), torch.Tensor) or n in graph.dropped_tensors:

@@ -66,5 +66,6 @@ def in_place_of(fn: Any) -> Any:
 def rebind_to_copy(handle: ResultHandle, result: ResultHandle, name: str) -> ResultHandle:
     """Make ``handle`` stand for ``result``, the in-place call ``name`` recorded on a
     copy of it, and return it (eagerly the call returns its changed input)."""
-    shared = _refuse_shared(handle, name, f"give it a copy, {name}(h.clone())")
+    shared = _refuse_shared(handle, name, f"give it a copy, {name}(h.clone())",
+                            flag_only=name.endswith("requires_grad_"))
     return _rebind(handle, result, shared, name)
