@@ -156,6 +156,42 @@ def _threads_backend(request: BackendRequest) -> Coordinator:
 register_backend("threads", _threads_backend)
 
 
+def _counts(
+    schedule: str | PipelineSchedule,
+    stages: int | None,
+    microbatches: int | None,
+    chunks: int | None,
+) -> tuple[int | None, int, int]:
+    """``(stages, microbatches, chunks)``: as given, else 1 (``stages``: inferred later),
+    else a :class:`PipelineSchedule`'s own, which a value given must equal.
+
+    Example:
+        >>> from batchgraph.pipeline.schedules import make_schedule
+        >>> _counts(make_schedule("interleaved-1f1b", stages=2, microbatches=4, chunks=3),
+        ...         None, None, None)
+        (2, 4, 3)
+        >>> _counts("1f1b", None, None, None)
+        (None, 1, 1)
+    """
+    if not isinstance(schedule, PipelineSchedule):
+        return stages, 1 if microbatches is None else microbatches, 1 if chunks is None else chunks
+    own = {
+        "stages": schedule.devices,
+        "microbatches": schedule.microbatches,
+        "chunks": schedule.chunks,
+    }
+    given = {"stages": stages, "microbatches": microbatches, "chunks": chunks}
+    for name, value in given.items():
+        if value is not None and value != own[name]:
+            word = "devices" if name == "stages" else name
+            raise PipelineConfigError(
+                f"{name}={value!r} was passed with schedule {schedule.name!r}, which has "
+                f"{word}={own[name]}: leave {name}= out (the schedule gives it), or build "
+                f"the schedule for {name}={value!r}"
+            )
+    return own["stages"], own["microbatches"], own["chunks"]
+
+
 class Pipeline(CheckpointMethods):
     """Pipeline-parallel training of a model split into stages.
 
@@ -168,12 +204,14 @@ class Pipeline(CheckpointMethods):
             runs the graph traced in the model's current mode, see
             :mod:`batchgraph.pipeline.traced_modes`).
         stages: the number of pipeline devices p (each runs ``chunks`` stages).
-        microbatches: the number of microbatches m per batch (at most the batch size).
+        microbatches: the number of microbatches m per batch (at most the batch size);
+            default 1. With a :class:`PipelineSchedule`, ``stages``, ``microbatches`` and
+            ``chunks`` default to its ``devices``, ``microbatches`` and ``chunks``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``,
             or a :class:`PipelineSchedule` (validated).
         loss_fn: ``loss_fn(output, target) -> scalar`` or a :class:`Loss`; needed by
             :meth:`train_step`.
-        chunks: stages per device v (``"interleaved-1f1b"`` only).
+        chunks: stages per device v (``"interleaved-1f1b"`` only); default 1.
         backend: a registered backend name, see :func:`available_backends`.
         devices: one device per pipeline device; stages are moved there (in place).
         cost: how layers are balanced: ``"params"``, ``"uniform"`` or ``"profile"``.
@@ -228,10 +266,10 @@ class Pipeline(CheckpointMethods):
         self,
         module: nn.Module | Sequence[nn.Module] | Sequence[Stage],
         stages: int | None = None,
-        microbatches: int = 1,
+        microbatches: int | None = None,
         schedule: str | PipelineSchedule = "1f1b",
         loss_fn: Callable[[Output, Output], Tensor] | Loss | None = None,
-        chunks: int = 1,
+        chunks: int | None = None,
         backend: str = "threads",
         devices: Sequence[torch.device | str] | None = None,
         *,
@@ -248,6 +286,7 @@ class Pipeline(CheckpointMethods):
                 "batchgraph.pipeline.register_backend(name, factory)"
             )
         check_timeout(timeout)
+        stages, microbatches, chunks = _counts(schedule, stages, microbatches, chunks)
         if not isinstance(chunks, int) or chunks < 1:
             raise PipelineConfigError(f"chunks must be an int >= 1, got {chunks!r}")
         if stages is not None and (not isinstance(stages, int) or stages < 1):
