@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from batchgraph.pipeline import _autograd
 from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.loss_watch import CountedMeanWatch
 
 __all__ = ["Loss", "Reduction", "output_leaves"]
 
@@ -180,6 +181,7 @@ class Loss:
         # This step's count for a mean over counted targets (see begin_step), or None.
         self._count: float | None = None
         self._spec: _Counted | None = None  # the loss _count is for
+        self._batch: int | None = None  # this step's batch size (see compute_loss)
 
     def begin_step(self, targets: Tensor | Sequence[Tensor]) -> None:
         """Note, before a step's microbatches, what their weights depend on besides
@@ -198,6 +200,8 @@ class Loss:
             0.5
         """
         self._count = None
+        first = targets if isinstance(targets, Tensor) else next(iter(targets), None)
+        self._batch = first.shape[0] if isinstance(first, Tensor) and first.dim() else None
         fn = self.fn
         if self._auto:  # e.g. loss_fn.reduction = "sum" after the pipeline was built
             self.reduction = _checked(_declared(fn))
@@ -266,7 +270,15 @@ class Loss:
         Raises:
             ValueError: if ``fn`` does not return a one-element tensor.
         """
-        value = self.fn(output, target) if self._count is None else self._summed(output, target)
+        if self._count is not None:
+            value = self._summed(output, target)
+        elif self._share_of_mean(target):
+            # A class-index mean inside fn cannot be weighted as a share: refused as it
+            # runs (see batchgraph.pipeline.loss_watch).
+            with CountedMeanWatch():
+                value = self.fn(output, target)
+        else:
+            value = self.fn(output, target)
         if not isinstance(value, Tensor) or value.numel() != 1:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(
@@ -275,6 +287,18 @@ class Loss:
             )
         # A 0-dim loss (every torch.nn loss) as it is: a reshape is one more graph node.
         return value if value.dim() == 0 else value.reshape(())
+
+    def _share_of_mean(self, target: Output) -> bool:
+        """Whether ``target`` is a microbatch's part of a batch whose "mean" loss is
+        weighted by its share of the samples (what a hidden class-index mean breaks)."""
+        first = target if isinstance(target, Tensor) else next(iter(target), None)
+        return (
+            self.reduction == "mean"
+            and self._batch is not None
+            and isinstance(first, Tensor)
+            and first.dim() > 0
+            and first.shape[0] != self._batch
+        )
 
     def _summed(self, output: Output, target: Output) -> Tensor:
         # The microbatch's share of a mean over counted targets, before 1 / count: the
