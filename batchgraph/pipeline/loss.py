@@ -182,6 +182,7 @@ class Loss:
         self._count: float | None = None
         self._spec: _Counted | None = None  # the loss _count is for
         self._batch: int | None = None  # this step's batch size (see compute_loss)
+        self._per_sample: dict[int, float] = {}  # see loss_watch.CountedMeanWatch
 
     def begin_step(self, targets: Tensor | Sequence[Tensor]) -> None:
         """Note, before a step's microbatches, what their weights depend on besides
@@ -202,6 +203,7 @@ class Loss:
         self._count = None
         first = targets if isinstance(targets, Tensor) else next(iter(targets), None)
         self._batch = first.shape[0] if isinstance(first, Tensor) and first.dim() else None
+        self._per_sample = {}
         fn = self.fn
         if self._auto:  # e.g. loss_fn.reduction = "sum" after the pipeline was built
             self.reduction = _checked(_declared(fn))
@@ -272,10 +274,10 @@ class Loss:
         """
         if self._count is not None:
             value = self._summed(output, target)
-        elif self._share_of_mean(target):
-            # A class-index mean inside fn cannot be weighted as a share: refused as it
-            # runs (see batchgraph.pipeline.loss_watch).
-            with CountedMeanWatch():
+        elif (samples := self._share_of_mean(target)) is not None:
+            # A class-index mean inside fn is a share only at the same count per sample
+            # in every microbatch: checked as it runs (see batchgraph.pipeline.loss_watch).
+            with CountedMeanWatch(samples, self._per_sample):
                 value = self.fn(output, target)
         else:
             value = self.fn(output, target)
@@ -288,17 +290,20 @@ class Loss:
         # A 0-dim loss (every torch.nn loss) as it is: a reshape is one more graph node.
         return value if value.dim() == 0 else value.reshape(())
 
-    def _share_of_mean(self, target: Output) -> bool:
-        """Whether ``target`` is a microbatch's part of a batch whose "mean" loss is
-        weighted by its share of the samples (what a hidden class-index mean breaks)."""
+    def _share_of_mean(self, target: Output) -> int | None:
+        """The samples of ``target`` when it is a microbatch's part of a batch whose "mean"
+        loss is weighted by its share of the samples (what a hidden class-index mean can
+        break), else ``None``."""
         first = target if isinstance(target, Tensor) else next(iter(target), None)
-        return (
+        if (
             self.reduction == "mean"
             and self._batch is not None
             and isinstance(first, Tensor)
             and first.dim() > 0
             and first.shape[0] != self._batch
-        )
+        ):
+            return int(first.shape[0])
+        return None
 
     def _summed(self, output: Output, target: Output) -> Tensor:
         # The microbatch's share of a mean over counted targets, before 1 / count: the

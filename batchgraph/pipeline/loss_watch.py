@@ -14,12 +14,14 @@ wherever targets were ignored or classes weighted, without a word.
 :class:`CountedMeanWatch` is entered around such a function's call on a microbatch: it
 sees each ``F.cross_entropy``/``F.nll_loss`` call (a torch function mode; an
 ``nn.CrossEntropyLoss`` called inside calls it too) and refuses the ones whose mean a
-microbatch's share cannot give: class weights, or a target equal to ``ignore_index``.
+microbatch's share cannot give: where the count per sample differs between microbatches
+(the same count per sample, e.g. a fixed number of masked tokens, splits exactly).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +40,11 @@ _WATCHED: dict[Callable[..., Any], inspect.Signature] = {
 }
 
 
-def _inexact(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Why a microbatch's share of this call's mean is not its part of the batch's, or ''."""
+def _counted(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> float | None:
+    """What this call's mean divides by (its targets not ignored, each counted as its class
+    weight), or ``None`` when it is no class-index mean (a sum, or class probabilities)."""
     bound = _WATCHED[func].bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -48,26 +53,42 @@ def _inexact(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         reduction = _reduction.legacy_get_string(a["size_average"], a["reduce"])
     target = a["target"]
     if reduction != "mean" or not isinstance(target, Tensor) or target.is_floating_point():
-        return ""  # a sum, or class probabilities (a mean over samples): exact
-    if a["weight"] is not None:
-        return "with class weights (weight=)"
-    if bool((target == a["ignore_index"]).any()):
-        return f"with targets equal to ignore_index={a['ignore_index']}"
-    return ""
+        return None
+    kept = target[target != a["ignore_index"]]
+    weight = a["weight"]
+    return float(kept.numel() if weight is None else weight[kept.to(weight.device)].sum())
 
 
 class CountedMeanWatch(TorchFunctionMode):
-    """Refuses ``F.cross_entropy``/``F.nll_loss`` means that a microbatch cannot share.
+    """Refuses ``F.cross_entropy``/``F.nll_loss`` means that microbatches cannot share.
+
+    A microbatch's mean, weighted by its share of the samples, is its part of the batch's
+    mean when every microbatch's count (targets not ignored, weighted by class) is the same
+    per sample. ``per_sample`` keeps, for each such call of a step (by its place in the
+    loss), the count per sample the first microbatch had; a later one with another refuses.
+
+    Args:
+        samples: the samples of this microbatch.
+        per_sample: the step's counts per sample so far, by call; updated.
 
     Example:
         >>> import torch
-        >>> logits, y = torch.randn(4, 3), torch.tensor([0, 2, -1, 1])
-        >>> with CountedMeanWatch():
-        ...     F.cross_entropy(logits, y, ignore_index=-1)  # doctest: +ELLIPSIS
+        >>> logits = torch.randn(2, 3)
+        >>> seen: dict[int, float] = {}
+        >>> with CountedMeanWatch(2, seen):       # 2 of 2 targets count
+        ...     _ = F.cross_entropy(logits, torch.tensor([0, 2]), ignore_index=-1)
+        >>> with CountedMeanWatch(2, seen):       # 1 of 2
+        ...     F.cross_entropy(logits, torch.tensor([-1, 1]), ignore_index=-1)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        batchgraph.pipeline.errors.PipelineConfigError: loss_fn calls F.cross_entropy with reduction='mean' on class indices with targets equal to ignore_index=-1: ...
+        batchgraph.pipeline.errors.PipelineConfigError: loss_fn calls F.cross_entropy with reduction='mean' on class indices: ...
     """
+
+    def __init__(self, samples: int, per_sample: dict[int, float]) -> None:
+        super().__init__()
+        self.samples = samples
+        self.per_sample = per_sample
+        self.calls = 0
 
     def __torch_function__(
         self,
@@ -78,17 +99,23 @@ class CountedMeanWatch(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func in _WATCHED:
-            why = _inexact(func, args, kwargs)
-            if why:
-                name = func.__name__
-                raise PipelineConfigError(
-                    f"loss_fn calls F.{name} with reduction='mean' on class indices {why}: "
-                    "that mean divides by the count of targets not ignored (each weighted by "
-                    "its class), which differs from microbatch to microbatch, so no weight "
-                    "per microbatch gives one device's loss and gradients. Give the loss "
-                    f"itself as loss_fn (nn.CrossEntropyLoss(...), F.{name}, or "
-                    f"functools.partial(F.{name}, ignore_index=...)), which the pipeline "
-                    "splits exactly; or have loss_fn sum (reduction='sum') and divide by the "
-                    "batch's count, and pass reduction='sum' to the pipeline"
-                )
+            count = _counted(func, args, kwargs)
+            if count is not None:
+                call, self.calls = self.calls, self.calls + 1
+                ratio = count / self.samples
+                first = self.per_sample.setdefault(call, ratio)
+                if not math.isclose(ratio, first, rel_tol=1e-9):
+                    self._refuse(func.__name__, first, ratio)
         return func(*args, **kwargs)
+
+    def _refuse(self, name: str, first: float, ratio: float) -> None:
+        raise PipelineConfigError(
+            f"loss_fn calls F.{name} with reduction='mean' on class indices: that mean "
+            "divides by the count of targets not equal to ignore_index (each counted as its "
+            f"class weight), {first:g} per sample in the step's first microbatch but "
+            f"{ratio:g} in this one, so no weight per microbatch gives one device's loss and "
+            f"gradients. Give the loss itself as loss_fn (nn.CrossEntropyLoss(...), F.{name}, "
+            f"or functools.partial(F.{name}, ignore_index=...)), which the pipeline splits "
+            "exactly; or have loss_fn sum (reduction='sum') and divide by the batch's count, "
+            "and pass reduction='sum' to the pipeline"
+        )
