@@ -56,7 +56,11 @@ def _counted(
         return None
     kept = target[target != a["ignore_index"]]
     weight = a["weight"]
-    return float(kept.numel() if weight is None else weight[kept.to(weight.device)].sum())
+    if weight is None:
+        return float(kept.numel())
+    if kept.numel() and not 0 <= int(kept.min()) <= int(kept.max()) < weight.numel():
+        return None  # a class out of range: the call itself says so, in torch's words
+    return float(weight[kept.to(weight.device)].sum())
 
 
 class CountedMeanWatch(TorchFunctionMode):
