@@ -378,6 +378,9 @@ class Pipeline(CheckpointMethods):
         Raises:
             StageMismatchError: if the stages do not fit together (checked before any work).
             StageError: if a stage's task fails (names stage, action and microbatch).
+            PipelineReentrantError: if called from inside a running step of this
+                pipeline (its loss function, a stage); a call from another thread waits
+                for the running step instead (``backend="threads"``).
         """
         self._check_modes()
         # A process backend takes None where a rank owns neither end; the threads backend
@@ -388,7 +391,8 @@ class Pipeline(CheckpointMethods):
         """The model's outputs for the whole batch, without gradients.
 
         With ``backend="torch.distributed"`` the first rank passes the inputs (others
-        ``None``) and only the last rank gets the outputs.
+        ``None``) and only the last rank gets the outputs. One step runs at a time, as
+        for :meth:`train_step`.
         """
         self._check_modes()
         return self._runtime.forward(cast(Batch, inputs))
