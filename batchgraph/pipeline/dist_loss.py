@@ -64,6 +64,7 @@ class StepLoss:
         targets: the targets, one tuple of tensors per microbatch.
         total_n: the global batch size (over replicas) the loss weights divide by.
         fused: start the last stage's backward from the loss itself (see :meth:`take`).
+        one_target: whether the targets were given as one tensor (else as a tuple).
 
     Example (what :class:`DistributedPipeline` does on the last rank)::
 
@@ -81,8 +82,12 @@ class StepLoss:
         targets: list[tuple[Tensor, ...]],
         total_n: int,
         fused: bool,
+        one_target: bool = True,
     ) -> None:
         self.loss = loss
+        # Targets given as one tensor reach the loss as that tensor; given as a tuple
+        # (of one, too) as the tuple, as on one device (a loss may index targets[0]).
+        self.one_target = one_target
         self.last = last
         self.comm = comm
         self.targets = targets
@@ -129,7 +134,7 @@ class StepLoss:
         last, tgs = self.last, self.targets
         attached = last.attached_outputs(mb) if self.fused else None
         try:
-            tgt = tgs[mb][0] if len(tgs[mb]) == 1 else tgs[mb]
+            tgt = tgs[mb][0] if self.one_target else tgs[mb]
             # The microbatch's samples, as the threads backend counts them (its inputs'
             # dim 0; the targets split alike): the output's dim 0 need not be the batch,
             # e.g. (B*T, V) logits of B sequences.
@@ -137,7 +142,7 @@ class StepLoss:
             if attached is not None:
                 with torch.enable_grad():
                     value = self.loss.compute_loss(
-                        attached[0] if len(attached) == 1 else attached, tgt
+                        attached[0] if last.bare else attached, tgt
                     )
                 graph = value.requires_grad
                 last.start_backward_at(mb, (value,))
@@ -145,7 +150,8 @@ class StepLoss:
             else:
                 graph = last.has_graph(mb)
                 leaves = output_leaves(outs)
-                out = leaves[0] if len(leaves) == 1 else leaves
+                # As the module returned them: (h,) stays a tuple (Stage.bare).
+                out = leaves[0] if last.bare else leaves
                 with torch.enable_grad():
                     value = self.loss.compute_loss(out, tgt)
                     grads = self.loss.compute_gradient(value, out, weight=weight)

@@ -381,6 +381,8 @@ class DistributedPipeline(CheckpointMethods):
             result = merge_microbatches(
                 result, f"the last stage (stage {last.index}, {type(last.module).__name__})"
             )
+            if isinstance(result, Tensor) and not last.bare:  # the model returns (h,)
+                result = (result,)
         return result
 
     def _fail(self, exc: BaseException) -> BaseException:
@@ -453,7 +455,8 @@ class DistributedPipeline(CheckpointMethods):
                 count_over_replicas(self.loss, self.groups.replica, self.comm.device)
             last = self.stages[self.schedule.stages - 1]
             tgs = split_microbatches(targets, m)
-            collected = StepLoss(self.loss, last, self.comm, tgs, total_n, self._fused_loss)
+            collected = StepLoss(self.loss, last, self.comm, tgs, total_n, self._fused_loss,
+                                 one_target=isinstance(targets, Tensor))
         outputs: dict[int, tuple[Tensor, ...]] = {}
 
         def take_output(key: MessageKey, payload: Payload) -> None:

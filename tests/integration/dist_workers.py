@@ -283,6 +283,34 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
         "loss": None if loss is None else float(loss),
         "forward": None if fwd is None else tuple(fwd.shape),  # type: ignore[union-attr]
     }
+    # A model returning (h,) and targets given as (y,): the loss gets the tuples, as on
+    # one device (given the bare tensors, out[0] and targets[0] were the first rows).
+    def first_of_each(out: Any, targets: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(out[0], targets[0])
+
+    def tupled() -> list[nn.Module]:  # seeded: every call builds the same weights
+        mods = [make_stage(s, world) for s in range(world)]
+        mods[-1] = nn.Sequential(mods[-1], _InTuple())
+        return mods
+
+    mods, twin = tupled(), nn.Sequential(*tupled())
+    want = first_of_each(twin(x), (y,))
+    want.backward()
+    with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=first_of_each,
+                  backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
+        loss = pipe.train_step(x if rank == 0 else None, (y,) if rank == world - 1 else None)
+        fwd = pipe.forward(x if rank == 0 else None)
+        mine = [p for m in pipe.own_modules.values() for p in m.parameters()]
+    out["one_element_tuples"] = {
+        "error": max(
+            float("inf") if p.grad is None else (p.grad - q.grad).abs().max().item()  # type: ignore[operator]
+            for p, q in zip(nn.Sequential(*mods).parameters(), twin.parameters())
+            if any(p is r for r in mine)
+        ),
+        "loss": None if loss is None else float(loss),
+        "ref_loss": float(want),
+        "forward": None if fwd is None else type(fwd).__name__,
+    }
     # Ranks that disagree on m fail together at construction.
     try:
         DistributedPipeline(
@@ -292,6 +320,13 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
     except PipelineConfigError as exc:
         out["mismatch"] = str(exc)
     return out
+
+
+class _InTuple(nn.Module):
+    """A last layer returning its input in a tuple of one."""
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        return (h,)
 
 
 def job_data_parallel(rank: int, world: int) -> dict[str, Any]:

@@ -47,6 +47,17 @@ def test_complex_outputs_get_their_gradient_under_zb_h1(two_ranks: W.Launch) -> 
         assert two_ranks.ok(r)["complex"] < TOL, f"rank {r}"
 
 
+def test_one_element_tuples_reach_the_loss_as_tuples(two_ranks: W.Launch) -> None:
+    # Targets (y,) and a last stage returning (h,) reached the loss as the bare tensors:
+    # a loss indexing them trained on the first sample's row, silently.
+    for r in range(2):
+        res = two_ranks.ok(r)["one_element_tuples"]
+        assert res["error"] < TOL, f"rank {r}: gradient differs by {res['error']}"
+    last = two_ranks.ok(1)["one_element_tuples"]
+    assert last["loss"] == pytest.approx(last["ref_loss"], abs=TOL)
+    assert last["forward"] == "tuple"  # pipe.forward returns (h,) as the model does
+
+
 @pytest.mark.parametrize("variant", ["fused", "own_gradient"])
 def test_last_stage_loss_with_and_without_its_own_gradient_pass(
     two_ranks: W.Launch, variant: str
