@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.dtype_trace import vmap_traced
+from batchgraph.embedding import EmbeddingFreqKey, PaddedEmbeddingKey
 from batchgraph.keys import (
     DIM_FUNCTIONS,
     ELEMENTWISE_FUNCTIONS,
@@ -162,6 +163,8 @@ class _MayDraw(TorchFunctionMode):
 
 def _module_key(module: nn.Module, call: CallSignature) -> KeyFactory:
     kind = type(module)
+    if kind is nn.Embedding and module.scale_grad_by_freq:
+        return EmbeddingFreqKey  # stacked, the lookup would count rows over the batch
     if kind in _STACK_ANY_RANK:
         return StackKey
     if kind in (nn.LSTM, nn.GRU, nn.RNN):
@@ -196,6 +199,8 @@ class _SoftmaxModuleKey(StackKey):
 
 
 def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
+    if fn is nn.functional.embedding and call.static_arg(2, "padding_idx", None) is not None:
+        return PaddedEmbeddingKey
     if fn in ELEMENTWISE_FUNCTIONS:
         return ElementwiseKey
     if fn in REDUCTION_FUNCTIONS and call.args[:1] == (InputSlot(0),):
