@@ -422,7 +422,7 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
                 for s in key.call.input_specs
                 if s is not None
             ]
-            with _NoSetUnderVmap():  # type: ignore[no-untyped-call]
+            with _WrongUnderVmap():  # type: ignore[no-untyped-call]
                 if inputs and spec is not None:
                     # One vmapped run, traced: the shapes come from it too (a function's
                     # side effects, a module's hooks, run once here as before).
@@ -446,17 +446,26 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
         return False
 
 
-class _NoSetUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Fails the probe of a call that points a tensor at other memory (``y.set_(t)``).
+class _WrongUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Fails the probe of a call whose ops vmap runs without error but with results
+    other than eager ones (run one at a time, the call is eager):
 
-    Under vmap, torch runs ``set_`` on each example's slice of the batch, a view: the
-    slice is pointed elsewhere and the batch keeps its values, with no error (``y``
-    read afterwards held its old values). Run one at a time, the call is eager.
-    (``set_`` is not dispatched to torch function modes: this sees aten's.)
+    * ``y.set_(t)`` points a tensor at other memory: under vmap, torch runs it on each
+      example's slice of the batch, a view, and the batch keeps its values (``y``
+      read afterwards held its old values). (``set_`` is not dispatched to torch
+      function modes: this sees aten's.)
+    * an embedding lookup with ``scale_grad_by_freq`` (``nn.Embedding`` in a function
+      of the user's): vmap looks up all the examples' indices at once, and each row's
+      gradient was divided by its count over the batch, not in its own example.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if func.overloadpacket is torch.ops.aten.set_:
             raise RuntimeError("Tensor.set_ under vmap changes a slice of the batch only")
-        return func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.embedding and (
+            (len(args) > 3 and args[3]) or kwargs.get("scale_grad_by_freq")
+        ):
+            raise RuntimeError("an embedding under vmap counts rows over the batch")
+        return func(*args, **kwargs)

@@ -76,3 +76,20 @@ def test_frequency_counts_are_per_example() -> None:
     assert module.weight.grad is not None
     # Row 1: twice in the first example (1/2 each), once in the second (1): 2 in all.
     torch.testing.assert_close(module.weight.grad[:, 0], torch.tensor([0.0, 2.0, 1.0, 1.0, 0.0]))
+
+
+def test_a_function_of_the_users_with_a_frequency_scaled_embedding_is_eager() -> None:
+    # Through vmap, the lookup counted each row over the batch: it runs one at a time.
+    torch.manual_seed(0)
+    embed, out = nn.Embedding(5, 4, scale_grad_by_freq=True), nn.Linear(4, 2)
+    encode = bg.batched_func(lambda ids: out(embed(ids)).tanh())
+    indices = [torch.tensor([1, 1, 2]), torch.tensor([1, 3, 3])]
+    eager = [encode(i) for i in indices]
+    with bg.BatchingPolicy():
+        handles = [encode(bg.batched_value(i)) for i in indices]
+    got = bg.compute(handles)
+    for want, value in zip(eager, got, strict=True):
+        torch.testing.assert_close(value, want)
+    (want_grad,) = torch.autograd.grad(sum(e.sum() for e in eager), embed.weight)
+    (grad,) = torch.autograd.grad(sum(g.sum() for g in got), embed.weight)
+    torch.testing.assert_close(grad, want_grad)
