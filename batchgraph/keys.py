@@ -464,6 +464,9 @@ DIM_FUNCTIONS: dict[Any, int] = {
     torch.nn.functional.log_softmax: 1,
     torch.Tensor.softmax: 1,
     torch.Tensor.log_softmax: 1,
+    # Through vmap its backward doubled the gradient of ``src`` (torch 2.13).
+    torch.select_scatter: 2,
+    torch.Tensor.select_scatter: 2,
 }
 
 # Random functions: identical calls must not be merged by deduplication.

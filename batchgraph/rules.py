@@ -219,9 +219,10 @@ def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
 
 # Reductions that have no whole-tensor form (a dim is required).
 _NEEDS_DIM = frozenset({torch.logsumexp, torch.Tensor.logsumexp})
-# Their dim counts the *output's* dimensions, which always has one more than a
-# 0-d input: shifting it for the batch dimension stays right.
-_STACKS = frozenset({torch.stack})
+# Their dim counts the dimensions of a tensor that has one at least (the *output* of
+# ``stack``, the base of ``select_scatter``, whose ``src`` may be 0-d): shifting it for
+# the batch dimension stays right beside 0-d inputs.
+_STACKS = frozenset({torch.stack, torch.select_scatter, torch.Tensor.select_scatter})
 
 
 def _skips_empty(fn: Any, call: CallSignature) -> bool:

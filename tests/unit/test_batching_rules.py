@@ -435,3 +435,29 @@ def test_a_function_pointing_a_tensor_elsewhere_with_set_matches_eager(
     for x, value in zip(xs, got, strict=True):
         torch.testing.assert_close(value, fn(x))
     assert policy.stats is not None and policy.stats.unbatched_calls == 3
+
+
+@pytest.mark.parametrize(("base", "dim", "index"), [((2, 3), 0, 1), ((2, 3), -1, 0), ((4,), 0, -1)])
+@pytest.mark.parametrize("method", [False, True])
+def test_select_scatter_gradients_match_eager(
+    base: tuple[int, ...], dim: int, index: int, method: bool,
+) -> None:
+    # Through vmap, select_scatter's backward doubled the gradient of src.
+    def scatter(b: Any, s: Any) -> Any:
+        return b.select_scatter(s, dim, index) if method else torch.select_scatter(
+            b, s, dim=dim, index=index)
+
+    torch.manual_seed(0)
+    src = list(torch.empty(base).select(dim, 0).shape)
+    bases = [torch.randn(base, requires_grad=True) for _ in range(3)]
+    srcs = [torch.randn(src, requires_grad=True) for _ in range(3)]
+    got, _ = _batched(scatter, bases, srcs)
+    eager = [scatter(b, s) for b, s in zip(bases, srcs, strict=True)]
+    weights = [torch.randn(base) for _ in range(3)]
+    leaves = [*bases, *srcs]
+    want = torch.autograd.grad(sum((e * w).sum() for e, w in zip(eager, weights)), leaves)
+    grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)), leaves)
+    for value, expected in zip(got, eager, strict=True):
+        torch.testing.assert_close(value, expected)
+    for grad, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(grad, expected)
