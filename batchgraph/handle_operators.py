@@ -68,10 +68,13 @@ class TensorOperators:
         return _binary(torch.div, (self, other))
 
     def __rtruediv__(self, other: Any) -> Any:
-        if not isinstance(other, torch.Tensor):  # a number, NumPy's included
+        if not isinstance(other, torch.Tensor):  # a number or a NumPy array
             # As a tensor computes `7 / t`: t.reciprocal() * 7, which rounds otherwise
             # than torch.div(7, t) (7 / 3 is one float32 ulp off, and 1e-10 / t of a
-            # subnormal t is inf eagerly, 1e29 by div).
+            # subnormal t is inf eagerly, 1e29 by div). An array goes as a tensor, as
+            # the other operators take arrays.
+            if _is_ndarray(other):
+                other = torch.as_tensor(other)
             return _binary(torch.Tensor.__rtruediv__, (self, other))
         return _binary(torch.div, (other, self))
 

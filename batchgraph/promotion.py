@@ -69,6 +69,19 @@ def scalar_tensor_casts(fn: Any, call: CallSignature) -> list[torch.dtype | None
     common = ranked[0]
     for dtype in ranked[1:]:
         common = torch.promote_types(common, dtype)
+    # 0-d tensors of a higher kind lift the computation, as torch's rule for 0-d
+    # operands has it: clamp(uint8_x, min=float64 0-d, max=int8 0-d) computes in
+    # float64 (max -6 is -6.0; cast to uint8 first it read 250); float tensors with a
+    # complex 0-d one compute in their complex counterpart (float16 -> complex32).
+    zero = [s.dtype for i, s in enumerate(specs)
+            if s is not None and not s.shape and i not in skip]
+    if zero:
+        top = zero[0]
+        for dtype in zero[1:]:
+            top = torch.promote_types(top, dtype)
+        if _category(top) > _category(common):
+            common = (common.to_complex() if _category(top) == 3 and _category(common) == 2
+                      else torch.promote_types(common, top))
     lifted = max((_KINDS.get(type(a), 0) for a in (*call.args, *(v for _, v in call.kwargs))),
                  default=0)
     if lifted > _category(common):  # the computation dtype is not ``common``
