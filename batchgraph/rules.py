@@ -317,6 +317,11 @@ def rule_table(rules: Mapping[Any, KeyFactory] | None) -> dict[Any, KeyFactory]:
     callable, which is what calls are looked up by; as a key of its own it would
     never match, and the rule would be ignored without a word.
 
+    Raises:
+        TypeError: for ``rules`` that is not a mapping, a key that is not callable (a
+            name such as ``"Linear"``, which no call is looked up by) or a value that
+            is not (a ``bg.StackKey`` instance, a string).
+
     Example:
         >>> import batchgraph as bg
         >>> lin = nn.Linear(2, 2)
@@ -325,7 +330,30 @@ def rule_table(rules: Mapping[Any, KeyFactory] | None) -> dict[Any, KeyFactory]:
     """
     from batchgraph.recording import CallSite  # it imports this module
 
-    return {(k.fn if isinstance(k, CallSite) else k): v for k, v in (rules or {}).items()}
+    if rules is None:
+        return {}
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            f"rules must map callables to BatchKey classes, got {type(rules).__name__}: "
+            "write rules={MyModule: MyKey} (a module class, one module, or a function)"
+        )
+    for k, v in rules.items():
+        # A key no call is looked up by (a class's name as a string, say) would be
+        # ignored without a word; a value that is no factory would fail at the first
+        # call recorded, far from here.
+        if not callable(k):
+            raise TypeError(
+                f"rules key {k!r} is a {type(k).__name__}, which no call is looked up by: "
+                "key a rule by the module class (nn.Linear), one module instance, or the "
+                "function itself, not by a name"
+            )
+        if not callable(v):
+            raise TypeError(
+                f"rules[{k!r}] is {v!r}, not a BatchKey class: give the class itself "
+                "(bg.StackKey, bg.UnbatchedKey, a subclass of bg.BatchKey), not an "
+                "instance or a name"
+            )
+    return {(k.fn if isinstance(k, CallSite) else k): v for k, v in rules.items()}
 
 
 class BatchedHooksWarning(UserWarning):

@@ -1,0 +1,45 @@
+"""BatchingPolicy(rules=...) (and GraphCollate's, Binder's) refuses a rule table that
+could not take effect, where it is given, instead of ignoring a rule without a word or
+failing at the first call recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import batchgraph as bg
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        # Before: accepted, and Linear still batched (no unbatched call): the rule a
+        # user wrote to run hooks per example was ignored.
+        ({"Linear": bg.UnbatchedKey}, r"rules key 'Linear' is a str, which no call is looked up by"),
+        # Before: "TypeError: 'str' object is not callable" at the first call recorded.
+        ({nn.Linear: "unbatched"}, r"rules\[<class 'torch.nn.modules.linear.Linear'>\] is "
+                                   r"'unbatched', not a BatchKey class"),
+        # Before: "AttributeError: 'list' object has no attribute 'items'".
+        ([(nn.Linear, bg.UnbatchedKey)], r"rules must map callables to BatchKey classes, got list"),
+    ],
+)
+def test_a_rule_that_could_not_take_effect_is_refused(rules: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        bg.BatchingPolicy(rules=rules)
+
+
+def test_rules_by_class_instance_and_function_still_apply() -> None:
+    lin, other = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    rules = {lin: bg.UnbatchedKey, double: bg.UnbatchedKey, nn.Tanh: bg.UnbatchedKey}
+    with bg.BatchingPolicy(rules=rules) as policy:
+        hs = [bg.batched_func(f)(torch.full((2,), float(i)))  # distinct: none merge
+              for f in (lin, other, double, nn.Tanh()) for i in range(2)]
+    bg.compute(hs)
+    assert policy.stats.unbatched_calls == 6  # all but `other`'s two
