@@ -287,6 +287,14 @@ def choose_key(
         factory: KeyFactory | None = fn.__dict__.get("batch_key")
         if factory is None:
             factory = getattr(type(fn), "batch_key", None)
+        if factory is not None and not callable(factory):
+            # Else "'str' object is not callable" from here, naming neither the module
+            # nor the attribute.
+            raise TypeError(
+                f"{type(fn).__name__}.batch_key is {factory!r}, not a BatchKey class: set "
+                "it to the class itself (batch_key = bg.StackKey, or a subclass of "
+                "bg.BatchKey), not an instance or a name"
+            )
         if factory is None and rules:
             factory = _module_rule(fn, rules)
         if factory is None:

@@ -43,3 +43,18 @@ def test_rules_by_class_instance_and_function_still_apply() -> None:
               for f in (lin, other, double, nn.Tanh()) for i in range(2)]
     bg.compute(hs)
     assert policy.stats.unbatched_calls == 6  # all but `other`'s two
+
+
+@pytest.mark.parametrize("batch_key", ["stack", bg.StackKey.__name__, 3])
+def test_a_batch_key_attribute_that_is_no_key_class_names_the_module(batch_key: Any) -> None:
+    # Before: "TypeError: 'str' object is not callable", naming neither.
+    class Doubler(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    module = Doubler()
+    module.batch_key = batch_key
+    with bg.BatchingPolicy(), pytest.raises(
+        TypeError, match=r"Doubler.batch_key is .*, not a BatchKey class: set it to the class"
+    ):
+        bg.batched_func(module)(torch.ones(2))
