@@ -90,6 +90,16 @@ class BatchKey:
     combine: ClassVar[str] = "stack"
     batchable: ClassVar[bool] = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Anything but "list" is read as "stack": a misspelt "lists" would hand run()
+        # stacked tensors and fail only at the first batch, far from the typo.
+        if cls.combine not in ("stack", "list"):
+            raise TypeError(
+                f"{cls.__name__}.combine is {cls.combine!r}; it must be 'stack' (run gets "
+                "each input stacked) or 'list' (run gets lists of per-example tensors)"
+            )
+
     def __init__(self, fn: Callable[..., Any], call: CallSignature, *, deterministic: bool = True):
         self.fn = fn
         self.call = call

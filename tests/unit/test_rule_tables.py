@@ -58,3 +58,12 @@ def test_a_batch_key_attribute_that_is_no_key_class_names_the_module(batch_key: 
         TypeError, match=r"Doubler.batch_key is .*, not a BatchKey class: set it to the class"
     ):
         bg.batched_func(module)(torch.ones(2))
+
+
+def test_a_key_class_with_an_unknown_combine_is_refused_where_it_is_defined() -> None:
+    # Before: read as "stack", and the first batch failed ("returned 3 tensors for a
+    # batch; its calls, run one at a time, return 1"), far from the typo.
+    with pytest.raises(TypeError, match=r"PerExample.combine is 'lists'; it must be 'stack'"):
+
+        class PerExample(bg.BatchKey):
+            combine = "lists"
