@@ -1,11 +1,13 @@
 """``assert_batched_matches_eager``: the check users put in their own test suites.
 
 It runs a per-example function eagerly, one example at a time (the reference), and
-again under a ``BatchingPolicy``, then compares every output tensor (values, shape,
-dtype, device and whether it requires grad) and every gradient: of the parameters of
-``fn``'s module (or, for a plain function or lambda, of the modules and tensors it
-closes over, as ``batchgraph.captured`` finds them), and of the examples' own tensors
-that require grad. The gradients come from a loss that weights each output element by
+again under a ``BatchingPolicy`` (an ``async def`` one: through ``bg.run_all``), then
+compares every output tensor (values, shape, dtype, device and whether it requires
+grad), every plain value in the results (``batchgraph.testing.leaves``) and every
+gradient: of the parameters of ``fn``'s module (or, for a plain function or lambda, of
+the modules and tensors it closes over, as ``batchgraph.captured`` finds them), of the
+examples' own tensors that require grad, and of any other leaf tensor the eager
+outputs' autograd graph reaches. The gradients come from a loss that weights each output element by
 a fixed pseudo-random number, so a batched run that mixes up examples or rows cannot
 pass by accident (a plain ``sum`` would hide permutations).
 """
