@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from types import FunctionType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -177,6 +178,17 @@ class CallSite:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.name}>"
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        # ``@bg.batched_func`` above a method's def: read through an instance, the site
+        # stands for the method bound to it, as the function's own __get__ would bind
+        # it (eagerly obj.helper(x) calls helper(obj, x)). Without this, self was not
+        # passed: "helper() missing 1 required positional argument".
+        if obj is None or type(self.fn) is not FunctionType:
+            return self
+        from batchgraph.sites import method_site  # sites imports this module
+
+        return method_site(self.fn, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Record the call into the active policy's graph (and return its handle), or

@@ -22,7 +22,7 @@ from batchgraph.signatures import foreign_handle
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
 
-__all__ = ["ModuleStub", "function_site", "module_site", "record_function"]
+__all__ = ["ModuleStub", "function_site", "method_site", "module_site", "record_function"]
 
 
 class ModuleStub(CallSite):
@@ -93,12 +93,29 @@ def function_site(fn: Callable[..., Any]) -> CallSite:
         if type(fn) is MethodType and isinstance(owner, torch.nn.Module):
             # batched_func(model.helper): a bound method keeps its module alive, so its
             # site goes on the module, by the function it binds.
-            sites: dict[Any, CallSite] = held_on(owner, _METHOD_SITES, dict)
-            site = sites.get(fn.__func__)
-            if site is None:
-                site = sites[fn.__func__] = CallSite(fn)
-            return site
+            return method_site(fn.__func__, owner)
         site = _FUNCTION_SITES[fn] = CallSite(fn)
+    return site
+
+
+def method_site(func: Callable[..., Any], owner: Any) -> CallSite:
+    """The (cached) CallSite of ``func`` bound to ``owner``, kept on ``owner``: a
+    bound method keeps its object alive, so its site must go when the object does.
+
+    Example:
+        >>> class Scaler:
+        ...     def scale(self, x):
+        ...         return x * 2
+        >>> s = Scaler()
+        >>> method_site(Scaler.scale, s) is method_site(Scaler.scale, s)
+        True
+    """
+    if not hasattr(owner, "__dict__"):  # nowhere to keep it: a site per read
+        return CallSite(MethodType(func, owner))
+    sites: dict[Any, CallSite] = held_on(owner, _METHOD_SITES, dict)
+    site = sites.get(func)
+    if site is None:
+        site = sites[func] = CallSite(MethodType(func, owner))
     return site
 
 
