@@ -177,6 +177,10 @@ def assert_batched_matches_eager(
         AssertionError: naming the first example, output path or parameter that differs,
             with the largest difference (or the shapes, dtypes, devices and
             ``requires_grad`` that differ). NaN where the eager output has NaN matches.
+        TypeError: for ``fn`` that returns a coroutine for some examples only, or a
+            coroutine example that awaits something other than ``bg.value``.
+        ValueError: when gradients are to be compared but no output is a floating
+            point or complex tensor (pass ``check_gradients=False``).
 
     Warns:
         UserWarning: when ``fn`` recorded no call under the policy (it ran eagerly there
@@ -192,8 +196,10 @@ def assert_batched_matches_eager(
         ...     def f(self, x):
         ...         return torch.tanh(self.lin(x))
         >>> report = assert_batched_matches_eager(M().f, [torch.randn(3) for _ in range(4)])
-        >>> report.examples
-        4
+        >>> report.examples, report.outputs_compared, report.gradients_compared
+        (4, 4, 2)
+        >>> report.stats.launches   # lin, then tanh, each once for the 4 examples
+        2
     """
     examples = list(examples)
     params = _parameters(fn, module)
