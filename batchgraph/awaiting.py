@@ -37,6 +37,7 @@ from batchgraph.errors import (
 )
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
+from batchgraph.policy import UNTRAVERSED, refuse_hidden_handles
 from batchgraph.specs import (
     dataclass_fields,
     rebuild_dataclass,
@@ -295,6 +296,8 @@ def _pending(obj: Any, out: list[ResultHandle]) -> None:
     elif (names := dataclass_fields(obj)) is not None:
         for name in names:
             _pending(getattr(obj, name), out)
+    elif isinstance(obj, UNTRAVERSED):
+        refuse_hidden_handles(obj)
 
 
 def resolve(obj: Any) -> Any:

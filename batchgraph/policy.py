@@ -16,7 +16,7 @@ import itertools
 import operator
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,7 +49,7 @@ from batchgraph.specs import (
     rebuild_sequence,
 )
 
-__all__ = ["BatchingPolicy"]
+__all__ = ["UNTRAVERSED", "BatchingPolicy", "refuse_hidden_handles"]
 
 _policy_ids = itertools.count()
 _rules_tokens = itertools.count(1)
@@ -314,6 +314,34 @@ def _collect(obj: Any, out: list[ResultHandle]) -> None:
     elif (names := dataclass_fields(obj)) is not None:
         for name in names:
             _collect(getattr(obj, name), out)
+    elif isinstance(obj, UNTRAVERSED):
+        refuse_hidden_handles(obj)
+
+
+# Containers compute and bg.value do not take apart (a set has no order to rebuild
+# it in): one that holds a handle would come back with the handle not computed.
+UNTRAVERSED = (set, frozenset, deque)
+
+
+def refuse_hidden_handles(obj: Any) -> None:
+    """Raise if ``obj``, a set, frozenset or deque, holds a handle, at any depth.
+
+    Raises:
+        TypeError: naming the container and the handle, and what to use instead.
+
+    Example:
+        >>> refuse_hidden_handles({1, 2})   # no handle: nothing to say
+    """
+    found: list[ResultHandle] = []
+    for x in obj:
+        _collect(x, found)
+    if found:
+        kind = type(obj).__name__
+        raise TypeError(
+            f"a {kind} holds {found[0]!r}: compute and bg.value take handles out of "
+            f"lists, tuples, dicts and dataclasses only, and would hand this {kind} back "
+            "with its handles not computed; put the handles in a list or tuple instead"
+        )
 
 
 # The rows of a copy of a stored column, the copy's version, and whether each row is
