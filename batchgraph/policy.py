@@ -338,9 +338,9 @@ def refuse_hidden_handles(obj: Any) -> None:
     if found:
         kind = type(obj).__name__
         raise TypeError(
-            f"a {kind} holds {found[0]!r}: compute and bg.value take handles out of "
-            f"lists, tuples, dicts and dataclasses only, and would hand this {kind} back "
-            "with its handles not computed; put the handles in a list or tuple instead"
+            f"a {kind} holds {found[0]!r}: compute, bg.value and export take handles "
+            f"out of lists, tuples, dicts and dataclasses only, and would hand this {kind} "
+            "back with its handles not computed; put the handles in a list or tuple instead"
         )
 
 

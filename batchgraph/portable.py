@@ -47,7 +47,7 @@ from batchgraph.naming import function_name, module_names, qualified_name
 from batchgraph.on_copy import in_place_of
 from batchgraph.passes import prune
 from batchgraph.placeholders import is_placeholder
-from batchgraph.policy import BatchingPolicy
+from batchgraph.policy import UNTRAVERSED, BatchingPolicy, refuse_hidden_handles
 from batchgraph.schedule_cache import ScheduleCache
 from batchgraph.scheduling import Schedule, build_schedule
 from batchgraph.specs import (
@@ -414,6 +414,8 @@ def _encode_outputs(obj: Any, graph: Graph, roots: list[int]) -> Any:
         return rebuild_mapping(obj, [(k, _encode_outputs(v, graph, roots)) for k, v in obj.items()])
     if (names := dataclass_fields(obj)) is not None:
         return rebuild_dataclass(obj, names, lambda v: _encode_outputs(v, graph, roots))
+    if isinstance(obj, UNTRAVERSED):
+        refuse_hidden_handles(obj)  # else the handles themselves would be exported
     return obj
 
 
