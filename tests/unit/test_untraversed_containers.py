@@ -61,18 +61,8 @@ def test_awaiting_or_returning_a_set_of_handles_is_refused() -> None:
 def test_export_refuses_a_set_of_handles() -> None:
     # Before: exported with the handles inside, failing only when pickled for the main
     # process ("cannot be pickled: ... Pickle computed tensors").
-    lin = nn.Linear(2, 2)
-
-    class Model(bg.BatchedModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = lin
-
-        def forward_set(self, x: torch.Tensor) -> Any:
-            return {self.lin(x)}
-
-    model = Model()
+    model = nn.Sequential(nn.Linear(2, 2))
     with bg.BatchingPolicy() as policy:
-        outputs = [model.forward_set(torch.ones(2))]
+        outputs = [{bg.batched_func(model[0])(torch.ones(2))}]
     with pytest.raises(TypeError, match=r"a set holds <ResultHandle"):
         bg.export(policy, outputs, model)
