@@ -105,6 +105,12 @@ class BatchingPolicy:
             raise ValueError(
                 f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}"
             )
+        # Checked here: dedupe="no" would merge (a non-empty string is true) and a
+        # name that is not a string fails only inside an error message later.
+        if not isinstance(dedupe, bool):
+            raise TypeError(f"dedupe must be True or False, got {dedupe!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string (shown in error messages), got {name!r}")
         self.scheduler = scheduler
         self.dedupe = dedupe
         self.rules: dict[Any, KeyFactory] = rule_table(rules)

@@ -116,6 +116,17 @@ def test_a_non_tensor_in_a_tuple_result_is_named() -> None:
         extra(torch.ones(3))
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"dedupe": "no"}, r"dedupe must be True or False, got 'no'"),
+    ({"dedupe": 0}, r"dedupe must be True or False, got 0"),
+    ({"name": 3}, r"name must be a string .* got 3"),
+])
+def test_bad_policy_settings_are_refused_where_given(kwargs: dict[str, Any], message: str) -> None:
+    # dedupe="no" merged identical calls (a non-empty string is true), silently.
+    with pytest.raises(TypeError, match=message):
+        bg.BatchingPolicy(**kwargs)
+
+
 def test_unknown_scheduler() -> None:
     with pytest.raises(ValueError, match=r"unknown scheduler 'fifo'; choose one of"):
         bg.BatchingPolicy(scheduler="fifo")
