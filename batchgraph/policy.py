@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
+import types
 import weakref
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -326,11 +327,16 @@ def _collect(obj: Any, out: list[ResultHandle]) -> None:
 
 # Containers compute and bg.value do not take apart (a set has no order to rebuild
 # it in): one that holds a handle would come back with the handle not computed.
-UNTRAVERSED = (set, frozenset, deque)
+# Iterators that are used up by looking into them (bg.compute(h for h in hs)) are
+# refused whatever they hold.
+_ONE_SHOT = (types.GeneratorType, map, filter, zip)
+UNTRAVERSED = (set, frozenset, deque, *_ONE_SHOT)
 
 
 def refuse_hidden_handles(obj: Any) -> None:
-    """Raise if ``obj``, a set, frozenset or deque, holds a handle, at any depth.
+    """Raise if ``obj``, a set, frozenset or deque, holds a handle, at any depth; or
+    if it is a generator (or map, filter, zip object), which cannot be looked into
+    without using it up.
 
     Raises:
         TypeError: naming the container and the handle, and what to use instead.
@@ -338,6 +344,13 @@ def refuse_hidden_handles(obj: Any) -> None:
     Example:
         >>> refuse_hidden_handles({1, 2})   # no handle: nothing to say
     """
+    if isinstance(obj, _ONE_SHOT):
+        kind = type(obj).__name__
+        raise TypeError(
+            f"got a {kind} object: compute, bg.value and export cannot look into it "
+            "without using it up, and would hand it back with any handles in it not "
+            f"computed; make it a list first (bg.compute(list(...)))"
+        )
     found: list[ResultHandle] = []
     for x in obj:
         _collect(x, found)

@@ -66,3 +66,19 @@ def test_export_refuses_a_set_of_handles() -> None:
         outputs = [{bg.batched_func(model[0])(torch.ones(2))}]
     with pytest.raises(TypeError, match=r"a set holds <ResultHandle"):
         bg.export(policy, outputs, model)
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda hs: (h for h in hs), lambda hs: map(lambda h: h, hs), lambda hs: zip(hs),
+    lambda hs: {"out": (h * 2 for h in hs)},
+])
+def test_a_generator_of_handles_is_refused_not_handed_back(wrap: Any) -> None:
+    # bg.compute(h for h in hs) gave the generator back: iterating it gave handles.
+    with bg.BatchingPolicy() as policy:
+        hs = [bg.batched_value(torch.ones(2)) * i for i in range(3)]
+        for compute in (bg.compute, policy.compute):
+            with pytest.raises(TypeError, match=r"cannot look into it without using it up"):
+                compute([hs[0], wrap(hs)])
+            if not isinstance(wrap(hs), dict):
+                with pytest.raises(TypeError, match=r"make it a list first"):
+                    compute(wrap(hs))
