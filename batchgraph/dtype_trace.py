@@ -1,6 +1,6 @@
 """Whether ``torch.func.vmap`` computes a call in the dtypes its eager run computes in.
 
-vmap keeps each example's shapes (``batchgraph.rules.probe_vmap`` checks them) but not
+vmap keeps each example's shapes (``batchgraph.vmap_probe.probe_vmap`` checks them) but not
 always its dtypes, in two ways that give other values without an error:
 
 * Some batching rules ignore the promotion rank of a 0-d input: ``torch.addcmul(a, b,

@@ -325,7 +325,7 @@ class VmapKey(BatchKey):
         except RuntimeError as err:
             if not inputs:
                 raise
-            # The probe on fake tensors (rules.probe_vmap) passed, but vmap refuses the
+            # The probe on fake tensors (vmap_probe.probe_vmap) passed, but vmap refuses the
             # real tensors: some ops batch under fake tensors only (an assignment
             # through a boolean mask, `out[mask] = 0`). Each call still runs alone as
             # it did eagerly; a call failing alone too fails as the batch did.

@@ -30,7 +30,7 @@ from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.lazy_modules import materialize_lazy
 from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
-from batchgraph.rules import choose_key, may_be_random, probe_vmap
+from batchgraph.rules import choose_key, may_be_random
 from batchgraph.signatures import (
     encode_argument,
     encode_handle_tuple,
@@ -48,6 +48,7 @@ from batchgraph.specs import (
     intern_spec,
     rebuild_sequence,
 )
+from batchgraph.vmap_probe import probe_vmap
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref

@@ -1,0 +1,91 @@
+"""Whether ``torch.func.vmap`` runs a ``VmapKey`` call as its eager run does.
+
+Checked once per call signature, on fake tensors, when the call is recorded
+(``CallSite._resolve``): a call that vmap refuses, that loses an example's shape, that
+computes in other dtypes (``batchgraph.dtype_trace``) or that does what vmap runs
+without error but wrongly (``_WrongUnderVmap``) runs one example at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchgraph.dtype_trace import vmap_traced
+from batchgraph.keys import BatchKey, VmapKey
+from batchgraph.specs import OutSpec, TensorSpec, flatten_output, spec_leaves
+
+__all__ = ["probe_vmap"]
+
+
+def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
+    """Whether ``key`` can run a batch of two on fake tensors (checked once per key)
+    and, where the call's own output ``spec`` is given, keeps each example's shapes.
+
+    Only ``VmapKey`` needs the probe: the other built-in rules are known to batch.
+    Some ops run under vmap but lose a dimension (``x.argmax(keepdim=True)`` gives
+    each example ``(1,)`` where eagerly it is ``(1, 1)``): such a call would fail at
+    ``compute`` with a shape error the user cannot fix, so it runs one at a time.
+    So does a call that vmap computes in other dtypes than its eager run, which
+    would give other values without an error (``batchgraph.dtype_trace``).
+    """
+    if not isinstance(key, VmapKey):
+        return True
+    from batchgraph.inference import on_fake_tensors  # it imports this module
+
+    try:
+        with on_fake_tensors():
+            inputs = [
+                torch.empty((2, *s.shape), dtype=s.dtype, device=s.device)
+                for s in key.call.input_specs
+                if s is not None
+            ]
+            with _WrongUnderVmap():  # type: ignore[no-untyped-call]
+                if inputs and spec is not None:
+                    # One vmapped run, traced: the shapes come from it too (a function's
+                    # side effects, a module's hooks, run once here as before).
+                    out, same = vmap_traced(key.per_example, [x[0] for x in inputs], inputs)
+                else:
+                    out, same = key.run_vmapped(key.fn, inputs, 2), True
+            if spec is None:
+                return True
+            leaves: list[torch.Tensor] = []
+            flatten_output(out, leaves)
+            wanted = spec_leaves(spec)
+            # Shapes here; dtypes below, call by call (under autocast vmap may give a
+            # finer dtype, which the executor converts: see check_stacked).
+            if len(leaves) != len(wanted) or not all(
+                not isinstance(w, TensorSpec) or leaf.shape[1:] == w.shape
+                for leaf, w in zip(leaves, wanted)
+            ):
+                return False
+            return same
+    except Exception:
+        return False
+
+
+class _WrongUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Fails the probe of a call whose ops vmap runs without error but with results
+    other than eager ones (run one at a time, the call is eager):
+
+    * ``y.set_(t)`` points a tensor at other memory: under vmap, torch runs it on each
+      example's slice of the batch, a view, and the batch keeps its values (``y``
+      read afterwards held its old values). (``set_`` is not dispatched to torch
+      function modes: this sees aten's.)
+    * an embedding lookup with ``scale_grad_by_freq`` (``nn.Embedding`` in a function
+      of the user's): vmap looks up all the examples' indices at once, and each row's
+      gradient was divided by its count over the batch, not in its own example.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten.set_:
+            raise RuntimeError("Tensor.set_ under vmap changes a slice of the batch only")
+        if func.overloadpacket is torch.ops.aten.embedding and (
+            (len(args) > 3 and args[3]) or kwargs.get("scale_grad_by_freq")
+        ):
+            raise RuntimeError("an embedding under vmap counts rows over the batch")
+        return func(*args, **kwargs)
