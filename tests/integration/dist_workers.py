@@ -260,12 +260,7 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
     with Pipeline(model, stages=world, microbatches=3, schedule="zb-h1", loss_fn=complex_loss,
                   backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
         pipe.train_step(x if rank == 0 else None, y_abs if rank == world - 1 else None)
-        mine = [p for m in pipe.own_modules.values() for p in m.parameters()]
-    out["complex"] = max(
-        float("inf") if p.grad is None else (p.grad - q.grad).abs().max().item()  # type: ignore[operator]
-        for p, q in zip(model.parameters(), twin.parameters())
-        if any(p is r for r in mine)
-    )
+        out["complex"] = _own_grad_error(pipe, model, twin)
     # The façade, with real modules on every rank (each uses only its own).
     mods = [make_stage(s, world) for s in range(world)]
     with Pipeline(mods, microbatches=3, schedule="1f1b", loss_fn=nn.MSELoss(),
@@ -300,13 +295,9 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
                   backend="torch.distributed", timeout=20) as pipe:  # fmt: skip
         loss = pipe.train_step(x if rank == 0 else None, (y,) if rank == world - 1 else None)
         fwd = pipe.forward(x if rank == 0 else None)
-        mine = [p for m in pipe.own_modules.values() for p in m.parameters()]
+        error = _own_grad_error(pipe, nn.Sequential(*mods), twin)
     out["one_element_tuples"] = {
-        "error": max(
-            float("inf") if p.grad is None else (p.grad - q.grad).abs().max().item()  # type: ignore[operator]
-            for p, q in zip(nn.Sequential(*mods).parameters(), twin.parameters())
-            if any(p is r for r in mine)
-        ),
+        "error": error,
         "loss": None if loss is None else float(loss),
         "ref_loss": float(want),
         "forward": None if fwd is None else type(fwd).__name__,
@@ -320,6 +311,18 @@ def job_schedules(rank: int, world: int) -> dict[str, Any]:
     except PipelineConfigError as exc:
         out["mismatch"] = str(exc)
     return out
+
+
+def _own_grad_error(pipe: Any, model: nn.Module, twin: nn.Module) -> float:
+    """The largest gradient difference between ``model``'s parameters that this rank's
+    stages own and the same parameters of ``twin``, trained on one device (inf for a
+    parameter that got no gradient)."""
+    mine = [p for m in pipe.own_modules.values() for p in m.parameters()]
+    return max(
+        float("inf") if p.grad is None else (p.grad - q.grad).abs().max().item()  # type: ignore[operator]
+        for p, q in zip(model.parameters(), twin.parameters())
+        if any(p is r for r in mine)
+    )
 
 
 class _InTuple(nn.Module):
