@@ -14,21 +14,33 @@ recorded: eagerly it changes the value it views, which lives on.
 
 Asked only at such a change, so whether a call makes a view is worked out then, by
 running it once on fake tensors, and kept on its key.
+
+A view of a value already handed out (``y = bg.compute(h)``, then ``h[0]``) is taken
+eagerly of ``y`` itself (``view_of_handed``): eagerly it is a view of ``y``, and it
+must follow ``y``'s later in-place changes, which happen outside recording.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from types import FunctionType
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
     from batchgraph.keys import BatchKey
 
-__all__ = ["alias_group", "check_changed", "note_change", "view_of"]
+__all__ = [
+    "NOT_VIEWED", "alias_group", "check_changed", "makes_view", "note_change", "view_of",
+    "view_of_handed",
+]
+
+# What view_of_handed returns where it cannot take the view eagerly.
+NOT_VIEWED: Any = object()
 
 
 def view_of(graph: Graph, node: int) -> str | None:
@@ -140,6 +152,92 @@ def _refuse(graph: Graph, node: int, reader: int | None) -> None:
         "the change, or make a new value instead of changing one in place "
         "(h = h + other)."
     )
+
+
+def makes_view(fn: Callable[..., Any], key: BatchKey) -> bool:
+    """Whether ``fn``, a tensor operation (not a module or the user's own function,
+    which are recorded as calls even where they return an input), makes a view of
+    one of its inputs (or returns one of them) in ``key``'s calls.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as policy:
+        ...     h = bg.batched_value(torch.ones(2, 2)) * 1
+        ...     row, total = h[0], h.sum()
+        >>> key = lambda x: policy.graph.keys[policy.graph.node_key[x.node]]
+        >>> makes_view(torch.Tensor.__getitem__, key(row)), makes_view(torch.sum, key(total))
+        (True, False)
+    """
+    if isinstance(fn, torch.nn.Module):
+        return False
+    if type(fn) is FunctionType and not (
+        (fn.__module__ or "").startswith("torch") or fn.__qualname__.startswith("_TensorProperty.")
+    ):
+        return False
+    return _aliases(key)
+
+
+def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+    """Record ``fn(*args, **kwargs)`` through ``site``, a view of a handed-out value
+    (``makes_view``), with the view taken eagerly too, of the values the handles stand
+    for, as the value of its handles; ``NOT_VIEWED`` where a handle has no value yet.
+
+    Eagerly the view shares memory with the value: an in-place change of the value
+    (outside recording, where batchgraph does not see it) reaches the view. So the
+    handles are as handed out (``ResultHandle.handed``): calls recorded on them read
+    the recorded view (the value as it was then) until the value changes, and a copy
+    of the view as it is now afterwards; computing one gives the view itself.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     h = bg.batched_func(torch.tanh)(torch.zeros(2, 2))
+        ...     y = bg.compute(h)
+        ...     row = h[0]
+        ...     y += 1
+        ...     bg.compute(row * 2)
+        tensor([2., 2.])
+    """
+    from batchgraph.handle import ResultHandle
+
+    missing = False
+
+    def value(a: Any) -> Any:
+        nonlocal missing
+        if type(a) is ResultHandle:
+            out = a._out
+            if out is None:
+                missing = True
+                return a
+            return out[0]
+        return a
+
+    real_args, real_kwargs = tree_map(value, (args, kwargs))
+    if missing:
+        return NOT_VIEWED
+    views = fn(*real_args, **real_kwargs)
+    plain_args, plain_kwargs = tree_map(_not_handed, (args, kwargs))
+    recorded = site(*plain_args, **plain_kwargs)
+    for handle, view in zip(tree_leaves(recorded), tree_leaves(views), strict=True):
+        if type(handle) is ResultHandle and isinstance(view, torch.Tensor):
+            handle.handed(view)
+    return recorded
+
+
+def _not_handed(a: Any) -> Any:
+    """A handle standing for the value ``a``'s value has now, recorded as not handed
+    out: ``a``'s node where the value is as computed, else a copy of it now."""
+    from batchgraph.functional import batched_value  # it imports the recording side
+    from batchgraph.handle import ResultHandle, snapshot, unchanged
+
+    if type(a) is not ResultHandle or a._out is None:
+        return a
+    if unchanged(a._out):
+        return ResultHandle(a._graph, a.node, a.leaf, a.spec)
+    copy = batched_value(snapshot(a))
+    copy._out = None  # a copy no one else holds: it cannot change
+    return copy
 
 
 def _aliases(key: BatchKey) -> bool:

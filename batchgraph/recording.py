@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from batchgraph.aliasing import NOT_VIEWED, makes_view, view_of_handed
 from batchgraph.autocasting import (
     AutocastState,
     autocast_enabled,
@@ -95,7 +96,7 @@ class _Entry:
 
     __slots__ = (
         "children", "dedupe", "key", "kind", "layout", "memo", "modes", "on_copy",
-        "rules_token", "sig", "single", "spec",
+        "rules_token", "sig", "single", "spec", "view",
     )
 
     def __init__(
@@ -135,6 +136,9 @@ class _Entry:
         # An in-place call on a handle, recorded on a copy (batchgraph.on_copy): the
         # input handle then stands for the result.
         self.on_copy = False
+        # Whether the call makes a view of an input (aliasing.makes_view); worked out
+        # the first time a handed-out value is its input (None until then).
+        self.view: bool | None = None
 
 
 class CallSite:
@@ -223,18 +227,22 @@ class CallSite:
             source = a.node
             refs: tuple[Ref, ...] = ((source, a.leaf),)
             deepest = graph.node_depth[source]
+            handed = given is not None
         else:
             node_depth = graph.node_depth
             inputs: list[Ref] = []
             deepest = 0
             sig: list[Any] = []
             simple = True  # only handles and numbers: the last-signature check applies
+            handed = False  # a handle's value was handed out (see view_of_handed)
             for a in args:
                 if (
                     type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec
                     and ((given := a._out) is None or unchanged(given))
                 ):
                     # The common case, inlined: a handle for one tensor of this graph.
+                    if given is not None:
+                        handed = True
                     source = a.node
                     inputs.append((source, a.leaf))
                     sig.append(spec)
@@ -243,6 +251,8 @@ class CallSite:
                         deepest = d
                 else:
                     kind = type(a)
+                    if kind is ResultHandle and a._out is not None:
+                        handed = True
                     if kind is int or kind is bool or (kind is float and a):  # h * 2.0
                         sig.append((kind, a))  # as static_value, inlined
                         continue
@@ -257,6 +267,8 @@ class CallSite:
                     sig.append(encode_argument(a, graph, inputs, box))
                     deepest = box[0]
             if kwargs:
+                handed = handed or any(
+                    type(v) is ResultHandle and v._out is not None for v in kwargs.values())
                 box = [deepest]
                 key_sig: Any = (tuple(sig), tuple((k, encode_argument(v, graph, inputs, box)) for k, v in kwargs.items()))
                 deepest = box[0]
@@ -273,6 +285,12 @@ class CallSite:
                     if simple:
                         self.last = (sig, entry)
             refs = tuple(inputs)
+        if handed and (entry.view if entry.view is not None else self._note_view(entry)):
+            # A view of a value handed out: eagerly it shares the value's memory, and
+            # follows its in-place changes, made outside recording (aliasing module).
+            viewed = view_of_handed(self, self.fn, args, kwargs)
+            if viewed is not NOT_VIEWED:
+                return viewed
         memo = entry.memo
         # Inference mode first: inside it even torch.enable_grad() builds no autograd
         # graph (eager calls give inference tensors that do not require grad).
@@ -360,6 +378,11 @@ class CallSite:
             c._out = None
             return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
+
+    def _note_view(self, entry: _Entry) -> bool:
+        """Work out, once per entry, whether its calls make a view of an input."""
+        view = entry.view = not entry.on_copy and makes_view(self.fn, entry.key)
+        return view
 
     def _forget(self) -> None:
         """Drop every cached signature (each is replaced whole: sites are shared by
