@@ -39,6 +39,9 @@ __all__ = [
     "view_of_handed",
 ]
 
+# Modules of the functions recorded in place of tensor operations (h.T, as_strided).
+_OUR_TENSOR_OPERATIONS = frozenset({"batchgraph.handle", "batchgraph.strided"})
+
 # What view_of_handed returns where it cannot take the view eagerly.
 NOT_VIEWED: Any = object()
 
@@ -171,7 +174,7 @@ def makes_view(fn: Callable[..., Any], key: BatchKey) -> bool:
     if isinstance(fn, torch.nn.Module):
         return False
     if type(fn) is FunctionType and not (
-        (fn.__module__ or "").startswith("torch") or fn.__qualname__.startswith("_TensorProperty.")
+        (fn.__module__ or "").startswith("torch") or fn.__module__ in _OUR_TENSOR_OPERATIONS
     ):
         return False
     return _aliases(key)

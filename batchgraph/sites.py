@@ -18,6 +18,7 @@ from batchgraph.held import held_on
 from batchgraph.pinning import unpin_stubs
 from batchgraph.recording import _ACTIVE, CallSite
 from batchgraph.signatures import foreign_handle
+from batchgraph.strided import AS_STRIDED, offset_from_start
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
@@ -125,6 +126,8 @@ def record_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     Used by handle operators, tensor methods and ``__torch_function__``. The policy is
     the handles' own; it must still be recording.
     """
+    if fn in AS_STRIDED and (call := offset_from_start(args, kwargs)) is not None:
+        fn, args, kwargs = call
     first = args[0] if args else None
     graph = first._graph if type(first) is ResultHandle else _graph_of(args, kwargs)
     active = _ACTIVE.get()
