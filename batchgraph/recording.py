@@ -184,6 +184,18 @@ class CallSite:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.name}>"
 
+    # What functools.wraps gives a decorated function, so that inspect.signature,
+    # help() and tools that name functions see the callable the site records
+    # (``@bg.batched_func def step(x, h)`` is still "step", with its parameters).
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.fn
+
+    @property
+    def __name__(self) -> str:  # type: ignore[override]
+        name: str = self.fn.__name__  # none for a module, as on the module
+        return name
+
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         # ``@bg.batched_func`` above a method's def: read through an instance, the site
         # stands for the method bound to it, as the function's own __get__ would bind
