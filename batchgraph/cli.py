@@ -163,6 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NEGATIVE_STARTS = frozenset({"-.", *(f"-{d}" for d in range(10))})
+
+
+def _costs_joined(argv: list[str]) -> list[str]:
+    """``--costs -1,2,1,1`` as ``--costs=-1,2,1,1``: argparse takes a value starting
+    with ``-`` for an option ("expected one argument"); joined, the value reaches the
+    costs' own check, which says what is wrong with it."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--costs" and arg[:2] in _NEGATIVE_STARTS:
+            out[-1] = f"--costs={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``batchgraph`` command.
 
@@ -181,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_costs_joined(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as exc:
         # argparse exits on a bad value (2, after printing the usage) and after --help
         # (0): return that status, as for every other outcome, so that a caller of

@@ -112,3 +112,10 @@ def test_main_returns_the_status_instead_of_raising(capsys: pytest.CaptureFixtur
     assert "schedule" in capsys.readouterr().out
     assert main(["bogus"]) == 2
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("costs", ["-1,2,1,1", "-.5,1,1,1"])
+def test_negative_costs_reach_the_costs_check(costs: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse took "-1,2,1,1" for an option: "argument --costs: expected one argument".
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "2", "--costs", costs]) == 2
+    assert f"costs {costs!r}: expected 4 or 5 finite non-negative numbers" in capsys.readouterr().err
