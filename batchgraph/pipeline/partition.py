@@ -79,11 +79,15 @@ class SequentialStage(nn.Sequential):
         tensor([3., 3.])
     """
 
+    # The model's last stage: its output goes to the loss, which gets a one-element
+    # tuple as one (see partition_sequential).
+    last = False
+
     def forward(self, *inputs: Any) -> Any:
         value = inputs[0] if len(inputs) == 1 else inputs
         for layer in self:
             value = layer(value)
-        if isinstance(value, tuple | list) and len(value) == 1:
+        if not self.last and isinstance(value, tuple | list) and len(value) == 1:
             # What crosses a cut is a tuple of tensors, where (h,) and h are the same: the
             # next layer (or the loss) would get h where one device gives it (h,).
             raise StageMismatchError(
@@ -283,7 +287,9 @@ def partition_sequential(
     """
     items = list(layers)
     bounds = balanced_partition(layer_costs(items, cost, sample), stages)
-    return [SequentialStage(*items[a:b]) for a, b in bounds]
+    stages_made = [SequentialStage(*items[a:b]) for a, b in bounds]
+    stages_made[-1].last = True
+    return stages_made
 
 
 def _node_cost(gm: fx.GraphModule, node: fx.Node, cost: str) -> float:

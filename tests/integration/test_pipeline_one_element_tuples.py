@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from batchgraph.pipeline import Pipeline
+from batchgraph.pipeline import Pipeline, StageMismatchError
 from tests.pipeline_models import assert_grads_equal, mlp, reference
 
 _SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
@@ -91,3 +91,36 @@ def test_targets_reach_the_loss_as_given(targets: str) -> None:
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, want)
     assert set(seen) == {Tensor if targets == "tensor" else tuple}
+
+
+@pytest.mark.parametrize("schedule", _SCHEDULES)
+def test_a_split_sequential_may_end_in_a_tuple_of_one(schedule: str) -> None:
+    # An nn.Sequential split by the pipeline: its last stage returning (h,) was refused
+    # ("returned a tuple of one tensor"), which only a stage before a cut must not do.
+    torch.manual_seed(3)
+    model = nn.Sequential(*mlp(layers=4, width=4, outputs=4), _InTuple())
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 4, dtype=torch.float64)
+    want_loss, want = reference(model, x, (y,), _first_of_each)  # type: ignore[arg-type]
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    with Pipeline(model, stages=2, microbatches=3, schedule=schedule, chunks=chunks,
+                  loss_fn=_first_of_each, timeout=30) as pipe:
+        loss = pipe.train_step(x, (y,))
+        out = pipe.forward(x)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, want)
+    assert isinstance(out, tuple) and len(out) == 1
+
+
+def test_a_stage_before_a_cut_returning_a_tuple_of_one_is_still_refused() -> None:
+    model = nn.Sequential(nn.Linear(5, 4).double(), _InTuple(), _Unwrap(), nn.Linear(4, 3).double())
+    x = torch.randn(4, 5, dtype=torch.float64)
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss(), cost="uniform",
+                    timeout=30)  # the cut: after _InTuple
+    with pipe, pytest.raises(StageMismatchError, match="returned a tuple of one tensor"):
+        pipe.train_step(x, torch.randn(4, 3, dtype=torch.float64))
+
+
+class _Unwrap(nn.Module):
+    def forward(self, h: tuple[Tensor]) -> Tensor:
+        return h[0]
