@@ -33,7 +33,7 @@ from batchgraph.pipeline.held_layers import HeldLayers
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
 from batchgraph.pipeline.schedules import make_schedule
-from batchgraph.pipeline.splitting import stage_modules
+from batchgraph.pipeline.splitting import devices_of_stages, stage_modules
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.step_checks import check_timeout
@@ -325,6 +325,7 @@ class Pipeline(CheckpointMethods):
                 plan = make_schedule(schedule, stages=p, microbatches=microbatches, chunks=chunks)
             except ValueError as exc:
                 raise PipelineConfigError(str(exc)) from exc
+        devices = devices_of_stages(module, plan, devices)
         if devices is not None and len(devices) != plan.devices:
             raise PipelineConfigError(
                 f"devices has {len(devices)} entries; give one per pipeline device ({plan.devices})"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from batchgraph.pipeline.errors import PipelineConfigError
@@ -24,7 +26,10 @@ from batchgraph.pipeline.partition import (
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.traced_modes import partition_graph_by_mode
 
-__all__ = ["stage_modules", "warn_whole_model_hooks"]
+if TYPE_CHECKING:
+    from batchgraph.pipeline.actions import PipelineSchedule
+
+__all__ = ["devices_of_stages", "stage_modules", "warn_whole_model_hooks"]
 
 
 def _too_few_layers(
@@ -192,3 +197,54 @@ def warn_whole_model_hooks(module: nn.Module, stacklevel: int = 1) -> None:
             RuntimeWarning,
             stacklevel=stacklevel + 1,
         )
+
+
+def devices_of_stages(
+    module: object, plan: PipelineSchedule, devices: Sequence[torch.device | str] | None,
+) -> Sequence[torch.device | str] | None:
+    """The pipeline's ``devices``, given by the ``Stage(..., device=)`` objects of a list
+    where ``devices=`` is not: the stages run where their Stage says, or the pipeline
+    refuses. They were moved nowhere, silently.
+
+    Raises:
+        PipelineConfigError: where Stages on one pipeline device name different
+            devices, some pipeline devices have no Stage naming one, or ``devices=``
+            says otherwise.
+
+    Example:
+        >>> from torch import nn
+        >>> from batchgraph.pipeline import make_schedule
+        >>> plan = make_schedule("gpipe", stages=2, microbatches=2)
+        >>> given = [Stage(nn.Linear(2, 2), i, 2, device="cpu") for i in range(2)]
+        >>> devices_of_stages(given, plan, None)
+        [device(type='cpu'), device(type='cpu')]
+    """
+    if not isinstance(module, Sequence):
+        return devices
+    named: dict[int, torch.device] = {}
+    for index, stage in enumerate(module):
+        if not (isinstance(stage, Stage) and stage.device_given):
+            continue
+        where = plan.device_of(index)
+        if named.setdefault(where, stage.device) != stage.device:
+            raise PipelineConfigError(
+                f"Stage {index} asks for {stage.device}, but another stage of pipeline "
+                f"device {where} asks for {named[where]}: a device's stages run together"
+            )
+    if not named:
+        return devices
+    if devices is not None:
+        for where, device in named.items():
+            if torch.device(devices[where]) != device:
+                raise PipelineConfigError(
+                    f"devices[{where}] is {devices[where]}, but its Stages ask for {device}; "
+                    "give one or the other"
+                )
+        return devices
+    if len(named) != plan.devices:
+        missing = sorted(set(range(plan.devices)) - set(named))
+        raise PipelineConfigError(
+            f"some Stages name a device and the stages of pipeline devices {missing} "
+            "do not: name one on every Stage, or give devices=[...] to the Pipeline"
+        )
+    return [named[where] for where in range(plan.devices)]

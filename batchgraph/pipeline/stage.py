@@ -139,6 +139,8 @@ class Stage:
         self.index = index
         self.num_stages = num_stages
         self.device = torch.device(device) if device is not None else _default_device(module)
+        # Given, not found: a Pipeline built from Stages places them there.
+        self.device_given = device is not None
         self.split_backward = False
         # Whether the module's last forward returned a tensor, not a tuple or list of them:
         # what crosses a cut is always a tuple, but the loss and pipe.forward get the last
