@@ -126,7 +126,7 @@ def check_parameters(graph: Graph, schedule: Schedule) -> None:
             raise ParameterChangedError(
                 f"{what} {key.label} in {graph.name!r} changed in place or were "
                 "replaced (optimizer.step(), an in-place update, "
-                "load_state_dict(assign=True), `lin.weight = nn.Parameter(...)`) after "
+                "load_state_dict(assign=True), `lin.weight = nn.Parameter(...)`, `p.data = t`) after "
                 "its calls in this "
                 f"batch ({len(step.nodes)}) were recorded and before they were "
                 "computed. A batched call reads the parameters when it runs, so "

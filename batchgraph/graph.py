@@ -174,6 +174,10 @@ class Graph(KeyReads):
         self.generation_first = 0
         self.revived: list[int] = []
         self.revived_pending: list[int] = []
+        # Whether calls merge with older computes' ones whose values require grad: in a
+        # coroutine run (set by its lane), whose steps the driver runs with no backward
+        # between them; not where the caller computes, and may backward, in between.
+        self.merges_grad_steps = False
         # Values are handed out (handle.value, bg.value) as the caller's own tensors,
         # which it may change in place, as it may its own tensor in eager code. No
         # stored value, and so no other call or example, may see that change: values
@@ -322,15 +326,21 @@ class Graph(KeyReads):
         """What a merge with ``node``, made by an older generation, should use.
 
         While a coroutine run releases dead values, its value may be gone: then the
-        call or constant is recorded anew (``fresh``, which takes over ``signature``).
-        Otherwise the current generation keeps it alive from now on.
+        call or constant is recorded anew (``fresh``, which takes over ``signature``),
+        as it is where its value requires grad outside coroutine runs
+        (``merges_grad_steps``). Otherwise the current generation keeps it alive from
+        now on.
         """
         loc = self.node_loc[node]
         if loc < 0:
             self.revived_pending.append(node)
             return node
         store = loc >> STORE_SHIFT
-        if not self.stores[store]:
+        if not self.stores[store] or (not self.merges_grad_steps
+                                      and self.stored_requires_grad(node)):
+            # Released; or its value requires grad, and a backward since may have freed
+            # its graph (gradient accumulation over computes failed with "backward
+            # through the graph a second time"): eagerly the call computes anew.
             self.dedupe_table[signature] = fresh
             return fresh
         self.revived.append(store)

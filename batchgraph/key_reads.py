@@ -153,7 +153,9 @@ class KeyReads:
         params, fn = self.key_params[kid], self.keys[kid].fn
         if isinstance(fn, torch.nn.Module) and _replaced(params, fn):
             return True
-        return tuple([p._version for p in params]) != noted[:len(params)]
+        count = len(params)
+        return (tuple([p._version for p in params]) != noted[:count]
+                or _pointers(params) != noted[2 * count:3 * count])
 
     def unfrozen(self, kid: int) -> list[str]:
         """The parameters of key ``kid`` (named as in ``named_parameters``; for a
@@ -171,7 +173,7 @@ class KeyReads:
             return []
         fn = self.keys[kid].fn
         params = self.key_params[kid]
-        then = noted[len(params):-1]
+        then = noted[len(params):2 * len(params)]
         names = ([name for name, _ in fn.named_parameters()] if isinstance(fn, torch.nn.Module)
                  else [f"tensor #{i}" for i in range(len(params))])
         return [name for name, p, was in zip(names, params, then) if p.requires_grad and not was]
@@ -207,12 +209,21 @@ class KeyReads:
 
 
 def _versions(params: tuple[torch.Tensor, ...]) -> Versions:
-    """The version counters of ``params``, then whether each requires grad, then the
-    list's id: eagerly a call computes with the parameters as they are when it is
-    made (its value requires grad or not), so calls recorded before a change of
-    either, or before a parameter was replaced (a new list, kept by the key ids
-    noted with it), are kept apart from those after it."""
-    return (*[p._version for p in params], *[p.requires_grad for p in params], id(params))
+    """The version counters of ``params``, then whether each requires grad, then where
+    its data is, then the list's id: eagerly a call computes with the parameters as
+    they are when it is made (its value requires grad or not), so calls recorded
+    before a change of any, or before a parameter was replaced (a new list, kept by
+    the key ids noted with it), are kept apart from those after it. ``p.data = t``
+    moves no version counter, only the data."""
+    return (*[p._version for p in params], *[p.requires_grad for p in params],
+            *_pointers(params), id(params))
+
+
+def _pointers(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    try:
+        return tuple([p.data_ptr() for p in params])
+    except RuntimeError:  # a sparse parameter has no one data pointer: not watched
+        return (0,) * len(params)
 
 
 def _replaced(params: tuple[torch.Tensor, ...], module: torch.nn.Module) -> bool:

@@ -207,6 +207,7 @@ class Lane:
                 "make_policy=lambda: bg.BatchingPolicy(...) does"
             )
         self.policy = policy
+        policy.graph.merges_grad_steps = True  # see Graph.revive
         self.live = examples
         self.max_steps = max_steps
         self.steps = 0  # batched steps computed

@@ -76,6 +76,12 @@ def test_a_model_converted_between_recording_and_compute_is_refused() -> None:
     model.double()
     with pytest.raises(bg.ParameterChangedError, match=r"Embedding.* converted .*\.double\(\)"):
         bg.compute(handles)
-    model.float()  # back as recorded: computes, as eagerly
+    # Back as recorded: the parameters hold new data now (model.float() assigns
+    # p.data), which batchgraph cannot tell from any other `p.data = t`: refused too.
+    model.float()
+    with pytest.raises(bg.ParameterChangedError, match=r"`p\.data = t`"):
+        bg.compute(handles)
+    with bg.BatchingPolicy():  # recorded again: computes, as eagerly
+        handles = [model.step(t) for t in (1, 2)]
     for token, got in zip((1, 2), bg.compute(handles), strict=True):
         torch.testing.assert_close(got, model.step(token))
