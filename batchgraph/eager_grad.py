@@ -59,7 +59,13 @@ def eager_requires_grad(graph: Graph, node: int) -> bool:
     """Whether the value of ``node`` would require grad had its call run eagerly.
 
     True where it cannot be told (a graph bound from a portable batch keeps no
-    inputs): the value is then handed out as computed.
+    inputs): the value is then handed out as computed. Asked while a compute runs
+    (``Executor._detach_borrowed_grad``), about nodes that compute has not located
+    yet, the answer is provisional: such a node counts as requiring grad where an
+    input of it does (a comparison of an input that requires grad included), which
+    is safe for a batch (nothing is detached that eagerly would not be), but kept
+    only until the graph's next stamp, not as the node's answer: the value handed out
+    afterwards is judged by what its batch stored (no grad for the comparison).
     """
     memo = graph.node_grad
     found = memo.get(node)
@@ -68,6 +74,10 @@ def eager_requires_grad(graph: Graph, node: int) -> bool:
     inputs = graph.node_inputs
     if node >= len(inputs):
         return True
+    stamp, pending = graph.node_grad_pending
+    if stamp != graph.stamp:
+        pending = {}
+        graph.node_grad_pending = (graph.stamp, pending)
     node_key, keys, key_grad = graph.node_key, graph.keys, graph.key_grad
     grad_constants = graph.grad_constants
     # Depth-first, without recursion (a decoder's chain is thousands of nodes deep);
@@ -75,7 +85,7 @@ def eager_requires_grad(graph: Graph, node: int) -> bool:
     stack = [node]
     while stack:
         n = stack[-1]
-        if n in memo:
+        if n in memo or n in pending:
             stack.pop()
             continue
         if type(keys[node_key[n]]) is ConstantKey:
@@ -87,9 +97,12 @@ def eager_requires_grad(graph: Graph, node: int) -> bool:
         else:
             # Recorded with grad, or under no_grad by a call that returns its input
             # itself (dropout in eval mode): as its inputs, or what the callable reads.
+            # Not located yet (this compute runs it): provisional, as is an answer
+            # that read a provisional one.
+            unsure = not graph.computed(n)
             kid = node_key[n]
             if key_grad.get(kid) is True and reads_grad(graph, kid):
-                memo[n] = True
+                (pending if unsure else memo)[n] = True
                 stack.pop()
                 continue
             # One input at a time: the first that requires grad settles it, and the
@@ -97,18 +110,22 @@ def eager_requires_grad(graph: Graph, node: int) -> bool:
             for source, _ in inputs[n]:
                 flag = memo.get(source)
                 if flag is None:
-                    stack.append(source)
-                    break
+                    flag = pending.get(source)
+                    if flag is None:
+                        stack.append(source)
+                        break
+                    unsure = True
                 if flag:
-                    memo[n] = True
+                    (pending if unsure else memo)[n] = True
                     stack.pop()
                     break
             else:
-                memo[n] = reads_grad(graph, kid) or _hides_grad(keys[kid])
+                (pending if unsure else memo)[n] = reads_grad(graph, kid) or _hides_grad(keys[kid])
                 stack.pop()
             continue
         stack.pop()
-    return memo[node]
+    found = memo.get(node)
+    return pending[node] if found is None else found
 
 
 def reads_grad(graph: Graph, kid: int) -> bool:

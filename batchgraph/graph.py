@@ -187,6 +187,9 @@ class Graph(KeyReads):
         # Whether a node's value would require grad eagerly, as far as worked out
         # (batchgraph.eager_grad): its rows are handed out detached where not.
         self.node_grad: dict[int, bool] = {}
+        # Answers given while a compute runs, about nodes it has not located yet:
+        # valid for that stamp only (see eager_requires_grad).
+        self.node_grad_pending: tuple[int, dict[int, bool]] = (-1, {})
         self.key_reads_grad: dict[int, bool] = {}
 
     def __len__(self) -> int:
