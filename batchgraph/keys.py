@@ -322,13 +322,15 @@ class VmapKey(BatchKey):
             return self.run_vmapped(fn, inputs, size)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError as err:
+        except (RuntimeError, IndexError) as err:
             if not inputs:
                 raise
             # The probe on fake tensors (vmap_probe.probe_vmap) passed, but vmap refuses the
             # real tensors: some ops batch under fake tensors only (an assignment
-            # through a boolean mask, `out[mask] = 0`). Each call still runs alone as
-            # it did eagerly; a call failing alone too fails as the batch did.
+            # through a boolean mask, `out[mask] = 0`, a RuntimeError; on examples
+            # with no elements torch's vmap fails it with an IndexError about the
+            # mask's shape). Each call still runs alone as it did eagerly; a call
+            # failing alone too fails as the batch did.
             try:
                 out = self._one_by_one(inputs, size)
             except Exception:
