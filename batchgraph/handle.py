@@ -57,6 +57,30 @@ for _name in sorted(_TENSOR_PROPERTIES):
     _define_getter(_name)
 
 
+# The field names of torch's named results (``torch.linalg.lstsq(a, b).solution``)
+# that no tensor has: on a result whose structure is only known once it runs, reading
+# one records the read, as ``h[0]`` does. (Names tensors have too, such as ``values``,
+# stay the tensor's methods.)
+_RESULT_FIELDS = frozenset(
+    field
+    for kind in vars(torch.return_types).values()
+    if isinstance(kind, type) and hasattr(kind, "n_fields")
+    for field in getattr(kind, "__match_args__", ())
+    if not hasattr(torch.Tensor, field)
+)
+
+
+def read_field(result: Any, name: str) -> Any:
+    """``result.name``: what reading a field of a handle of unknown structure
+    records (importable, so batches recorded in worker processes name it).
+
+    Example:
+        >>> read_field(torch.linalg.slogdet(torch.eye(2)), "logabsdet")
+        tensor(0.)
+    """
+    return getattr(result, name)
+
+
 def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     getter: Callable[[torch.Tensor], torch.Tensor] = getattr(_TensorProperty, name)
     return getter
@@ -386,6 +410,8 @@ class ResultHandle(TensorOperators):
     def __getattr__(self, name: str) -> Any:
         if name in _TENSOR_PROPERTIES:  # h.T and friends: recorded right away
             return _record(_property_getter(name), (self,), {})
+        if name in _RESULT_FIELDS and self.spec is None:
+            return _record(read_field, (self, name), {})
         method = getattr(torch.Tensor, name, None)
         if method is None or name.startswith("_") or not callable(method):
             raise AttributeError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -159,3 +160,37 @@ def test_a_coroutine_reading_an_unknown_result_every_step_batches_after_the_firs
     params = list(lin.parameters())
     for g, e in zip(_weighted_grads(got, params), _weighted_grads(eager, params), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_named_fields_of_a_result_of_unknown_structure_record_as_items_do() -> None:
+    # torch.linalg.lstsq's residuals have a shape that depends on the rank found, so
+    # its result's structure is unknown until it runs; `.solution` records the read
+    # (it failed: "ResultHandle has no attribute 'solution'"), as `[0]` does.
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(n, n, generator=gen, dtype=torch.float64) + 3 * torch.eye(n, dtype=torch.float64),
+              torch.randn(n, 1, generator=gen, dtype=torch.float64)) for n in (3, 3, 2)]
+    for a, _ in pairs:
+        a.requires_grad_()
+
+    def solve(a: Any, b: Any) -> list[Any]:
+        found = torch.linalg.lstsq(a, b)
+        return [found.solution * 2, found[0], found.rank]
+
+    leaves = [a for a, _ in pairs]
+    eager = [solve(a, b) for a, b in pairs]
+    eager_grads = _weighted_grads([vs[0] for vs in eager], leaves)
+    with bg.BatchingPolicy():
+        handles = [solve(bg.batched_value(a), b) for a, b in pairs]
+    got = bg.compute(handles)
+    for want, values in zip(eager, got):
+        for w, g in zip(want, values):
+            torch.testing.assert_close(g, w)
+    for w, g in zip(eager_grads, _weighted_grads([vs[0] for vs in got], leaves)):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_name_no_result_has_still_fails_where_it_is_read() -> None:
+    with bg.BatchingPolicy():
+        found = torch.linalg.lstsq(bg.batched_value(torch.eye(2)), torch.ones(2, 1))
+        with pytest.raises(AttributeError, match="no attribute 'solutions'"):
+            found.solutions  # noqa: B018  (the read itself is what fails)
