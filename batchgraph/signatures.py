@@ -203,7 +203,7 @@ def in_place_error(
                 f"{method} (or an augmented assignment such as `t += h`) would change "
                 "a tensor in place with a recorded value, whose value is not known until "
                 "computed: the tensor, and every name bound to it, cannot be changed. "
-                f"Make a new value instead: t = t + h, or t = torch.{method[:-1]}(t, ...)."
+                f"Make a new value instead: {_out_of_place(method)}."
             )
         return TypeError(
             f"{method} modifies its tensor in place, which cannot be recorded: a handle "
@@ -359,3 +359,19 @@ def foreign_handle(handle: ResultHandle, graph: Graph) -> NoReturn:
         f"recorded by policy {graph.name!r}; handles of two policies cannot be mixed. Record "
         "the whole computation under one BatchingPolicy."
     )
+
+
+def _out_of_place(method: str) -> str:
+    """The out-of-place form of ``t.method(h)``, to advise where the change of a
+    tensor by a recorded value is refused (torch has no ``torch.copy``, say).
+
+    Example:
+        >>> _out_of_place("copy_")
+        't = h.expand_as(t).to(t.dtype) (what t.copy_(h) makes)'
+    """
+    if method == "copy_":
+        return "t = h.expand_as(t).to(t.dtype) (what t.copy_(h) makes)"
+    name = method[:-1]
+    if hasattr(torch, name):
+        return f"t = t + h, or t = torch.{name}(t, ...)"
+    return "t = t + h"

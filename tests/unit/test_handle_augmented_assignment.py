@@ -5,6 +5,7 @@ Also the metadata and operators handles answer as tensors do."""
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -233,6 +234,20 @@ def test_a_tensor_changed_in_place_with_a_recorded_value_is_refused() -> None:
         with pytest.raises(RuntimeError, match="would change a tensor in place"):
             t.mul_(h)
     assert torch.equal(t, torch.ones(3))
+
+
+def test_the_refusal_of_copy_into_a_tensor_advises_code_that_records() -> None:
+    # t.copy_(h) advised `t = torch.copy(t, ...)`, which torch has not; the form it
+    # advises now records, and gives what copy_ makes eagerly.
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.tensor([1.5, -2.0])) * 1
+        t = torch.zeros(3, 2, dtype=torch.float64)
+        with pytest.raises(RuntimeError, match=re.escape("t = h.expand_as(t).to(t.dtype)")) as err:
+            t.copy_(h)
+        assert "torch.copy" not in str(err.value)
+        made = h.expand_as(t).to(t.dtype)
+        got = bg.compute(made)
+    torch.testing.assert_close(got, torch.zeros(3, 2, dtype=torch.float64).copy_(torch.tensor([1.5, -2.0])))
 
 
 def test_item_assignment_into_a_tensor_with_a_recorded_index_or_value_is_refused() -> None:
