@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
+from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
@@ -217,6 +218,11 @@ def infer_spec(
                 raise
             out = _fake_apply(fn, call, draws, scalars)
     except _UNKNOWABLE:
+        if fn is set_item and type(call.input_specs[0]) is TensorSpec:
+            # `h[index] = value` keeps h's shape and dtype whatever the index selects
+            # (a 0-d boolean mask, `h[h > 0] = v` on a 0-d h, whose selection fake
+            # tensors cannot size): h stays a tensor of its spec, as eagerly.
+            return call.input_specs[0], False, None
         return None, True, None
     except TypeError:
         raise
