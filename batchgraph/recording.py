@@ -26,6 +26,7 @@ from batchgraph.autocasting import (
 )
 from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
+from batchgraph.hooks import hooks_of
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.lazy_modules import materialize_lazy
@@ -95,7 +96,7 @@ class _Entry:
     """What a call signature resolves to; cached on its CallSite."""
 
     __slots__ = (
-        "children", "dedupe", "key", "kind", "layout", "memo", "modes", "on_copy",
+        "children", "dedupe", "hooks", "key", "kind", "layout", "memo", "modes", "on_copy",
         "rules_token", "sig", "single", "spec", "view",
     )
 
@@ -132,6 +133,9 @@ class _Entry:
         # The modes of the module and its submodules when resolved (Graph.modes_of),
         # and its cache key (None: not cached): see CallSite._switch_modes.
         self.modes: tuple[bool, ...] | None = None
+        # A module's hooks when resolved (hooks.hooks_of; None for a function): see
+        # CallSite.__call__.
+        self.hooks: tuple[tuple[int, ...], ...] | None = None
         self.sig: Any = None
         # An in-place call on a handle, recorded on a copy (batchgraph.on_copy): the
         # input handle then stands for the result.
@@ -332,6 +336,13 @@ class CallSite:
                 # signature was resolved: see _switch_modes. Checked as the layout is.
                 self._switch_modes(policy, entry, args, kwargs)
                 return self(*args, **kwargs)
+            if entry.hooks is not None and module is not None and entry.hooks != hooks_of(module):
+                # Hooks registered or removed since this signature was resolved: its
+                # spec and randomness may not hold (a hook may reshape or add noise),
+                # and a batched hook sees whole batches, which resolving warns of
+                # (hooks.warn_about_hooks). Checked as the layout is.
+                self._forget()
+                return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training)
             entry.memo = (graph.stamp, kid, grad, training)
             if not entry.dedupe:  # never merged: it may draw random numbers
@@ -492,6 +503,8 @@ class CallSite:
         # Of the site's own callable, as CallSite.__call__ compares them.
         entry.layout = policy.graph.layout_of(self.fn)
         entry.modes = policy.graph.modes_of(self.fn)
+        if isinstance(self.fn, torch.nn.Module):
+            entry.hooks = hooks_of(self.fn)
         entry.on_copy = fn is not self.fn
         return entry
 

@@ -10,7 +10,6 @@ and stats say so.
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.embedding import EmbeddingFreqKey, PaddedEmbeddingKey
+from batchgraph.hooks import BatchedHooksWarning, warn_about_hooks
 from batchgraph.keys import (
     DIM_FUNCTIONS,
     ELEMENTWISE_FUNCTIONS,
@@ -33,7 +33,6 @@ from batchgraph.keys import (
     StackKey,
     UnbatchedKey,
     VmapKey,
-    callable_name,
 )
 from batchgraph.sequence import packed_sequence_rule
 from batchgraph.specs import (
@@ -302,7 +301,7 @@ def choose_key(
             factory = _function_key(fn, call)
     key = factory(fn, call, deterministic=deterministic)
     if isinstance(fn, nn.Module) and key.batchable:
-        _warn_about_hooks(fn, key)
+        warn_about_hooks(fn, key)
     return key
 
 
@@ -358,76 +357,3 @@ def rule_table(rules: Mapping[Any, KeyFactory] | None) -> dict[Any, KeyFactory]:
                 "instance or a name"
             )
     return {(k.fn if isinstance(k, CallSite) else k): v for k, v in rules.items()}
-
-
-class BatchedHooksWarning(UserWarning):
-    """A module with hooks is batched: its hooks run once per batched call."""
-
-
-def _hook_kinds(module: nn.Module) -> list[str]:
-    from torch.nn.modules import module as torch_module
-
-    kinds = []
-    for name, attr in (("forward", "_forward_hooks"), ("forward pre", "_forward_pre_hooks"),
-                       ("backward", "_backward_hooks"), ("backward pre", "_backward_pre_hooks")):
-        if getattr(torch_module, f"_global{attr}", None) or any(
-            _per_example_unsafe(getattr(m, attr, None)) for m in module.modules()
-        ):
-            kinds.append(name)
-    return kinds
-
-
-# Hooks torch itself installs to compute a parameter from others before each forward
-# (torch.nn.utils.weight_norm's WeightNorm): they read no activations and keep no
-# state, so running once per batched call gives what each eager call gets. Not
-# spectral_norm's: in train mode each call takes a power-iteration step, per example
-# eagerly, once per batch here.
-_PARAMETER_HOOK_MODULES = ("torch.nn.utils.weight_norm",)
-
-
-def _per_example_unsafe(hooks: Any) -> bool:
-    """Whether a module's hook dict holds a hook that may see activations."""
-    if not hooks:
-        return False
-    return any(
-        getattr(type(hook), "__module__", None) not in _PARAMETER_HOOK_MODULES
-        for hook in hooks.values()
-    )
-
-
-def _warn_about_hooks(module: nn.Module, key: BatchKey) -> None:
-    """Warn (once per signature: keys are chosen once) that a batched module's hooks
-    do not run per example as eagerly. Hooks cannot be split per example, and
-    running such a module one call at a time would be a silent slowdown, so this
-    says what happens and what to register instead.
-    """
-    kinds = _hook_kinds(module)
-    if not kinds:
-        return
-    if isinstance(key, VmapKey):
-        how = (
-            "forward hooks run inside torch.func.vmap (a tensor a hook keeps escapes it "
-            "and cannot be used afterwards), and backward hooks see the whole batch's "
-            "gradients"
-        )
-    else:
-        how = (
-            "a hook sees the whole batch, (B, ...) tensors, so one that reads or changes "
-            "values across an example (out / out.norm()) mixes the examples, and one "
-            "that keeps tensors keeps batches"
-        )
-    name = type(module).__name__
-    vmap = "" if isinstance(key, VmapKey) else (
-        "; a forward hook that only transforms each example's values is right under "
-        f"rules={{{name}: bg.VmapKey}}"
-    )
-    warnings.warn(
-        f"{callable_name(module)} has {' and '.join(kinds)} hooks; batched by "
-        f"{type(key).__name__}, they run once per batched call (and once on fake tensors "
-        f"when a call signature is new), not once per example: {how}. For eager "
-        f"behaviour run it one call at a time, BatchingPolicy(rules={{{name}: "
-        f"bg.UnbatchedKey}}) (or, for this module alone, the module as the key: "
-        f"rules={{module: bg.UnbatchedKey}}){vmap}.",
-        BatchedHooksWarning,
-        stacklevel=6,  # <- choose_key <- _resolve <- _entry <- CallSite.__call__ <- caller
-    )

@@ -91,3 +91,40 @@ def test_spectral_norms_hook_warns() -> None:
     model.lin = nn.utils.spectral_norm(model.lin)
     with pytest.warns(BatchedHooksWarning, match="forward pre hooks"):
         _batched(model, [torch.randn(4) for _ in range(3)])
+
+
+def test_a_hook_registered_after_a_first_batch_warns_when_recorded_again() -> None:
+    # The signature was resolved (and cached) without hooks: recording it again after
+    # register_forward_hook warned nowhere, and the hook normalized whole batches.
+    model = _Model()
+    xs = [torch.randn(4) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchedHooksWarning)
+        _batched(model, xs)
+    model.lin.register_forward_hook(_normalize)
+    with pytest.warns(BatchedHooksWarning, match="forward hooks; batched by StackKey") as caught:
+        _batched(model, xs)
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # the line that recorded, as for a new signature
+
+
+def _first_two(module: nn.Module, inputs: Any, out: torch.Tensor) -> torch.Tensor:
+    return out[..., :2]  # per example under stacking: the last dim is each example's
+
+
+@pytest.mark.filterwarnings("ignore::batchgraph.rules.BatchedHooksWarning")
+@pytest.mark.parametrize("change", ["register", "remove"])
+def test_results_follow_hooks_changed_between_batches_as_eagerly(change: str) -> None:
+    # A hook reshaping the output: the cached signature's output spec was stale, and
+    # the batch failed its shape check (BatchedCallError) instead of giving eager values.
+    model = _Model()
+    xs = [torch.randn(4) for _ in range(3)]
+    handle = model.lin.register_forward_hook(_first_two) if change == "remove" else None
+    first = _batched(model, xs)
+    assert [tuple(t.shape) for t in first] == [tuple(model.f(x).shape) for x in xs]
+    if handle is None:
+        model.lin.register_forward_hook(_first_two)
+    else:
+        handle.remove()
+    for x, got in zip(xs, _batched(model, xs), strict=True):
+        torch.testing.assert_close(got, model.f(x))
