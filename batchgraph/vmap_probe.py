@@ -77,6 +77,10 @@ class _WrongUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
     * an embedding lookup with ``scale_grad_by_freq`` (``nn.Embedding`` in a function
       of the user's): vmap looks up all the examples' indices at once, and each row's
       gradient was divided by its count over the batch, not in its own example.
+    * an op inside ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its
+      forward runs under vmap, but the backward recomputes it outside vmap, on the
+      batch's vmap-internal tensors, and failed there ("Either your tensor may have
+      escaped from inside a function being vmapped"), far from the call.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
@@ -88,4 +92,12 @@ class _WrongUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
             (len(args) > 3 and args[3]) or kwargs.get("scale_grad_by_freq")
         ):
             raise RuntimeError("an embedding under vmap counts rows over the batch")
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is not None and getattr(hooks[0], "__module__", None) == _CHECKPOINT:
+            raise RuntimeError("a checkpoint under vmap recomputes outside it in backward")
         return func(*args, **kwargs)
+
+
+# Where torch.utils.checkpoint's saved-tensor hooks are defined: the non-reentrant
+# checkpoint packs saved tensors with them (the reentrant one fails the probe itself).
+_CHECKPOINT = "torch.utils.checkpoint"
