@@ -16,10 +16,12 @@ from batchgraph.buffers import Watch
 from batchgraph.errors import (
     BufferChangedError,
     DefaultDtypeChangedError,
+    HooksChangedError,
     ModuleModeChangedError,
     ParameterChangedError,
 )
 from batchgraph.graph import Graph
+from batchgraph.hooks import hooks_of
 from batchgraph.keys import ConstantKey
 from batchgraph.scheduling import Schedule, Step
 
@@ -54,7 +56,8 @@ def check_default_dtype(graph: Graph, schedule: Schedule) -> None:
 
 def check_modes(graph: Graph, schedule: Schedule) -> None:
     """Refuse a step whose module (or a submodule; for a function, a module it reads)
-    was switched between train() and eval() since its calls were recorded."""
+    was switched between train() and eval() since its calls were recorded, or whose
+    module's hooks were registered or removed since."""
     modes, keys = graph.key_training, graph.keys
     for step in schedule.steps:
         recorded = modes.get(step.key)
@@ -63,6 +66,7 @@ def check_modes(graph: Graph, schedule: Schedule) -> None:
                 _check_submodules(graph, step)
             continue
         module = keys[step.key].fn
+        _check_hooks(graph, step)
         if getattr(module, "training", recorded) == recorded:
             if step.key in graph.key_submodes:
                 _check_submodules(graph, step)
@@ -76,6 +80,21 @@ def check_modes(graph: Graph, schedule: Schedule) -> None:
             "train()/eval() (read a value, or policy.compute(...)), or switch back to "
             f"{then} mode and compute then."
         )
+
+def _check_hooks(graph: Graph, step: Step) -> None:
+    noted, module = graph.key_hooks.get(step.key), graph.keys[step.key].fn
+    if noted is None or not isinstance(module, torch.nn.Module) or noted == hooks_of(module):
+        return
+    raise HooksChangedError(
+        f"hooks of {graph.keys[step.key].label} in {graph.name!r} (forward, pre-forward "
+        "or backward, on it or a submodule) were registered or removed after its calls "
+        f"in this batch ({len(step.nodes)}) were recorded and before they were "
+        "computed. A batched call runs the hooks there are when it computes, where "
+        "eagerly each call ran those of its time. Compute what you recorded before "
+        "changing hooks (bg.compute, or read a value), or remove the hooks registered "
+        "since and compute then, or record the calls again."
+    )
+
 
 def _check_submodules(graph: Graph, step: Step) -> None:
     switched = graph.switched_submodules(step.key)

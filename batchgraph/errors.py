@@ -13,6 +13,7 @@ __all__ = [
     "BufferChangedError",
     "ConstantChangedError",
     "DefaultDtypeChangedError",
+    "HooksChangedError",
     "ModuleModeChangedError",
     "NotATensorError",
     "NotComputedError",
@@ -74,6 +75,13 @@ class ModuleModeChangedError(BatchgraphError, RuntimeError):
     """A module was switched between ``train()`` and ``eval()`` after calls of it were
     recorded and before they were computed: the batched run would use the new mode
     (dropout, batch statistics) where the eager run used the old one."""
+
+
+class HooksChangedError(BatchgraphError, RuntimeError):
+    """A module's hooks (forward, pre-forward, backward; its submodules' too) were
+    registered or removed after calls of it were recorded and before they were
+    computed: the batched run would run the hooks of now where the eager run ran
+    those of its time."""
 
 
 class ParameterChangedError(BatchgraphError, RuntimeError):

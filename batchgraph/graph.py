@@ -127,6 +127,8 @@ class Graph(KeyReads):
         # Likewise the train/eval modes of a module's submodules (its own mode is
         # ``key_training``, noted per call): part of the key's identity, per key id.
         self.key_submodes: dict[int, tuple[bool, ...]] = {}
+        # A module key's hooks (hooks.hooks_of), which its calls run when computed.
+        self.key_hooks: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._module_parts: dict[int, ModuleParts] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
@@ -216,8 +218,8 @@ class Graph(KeyReads):
         and, for a module's calls, with the module in training mode or not (None: not
         a module). Calls of one key recorded in different modes get different ids, so
         they never run as one call."""
-        versions, submodes, buffers = self.reads_now(key.fn)
-        ident = (key, grad, autocast, training, versions, submodes, buffers)
+        versions, submodes, buffers, hooks = self.reads_now(key.fn)
+        ident = (key, grad, autocast, training, versions, submodes, buffers, hooks)
         kid = self.key_ids.get(ident)
         if kid is not None and self.keys[kid] is not key:
             _check_stackable(self.keys[kid], key)
@@ -231,7 +233,7 @@ class Graph(KeyReads):
                 self.key_autocast[kid] = autocast
             if training is not None:
                 self.key_training[kid] = training
-            self.note_reads(kid, key.fn, versions, submodes, buffers)
+            self.note_reads(kid, key.fn, versions, submodes, buffers, hooks)
         return kid
 
     def new_stamp(self) -> None:

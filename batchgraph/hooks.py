@@ -20,16 +20,20 @@ from torch.nn.modules import module as torch_module
 
 from batchgraph.keys import BatchKey, VmapKey, callable_name
 
-__all__ = ["BatchedHooksWarning", "hooks_of", "warn_about_hooks"]
+__all__ = ["BatchedHooksWarning", "Hooks", "hooks_of", "warn_about_hooks"]
+
+# Per hook dict, the ids of the hooks in it (``hooks_of``).
+Hooks = tuple[tuple[int, ...], ...]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def hooks_of(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+def hooks_of(module: nn.Module) -> Hooks:
     """Which hooks calls of ``module`` run now: the handle ids of each hook dict of
     the module and its submodules, then of torch's global module hooks. Compared
     with what a call site noted when it resolved a signature, once per key and
-    compute (``CallSite.__call__``), not per call.
+    compute (``CallSite.__call__``), not per call; and noted per key id
+    (``Graph.key_hooks``) for the check at compute (``compute_checks.check_modes``).
 
     Example:
         >>> lin = nn.Linear(2, 2)

@@ -19,6 +19,7 @@ import torch
 
 from batchgraph.buffers import Watch, epochs, watches_of
 from batchgraph.captured import captured_parts
+from batchgraph.hooks import Hooks, hooks_of
 from batchgraph.keys import BatchKey
 
 __all__ = ["KeyReads", "ModuleParts"]
@@ -52,16 +53,18 @@ class KeyReads:
     key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]]
     key_buffers: dict[int, Versions]
     key_submodes: dict[int, tuple[bool, ...]]
+    key_hooks: dict[int, Hooks]
     _module_parts: dict[int, ModuleParts]
 
     if TYPE_CHECKING:
         def new_stamp(self) -> None: ...  # Graph's: the next calls note anew
 
     def reads_now(self, fn: Any) -> tuple[Versions | None, tuple[bool, ...] | None,
-                                          Versions | None]:
+                                          Versions | None, Hooks | None]:
         """What calls of ``fn`` would read now, as part of their key's identity: its
-        parameters' versions, its submodules' train/eval modes and its buffers'
-        epochs (each None where it has none)."""
+        parameters' versions, its submodules' train/eval modes, its buffers' epochs
+        (each None where it has none) and, for a module, its hooks (which its calls
+        run when computed: ``batchgraph.hooks``)."""
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
         if isinstance(fn, torch.nn.Module) and _replaced(parts.params, fn):
@@ -80,10 +83,12 @@ class KeyReads:
                 # where parameters stay): list the module's parts anew.
                 self.forget_parts(fn)
                 buffers = epochs(self._parts_of(fn).buffers)
-        return versions, submodes, buffers
+        hooks = hooks_of(fn) if isinstance(fn, torch.nn.Module) else None
+        return versions, submodes, buffers, hooks
 
     def note_reads(self, kid: int, fn: Any, versions: Versions | None,
-                   submodes: tuple[bool, ...] | None, buffers: Versions | None) -> None:
+                   submodes: tuple[bool, ...] | None, buffers: Versions | None,
+                   hooks: Hooks | None = None) -> None:
         """Note for the new key id ``kid`` what ``reads_now`` gave, for the checks
         at compute."""
         if versions is not None:
@@ -95,6 +100,8 @@ class KeyReads:
             self.key_submodes[kid] = submodes
         if buffers is not None:
             self.key_buffers[kid] = buffers
+        if hooks is not None:
+            self.key_hooks[kid] = hooks
 
     def _parts_of(self, module: Any) -> ModuleParts:
         found = self._module_parts.get(id(module))  # the key holds the module: id stays

@@ -17,6 +17,7 @@ from types import FunctionType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch.utils.hooks import RemovableHandle as _HANDLES
 
 from batchgraph.aliasing import NOT_VIEWED, makes_view, view_of_handed
 from batchgraph.autocasting import (
@@ -26,7 +27,7 @@ from batchgraph.autocasting import (
 )
 from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
-from batchgraph.hooks import hooks_of
+from batchgraph.hooks import Hooks, hooks_of
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
 from batchgraph.lazy_modules import materialize_lazy
@@ -123,19 +124,19 @@ class _Entry:
         # layer in eval mode, which may be trained later.
         self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
         self.rules_token = rules_token
-        # (graph stamp, key id in that graph, grad mode and module mode it was
-        # recorded in): one tuple, so it is replaced atomically, and a stamp rather
+        # (graph stamp, key id in that graph, grad mode, module mode and hook count it
+        # was recorded in): one tuple, so it is replaced atomically, and a stamp rather
         # than the graph, so the cache keeps no batch alive.
-        self.memo: tuple[int, int, RecordedGrad, bool | None] = (-1, -1, True, None)
+        self.memo: tuple[int, int, RecordedGrad, bool | None, int | None] = (
+            -1, -1, True, None, None)
         # The dtype and device of each tensor the callable reads besides its arguments
         # (Graph.layout_of), when the spec was inferred: see CallSite.__call__.
         self.layout: tuple[tuple[torch.dtype, torch.device], ...] = ()
         # The modes of the module and its submodules when resolved (Graph.modes_of),
         # and its cache key (None: not cached): see CallSite._switch_modes.
         self.modes: tuple[bool, ...] | None = None
-        # A module's hooks when resolved (hooks.hooks_of; None for a function): see
-        # CallSite.__call__.
-        self.hooks: tuple[tuple[int, ...], ...] | None = None
+        # A module's hooks when resolved (hooks.hooks_of; None for a function).
+        self.hooks: Hooks | None = None
         self.sig: Any = None
         # An in-place call on a handle, recorded on a copy (batchgraph.on_copy): the
         # input handle then stands for the result.
@@ -312,11 +313,17 @@ class CallSite:
         # graph (eager calls give inference tensors that do not require grad).
         grad: RecordedGrad = INFERENCE if _inference_enabled() else _grad_enabled()
         module = self.mode_module
-        training = None if module is None else module.training
+        if module is None:
+            training = hooked = None
+        else:
+            training = module.training
+            # Hook handles are numbered by one counter: after any registration, a
+            # module's next call notes its hooks in key_id (see Graph.key_hooks).
+            hooked = _HANDLES.next_id
         # The stamp changes with every compute and optimizer step: a module's first
         # call after one goes through key_id, which notes its parameters' versions
         # (see Graph.key_versions).
-        if memo[0] == graph.stamp and memo[2] is grad and memo[3] is training:
+        if memo[0] == graph.stamp and memo[2] is grad and memo[3] is training and memo[4] == hooked:
             kid = memo[1]
         else:
             if entry.layout and entry.layout != graph.layout_of(self.fn):
@@ -337,14 +344,12 @@ class CallSite:
                 self._switch_modes(policy, entry, args, kwargs)
                 return self(*args, **kwargs)
             if entry.hooks is not None and module is not None and entry.hooks != hooks_of(module):
-                # Hooks registered or removed since this signature was resolved: its
-                # spec and randomness may not hold (a hook may reshape or add noise),
-                # and a batched hook sees whole batches, which resolving warns of
-                # (hooks.warn_about_hooks). Checked as the layout is.
+                # Hooks changed since this signature was resolved: its spec may not
+                # hold (a hook may reshape), and resolving warns of batched hooks.
                 self._forget()
                 return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training)
-            entry.memo = (graph.stamp, kid, grad, training)
+            entry.memo = (graph.stamp, kid, grad, training, hooked)
             if not entry.dedupe:  # never merged: it may draw random numbers
                 graph.draws_random = True
         spec = entry.spec

@@ -13,10 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import batchgraph as bg
 from batchgraph.rules import BatchedHooksWarning
+from tests.unit.pending_calls import compute_pending
 
 
 class _Model(bg.BatchedModule):
@@ -108,6 +111,14 @@ def test_a_hook_registered_after_a_first_batch_warns_when_recorded_again() -> No
     assert caught[0].filename == __file__  # the line that recorded, as for a new signature
 
 
+def _hooked_before_if(hooked: bool, hook: Any) -> tuple[_Model, list[torch.Tensor], Any]:
+    """A model, three inputs, and ``hook``'s handle on the model's layer (None unless
+    ``hooked``: a test that removes it registers it first)."""
+    model = _Model()
+    handle = model.lin.register_forward_hook(hook) if hooked else None
+    return model, [torch.randn(4) for _ in range(3)], handle
+
+
 def _first_two(module: nn.Module, inputs: Any, out: torch.Tensor) -> torch.Tensor:
     return out[..., :2]  # per example under stacking: the last dim is each example's
 
@@ -117,9 +128,7 @@ def _first_two(module: nn.Module, inputs: Any, out: torch.Tensor) -> torch.Tenso
 def test_results_follow_hooks_changed_between_batches_as_eagerly(change: str) -> None:
     # A hook reshaping the output: the cached signature's output spec was stale, and
     # the batch failed its shape check (BatchedCallError) instead of giving eager values.
-    model = _Model()
-    xs = [torch.randn(4) for _ in range(3)]
-    handle = model.lin.register_forward_hook(_first_two) if change == "remove" else None
+    model, xs, handle = _hooked_before_if(change == "remove", _first_two)
     first = _batched(model, xs)
     assert [tuple(t.shape) for t in first] == [tuple(model.f(x).shape) for x in xs]
     if handle is None:
@@ -128,3 +137,79 @@ def test_results_follow_hooks_changed_between_batches_as_eagerly(change: str) ->
         handle.remove()
     for x, got in zip(xs, _batched(model, xs), strict=True):
         torch.testing.assert_close(got, model.f(x))
+
+
+def _double(module: nn.Module, inputs: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2  # per example under stacking: batched, as eagerly
+
+
+@pytest.mark.filterwarnings("ignore::batchgraph.rules.BatchedHooksWarning")
+@pytest.mark.parametrize("change", ["register", "remove"])
+def test_a_hook_changed_between_record_and_compute_is_refused(change: str) -> None:
+    # Eagerly the recorded calls ran the hooks of their time; batched, they ran those
+    # of compute, silently (max diff 0.42 for a normalizing hook registered between).
+    model, xs, handle = _hooked_before_if(change == "remove", _double)
+    want = [model.f(x) for x in xs]
+    with bg.BatchingPolicy() as policy:
+        handles = [model.f(x) for x in xs]
+    if handle is None:
+        handle = model.lin.register_forward_hook(_double)
+    else:
+        handle.remove()
+    with pytest.raises(bg.HooksChangedError, match=r"hooks of StackKey\[Linear.*registered or "
+                       r"removed after its calls in this batch \(3\) were recorded"):
+        policy.compute(handles)
+    if change == "register":  # put back as they were, the calls compute as eagerly
+        handle.remove()
+        for got, w in zip(policy.compute(handles), want, strict=True):
+            torch.testing.assert_close(got, w)
+    else:  # a hook registered anew is another hook: still refused
+        model.lin.register_forward_hook(_double)
+        with pytest.raises(bg.HooksChangedError):
+            policy.compute(handles)
+
+
+@pytest.mark.filterwarnings("ignore::batchgraph.rules.BatchedHooksWarning")
+def test_calls_recorded_after_a_hook_change_compute_while_older_ones_are_refused() -> None:
+    model = _Model()
+    xs = [torch.randn(4) for _ in range(3)]
+    with bg.BatchingPolicy() as policy:
+        old = model.f(xs[0])
+        policy.compute(model.f(xs[1]))  # a compute in between: the next call notes anew
+        model.lin.register_forward_hook(_double)
+        new = model.f(xs[2])
+    torch.testing.assert_close(policy.compute(new), model.f(xs[2]))
+    with pytest.raises(bg.HooksChangedError):
+        policy.compute(old)
+
+
+@pytest.mark.filterwarnings("ignore::batchgraph.rules.BatchedHooksWarning")
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["record", "record", "toggle", "compute"]), max_size=12))
+def test_random_record_hook_compute_sequences_match_eager_or_are_refused(ops: list[str]) -> None:
+    """Each pending call computes as it ran eagerly (with the hooks of its time), and
+    compute is refused exactly where some pending call was recorded with other hooks
+    (a hook removed and registered anew is another hook), however the changes fall
+    between calls and computes."""
+    torch.manual_seed(0)
+    model = _Model()
+    lin = model.lin  # the module itself (read outside the policy): runs eagerly there
+    xs = [torch.randn(4) for _ in range(len(ops) + 1)]
+    handle: Any = None
+    pending: list[tuple[Any, torch.Tensor, int | None]] = []  # handle, eager value, hook
+    with bg.BatchingPolicy() as policy:
+        for i, op in enumerate([*ops, "compute"]):
+            hook = None if handle is None else handle.id
+            if op == "record":
+                with torch.no_grad():
+                    want = torch.tanh(lin(xs[i]))
+                pending.append((model.f(xs[i]), want, hook))
+            elif op == "toggle":
+                if handle is None:
+                    handle = lin.register_forward_hook(_double)
+                else:
+                    handle.remove()
+                    handle = None
+            elif pending:
+                stale = any(then != hook for _, _, then in pending)
+                compute_pending(policy, pending, bg.HooksChangedError if stale else None)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import batchgraph as bg
+from tests.unit.pending_calls import compute_pending
 
 
 class Moody(nn.Module):
@@ -138,14 +139,7 @@ def test_random_record_switch_compute_sequences_match_eager(ops: list[str]) -> N
                 module.train(not module.training)
             elif pending:
                 stale = any(mode != module.training for _, _, mode in pending)
-                if stale:
-                    with pytest.raises(bg.ModuleModeChangedError):
-                        policy.compute([h for h, _, _ in pending])
-                    continue
-                got = policy.compute([h for h, _, _ in pending])
-                for g, (_, want, _) in zip(got, pending, strict=True):
-                    torch.testing.assert_close(g, want)
-                pending.clear()
+                compute_pending(policy, pending, bg.ModuleModeChangedError if stale else None)
 
 
 def test_an_async_batcher_serves_across_a_mode_switch_between_requests() -> None:
