@@ -61,15 +61,30 @@ def allreduce_gradients(
     The loss is already weighted by each replica's share of the global batch (see
     :class:`~batchgraph.pipeline.dist_pipeline.DistributedPipeline`), so a plain sum gives
     the full-batch gradient. One flat buffer per dtype: one collective, not one per tensor.
+    A parameter that got no gradient on any member (frozen, or unused by the step) keeps
+    ``.grad`` as ``None``, as after a backward on one device: zeros would be stepped by an
+    optimizer (weight decay, momentum) that skips parameters without a gradient.
+
+    Example (on every rank of ``group``; ``b`` got no gradient anywhere)::
+
+        allreduce_gradients([a, b], group, [None, None])
+        a.grad  # the sum of every member's a.grad
+        b.grad  # None
     """
     by_dtype: dict[torch.dtype, list[int]] = {}
+    made: set[int] = set()
     for i, p in enumerate(params):
         if p.grad is None:
-            p.grad = torch.zeros_like(p)  # every replica must contribute the same layout
+            # Every member must contribute the same layout, whichever got a gradient.
+            p.grad = torch.zeros_like(p)
+            made.add(i)
         by_dtype.setdefault(p.grad.dtype, []).append(i)
     for indices in by_dtype.values():
         grads = [params[i].grad for i in indices]
-        flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
+        first = params[indices[0]]
+        # After the gradients, one count per parameter of the members that had one.
+        had = torch.tensor([i not in made for i in indices], dtype=first.dtype, device=first.device)
+        flat = torch.cat([g.reshape(-1) for g in grads if g is not None] + [had])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for g in grads:
@@ -77,6 +92,11 @@ def allreduce_gradients(
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+        if made.intersection(indices):  # a host read only where this rank had none
+            counts = flat[offset:].tolist()
+            for i, count in zip(indices, counts):
+                if count == 0:
+                    params[i].grad = None
     restore_gradients(params, saved)
 
 
