@@ -69,11 +69,13 @@ from batchgraph.pipeline.microbatch import (
     merge_microbatches,
     split_microbatches,
 )
+from batchgraph.pipeline.schedule_counts import schedule_counts
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.splitting import warn_whole_model_hooks
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.step_checks import check_timeout, scalar_output_warning
 from batchgraph.pipeline.trace import TimelineEvent
+from batchgraph.pipeline.validate import validate_schedule
 
 __all__ = ["DistributedPipeline", "StageSpec"]
 
@@ -103,11 +105,13 @@ class DistributedPipeline(CheckpointMethods):
         stages: devices per pipeline p (ranks per pipeline).
         microbatches: microbatches per step m (per replica).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``, or
-            a :class:`PipelineSchedule` for ``stages`` devices and ``microbatches``.
+            a :class:`PipelineSchedule` for ``stages`` devices and ``microbatches``
+            (validated; counts that differ from its own are refused).
         loss_fn: ``loss_fn(output, target) -> scalar`` (mean or sum reduction) or a
             :class:`Loss`; needed on
             the last rank for :meth:`train_step`.
         chunks: model stages per device v (interleaved only); device d runs stages d, d+p, ...
+            Default 1, or a :class:`PipelineSchedule`'s own.
         replicas: data-parallel pipelines; ``world size == stages * replicas``.
         device: where this rank's stages run; default CPU (gloo) or ``cuda:LOCAL_RANK`` (NCCL).
         timeout: seconds any wait or collective may take before the step fails.
@@ -119,7 +123,9 @@ class DistributedPipeline(CheckpointMethods):
     Raises:
         PipelineConfigError: if the ranks disagree on the configuration (checked by an
             all-gather before anything else), the world size is not ``stages *
-            replicas``, or the module does not split into ``stages * chunks`` stages.
+            replicas``, a count differs from a :class:`PipelineSchedule`'s own, or the
+            module does not split into ``stages * chunks`` stages.
+        ScheduleError: if a :class:`PipelineSchedule` given is invalid (on every rank).
         RuntimeError: without an initialised process group.
 
     Example (``torchrun --nproc-per-node 2 train.py``)::
@@ -144,13 +150,15 @@ class DistributedPipeline(CheckpointMethods):
         microbatches: int,
         schedule: str | PipelineSchedule = "1f1b",
         loss_fn: Callable[..., Tensor] | Loss | None = None,
-        chunks: int = 1,
+        chunks: int | None = None,
         replicas: int = 1,
         device: torch.device | str | None = None,
         timeout: float = 60.0,
         collect_stats: bool = True,
     ) -> None:
         check_timeout(timeout, optional=False)
+        if chunks is None:  # a schedule object's own (its counts are checked below)
+            chunks = schedule.chunks if isinstance(schedule, PipelineSchedule) else 1
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "backend='torch.distributed' runs inside a process group: start the script with "
@@ -175,6 +183,12 @@ class DistributedPipeline(CheckpointMethods):
                 f"world size {dist.get_world_size()} != stages ({stages}) x replicas ({replicas}); "
                 "start stages * replicas processes"
             )
+        if isinstance(schedule, PipelineSchedule):
+            # After the ranks agreed on it, so all refuse it alike. Unchecked, a count
+            # that contradicts it was ignored, and an invalid one trained without some
+            # backwards or hung every rank until the timeout (a raw gloo error).
+            schedule_counts(schedule, stages, microbatches, chunks)
+            validate_schedule(schedule)
         self.schedule = (
             schedule
             if isinstance(schedule, PipelineSchedule)

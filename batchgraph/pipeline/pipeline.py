@@ -32,6 +32,7 @@ from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.held_layers import HeldLayers
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
+from batchgraph.pipeline.schedule_counts import schedule_counts
 from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.splitting import devices_of_stages, stage_modules
 from batchgraph.pipeline.stage import Stage
@@ -156,42 +157,6 @@ def _threads_backend(request: BackendRequest) -> Coordinator:
 register_backend("threads", _threads_backend)
 
 
-def _counts(
-    schedule: str | PipelineSchedule,
-    stages: int | None,
-    microbatches: int | None,
-    chunks: int | None,
-) -> tuple[int | None, int, int]:
-    """``(stages, microbatches, chunks)``: as given, else 1 (``stages``: inferred later),
-    else a :class:`PipelineSchedule`'s own, which a value given must equal.
-
-    Example:
-        >>> from batchgraph.pipeline.schedules import make_schedule
-        >>> _counts(make_schedule("interleaved-1f1b", stages=2, microbatches=4, chunks=3),
-        ...         None, None, None)
-        (2, 4, 3)
-        >>> _counts("1f1b", None, None, None)
-        (None, 1, 1)
-    """
-    if not isinstance(schedule, PipelineSchedule):
-        return stages, 1 if microbatches is None else microbatches, 1 if chunks is None else chunks
-    own = {
-        "stages": schedule.devices,
-        "microbatches": schedule.microbatches,
-        "chunks": schedule.chunks,
-    }
-    given = {"stages": stages, "microbatches": microbatches, "chunks": chunks}
-    for name, value in given.items():
-        if value is not None and value != own[name]:
-            word = "devices" if name == "stages" else name
-            raise PipelineConfigError(
-                f"{name}={value!r} was passed with schedule {schedule.name!r}, which has "
-                f"{word}={own[name]}: leave {name}= out (the schedule gives it), or build "
-                f"the schedule for {name}={value!r}"
-            )
-    return own["stages"], own["microbatches"], own["chunks"]
-
-
 class Pipeline(CheckpointMethods):
     """Pipeline-parallel training of a model split into stages.
 
@@ -286,7 +251,7 @@ class Pipeline(CheckpointMethods):
                 "batchgraph.pipeline.register_backend(name, factory)"
             )
         check_timeout(timeout)
-        stages, microbatches, chunks = _counts(schedule, stages, microbatches, chunks)
+        stages, microbatches, chunks = schedule_counts(schedule, stages, microbatches, chunks)
         if not isinstance(chunks, int) or chunks < 1:
             raise PipelineConfigError(f"chunks must be an int >= 1, got {chunks!r}")
         if stages is not None and (not isinstance(stages, int) or stages < 1):
