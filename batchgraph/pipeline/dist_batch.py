@@ -107,6 +107,8 @@ def check_batches(
     first_device: int,
     last_device: int,
     microbatches: int = 1,
+    *,
+    train: bool = True,
 ) -> tuple[int, PipelineConfigError | None]:
     """The global batch size (over the replicas), or the error every rank raises.
 
@@ -116,9 +118,17 @@ def check_batches(
         first_device, last_device: the devices (positions in a pipeline) of stage 0 and
             of the last stage.
         microbatches: microbatches per replica's batch.
+        train: a training step; for ``forward`` (``False``) only the inputs are checked
+            (no targets, and inference mode and frozen parameters are fine there).
+
+    Example (2 ranks, one replica: rank 0 holds 8 inputs, rank 1 the 4 targets)::
+
+        check_batches([(8, NOT_HERE, TRAINABLE), (NOT_HERE, 4, TRAINABLE)],
+                      Topology(2, 1, 0), 0, 1)
+        # (0, PipelineConfigError("inputs have 8 samples but targets have 4 (...)"))
     """
     inference = [r for r, (_, _, flags) in enumerate(counts) if flags & INFERENCE]
-    if inference:
+    if inference and train:
         ranks = ", ".join(map(str, inference))
         return 0, inference_mode_error(f" on rank{'s' if len(inference) > 1 else ''} {ranks}")
     total = 0
@@ -127,14 +137,15 @@ def check_batches(
         n_in, n_tg = counts[f][0], counts[last][1]
         if n_in == MISSING:
             return 0, PipelineConfigError(f"rank {f} runs stage 0: pass the inputs")
-        if n_tg == MISSING:
+        if train and n_tg == MISSING:
             return 0, PipelineConfigError(f"rank {last} runs the last stage: pass the targets")
-        for n, what, r in ((n_in, "inputs", f), (n_tg, "targets", last)):
+        held = ((n_in, "inputs", f), (n_tg, "targets", last)) if train else ((n_in, "inputs", f),)
+        for n, what, r in held:
             if n == INVALID:
                 return 0, PipelineConfigError(
                     f"rank {r}'s {what} are refused (that rank's error says why)"
                 )
-        if n_in != n_tg:
+        if train and n_in != n_tg:
             where = f"replica {j}: " if topology.replicas > 1 else ""
             return 0, PipelineConfigError(
                 f"{where}inputs have {n_in} samples but targets have {n_tg} (inputs on rank "
@@ -143,7 +154,7 @@ def check_batches(
         error = microbatch_fit_error(microbatches, n_in)
         if error is not None:
             return 0, error
-        total += n_tg
-    if not any(flags & TRAINABLE for _, _, flags in counts):
+        total += n_in
+    if train and not any(flags & TRAINABLE for _, _, flags in counts):
         return 0, nothing_to_train_error(" on any rank")
     return total, None

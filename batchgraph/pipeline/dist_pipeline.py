@@ -365,7 +365,7 @@ class DistributedPipeline(CheckpointMethods):
 
     def _step_guarded(self, inputs: Batch | None, targets: Batch | None, *, train: bool) -> Any:
         self._check_open()
-        total_n = self._check_batches(inputs, targets) if train else 0
+        total_n = self._check_batches(inputs, targets, train)
         self._step += 1
         self.comm.begin_step(self._step, self.schedule.stages)
         for stage in self.stages.values():
@@ -424,24 +424,29 @@ class DistributedPipeline(CheckpointMethods):
         gc.collect()
         return error
 
-    def _check_batches(self, inputs: Batch | None, targets: Batch | None) -> int:
+    def _check_batches(self, inputs: Batch | None, targets: Batch | None, train: bool) -> int:
         """The step's global batch size; raises what every rank raises for bad batches.
 
         Before the step begins (no message sent, no gradient stashed), so a refused
-        batch leaves the pipeline usable, as in the threads backend.
+        batch leaves the pipeline usable, as in the threads backend; for ``forward`` too
+        (an evaluation's last, smaller batch failed rank 0 inside the step, which tore
+        the process groups down for good).
         """
         # Stops at the first trainable parameter: costs nothing in the usual case.
         params = (p for s in self.stages.values() for p in s.module.parameters())
         trainable = any(p.requires_grad for p in params)
         counts, own_error = local_counts(
-            inputs, targets, first=self._has_first, last=self._has_last, trainable=trainable
-        )
+            inputs, targets, first=self._has_first, last=self._has_last and train,
+            trainable=trainable,
+        )  # fmt: skip
         try:
             every = gather_counts(self.groups.control, counts, self.comm.device)
         except BaseException as exc:  # a peer is gone or stuck: the pipeline cannot go on
             raise self._fail(exc) from exc
         first, last = self.schedule.device_of(0), self.schedule.device_of(self.schedule.stages - 1)
-        total, error = check_batches(every, self.topology, first, last, self.schedule.microbatches)
+        total, error = check_batches(
+            every, self.topology, first, last, self.schedule.microbatches, train=train
+        )
         if own_error is not None:
             raise own_error  # this rank's own words for its batch; the others name it
         if error is not None:

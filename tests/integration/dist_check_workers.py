@@ -83,6 +83,17 @@ def job_refusals(rank: int, world: int) -> dict[str, Any]:
             lambda: pipe.train_step(x3 if first else None, y3 if last else None)
         )
         out["small_then"] = good(pipe)
+        # forward checks its inputs on every rank as train_step does (an evaluation's
+        # last, smaller batch); under inference mode it runs.
+        out["forward_small"] = _attempt(lambda: pipe.forward(x3 if first else None))
+        out["forward_missing"] = _attempt(lambda: pipe.forward(None))
+        with torch.inference_mode():
+            outputs = pipe.forward(x if first else None)
+        if last:
+            with torch.no_grad():
+                want = nn.Sequential(*[W.make_stage(s, world) for s in range(world)])(x)
+            out["forward_then"] = (outputs - want).abs().max().item()  # type: ignore[operator]
+        out["forward_then_train"] = good(pipe)
     return out
 
 

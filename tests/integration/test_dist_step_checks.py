@@ -12,6 +12,11 @@ from tests.integration import dist_workers as W
 pytestmark = W.MULTIPROCESS
 
 TOL = 1e-10
+# Three samples for microbatches=4, refused by train_step and forward alike.
+TOO_SMALL = (
+    "PipelineConfigError: microbatches=4 does not fit a batch of 3 samples: use 1 <= "
+    "microbatches <= 3 (every microbatch needs at least one sample)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +46,19 @@ def test_more_microbatches_than_samples_leaves_the_pipeline_usable(refusals: W.L
     # It failed inside the step, which tore the process groups down for good.
     for r in range(2):
         res = refusals.ok(r)
-        assert res["small"] == (
-            "PipelineConfigError: microbatches=4 does not fit a batch of 3 samples: use 1 <= "
-            "microbatches <= 3 (every microbatch needs at least one sample)"
-        )
+        assert res["small"] == TOO_SMALL
         assert res["small_then"] < TOL
+
+
+def test_forward_refuses_bad_inputs_on_every_rank_and_stays_usable(refusals: W.Launch) -> None:
+    # A batch smaller than microbatches failed rank 0 inside the step, which tore the
+    # process groups down for good (every later call: PipelineClosedError).
+    for r in range(2):
+        res = refusals.ok(r)
+        assert res["forward_small"] == TOO_SMALL
+        assert res["forward_missing"] == "PipelineConfigError: rank 0 runs stage 0: pass the inputs"
+        assert res["forward_then_train"] < TOL
+    assert refusals.ok(1)["forward_then"] < TOL
 
 
 def test_a_0d_output_warns_in_train_step_and_forward_refuses_it_on_the_last_rank() -> None:
