@@ -9,14 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from batchgraph.pipeline import (
-    BackendRequest,
-    Pipeline,
-    PipelineConfigError,
-    Stage,
-    register_backend,
-)
-from batchgraph.pipeline.pipeline import _threads_backend
+from batchgraph.pipeline import BackendRequest, Pipeline, PipelineConfigError, Stage
+from batchgraph.pipeline import pipeline as pipeline_module
 from tests.pipeline_models import assert_grads_equal, mlp, reference
 
 _SEEN: list[BackendRequest] = []
@@ -24,10 +18,13 @@ _SEEN: list[BackendRequest] = []
 
 def _noting(request: BackendRequest) -> Any:
     _SEEN.append(request)
-    return _threads_backend(request)
+    return pipeline_module._threads_backend(request)
 
 
-register_backend("noting-threads", _noting, replace=True)
+@pytest.fixture(autouse=True)
+def _noting_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Registered for these tests only: other tests list the registered backends.
+    monkeypatch.setitem(pipeline_module._BACKENDS, "noting-threads", _noting)
 
 
 def _stages(model: nn.Sequential, devices: list[str | None]) -> list[Stage]:
