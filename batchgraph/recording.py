@@ -30,7 +30,7 @@ from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.hooks import Hooks, hooks_of
 from batchgraph.inference import infer_spec
 from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
-from batchgraph.lazy_modules import materialize_lazy
+from batchgraph.lazy_modules import guard_lazy_reads, materialize_lazy
 from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key, may_be_random
@@ -494,7 +494,7 @@ class CallSite:
         if isinstance(fn, torch.nn.Module):
             with not_recording():
                 materialize_lazy(fn, call)
-        with not_recording():
+        with not_recording(), guard_lazy_reads(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
         key = choose_key(fn, call, policy.rules)
         if key.batchable and spec is not None:
