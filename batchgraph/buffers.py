@@ -53,7 +53,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Watch", "computing", "epochs", "watch", "watches_of", "watches_read_by"]
+__all__ = [
+    "Watch", "buffers_kept", "computing", "epochs", "watch", "watches_of", "watches_read_by",
+]
 
 
 class Watch:
@@ -158,3 +160,38 @@ def computing(watches: Sequence[Watch]) -> Iterator[None]:
                 tensor = w.ref()
                 if tensor is not None:
                     w.seen = tensor._version
+
+
+@contextlib.contextmanager
+def buffers_kept(fn: Any) -> Iterator[None]:
+    """Around a run of ``fn`` on fake tensors (a new signature's shape inference, the
+    vmap probe): buffers it replaced are put back. In-place changes are skipped there
+    (``inference._FakeRunGuard``), but a forward assigning ``self.count = self.count +
+    1`` left a fake tensor in the module for good.
+
+    Example:
+        >>> class Counting(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.register_buffer("count", torch.zeros(()))
+        ...     def forward(self, x):
+        ...         self.count = self.count + 1
+        ...         return x
+        >>> m = Counting()
+        >>> with buffers_kept(m):
+        ...     _ = m(torch.ones(1))
+        >>> m.count
+        tensor(0.)
+    """
+    from batchgraph.captured import captured_parts  # captured imports nothing of ours
+
+    modules = (list(fn.modules()) if isinstance(fn, torch.nn.Module)
+               else [m for _, m in captured_parts(fn)[2]])
+    saved = [(m._buffers, dict(m._buffers)) for m in modules]
+    try:
+        yield
+    finally:
+        for now, before in saved:
+            if now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()):
+                now.clear()
+                now.update(before)

@@ -10,9 +10,12 @@ nothing and the caller can put things back and compute again. Kept apart from
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
-from batchgraph.buffers import Watch
+from batchgraph.buffers import Watch, computing
 from batchgraph.errors import (
     BufferChangedError,
     DefaultDtypeChangedError,
@@ -25,7 +28,9 @@ from batchgraph.hooks import hooks_of
 from batchgraph.keys import ConstantKey
 from batchgraph.scheduling import Schedule, Step
 
-__all__ = ["check_buffers", "check_default_dtype", "check_modes", "check_parameters"]
+__all__ = [
+    "check_buffers", "check_default_dtype", "check_modes", "check_parameters", "watching_buffers",
+]
 
 
 def check_default_dtype(graph: Graph, schedule: Schedule) -> None:
@@ -176,7 +181,8 @@ def check_buffers(graph: Graph, schedule: Schedule) -> list[Watch]:
                 f"buffer(s) {shown}{whose} of {key.label} in {graph.name!r} changed in "
                 f"place after its calls in this batch ({len(step.nodes)}) were recorded "
                 "and before they were computed (new statistics loaded, an EMA update, "
-                "an eager call of the module, load_state_dict). A batched call reads the "
+                "an eager call of the module, load_state_dict; or replaced: `bn.running_mean = "
+                "t`). A batched call reads the "
                 "buffers when it runs, so those calls would use the new values where "
                 "eager calls used the old ones. Compute what you recorded before "
                 "changing the buffers (bg.compute, or read a value), or record the "
@@ -187,3 +193,14 @@ def check_buffers(graph: Graph, schedule: Schedule) -> list[Watch]:
         for w in graph.watched_buffers(kid):
             watched[id(w)] = w
     return list(watched.values())
+
+
+@contextlib.contextmanager
+def watching_buffers(graph: Graph, schedule: Schedule) -> Iterator[None]:
+    """``check_buffers``, then the steps' run as batchgraph's own (``computing``):
+    buffers they change in place, or replace (a module's forward assigning
+    ``self.count = self.count + 1``), are not taken for outside changes after it."""
+    with computing(check_buffers(graph, schedule)):
+        yield
+    for kid in {step.key for step in schedule.steps if step.key in graph.key_buffers}:
+        graph.adopt_replaced_buffers(kid)

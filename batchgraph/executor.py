@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from batchgraph.autocasting import autocast_state, in_autocast_state
-from batchgraph.buffers import computing
 from batchgraph.compute_checks import (
-    check_buffers,
     check_default_dtype,
     check_modes,
     check_parameters,
+    watching_buffers,
 )
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import BatchedCallError, ConstantChangedError, NotATensorError
@@ -106,7 +105,7 @@ class Executor:
         # Buffers the steps may change themselves (running statistics) are marked as
         # the computation's while it runs (batchgraph.buffers), after the check that
         # nothing else changed them since their calls were recorded.
-        watching = (computing(check_buffers(graph, schedule)) if graph.key_buffers
+        watching = (watching_buffers(graph, schedule) if graph.key_buffers
                     else _NOTHING_WATCHED)
         added = 0
         guard, wanted, constants_outside = self._modes(schedule)

@@ -124,6 +124,7 @@ class Graph(KeyReads):
         # only changes made outside batchgraph move, are noted with the parameters'
         # versions, as part of the key's identity, per key id.
         self.key_buffers: dict[int, tuple[int, ...]] = {}
+        self.key_buffer_parts: dict[int, ModuleParts] = {}
         # Likewise the train/eval modes of a module's submodules (its own mode is
         # ``key_training``, noted per call): part of the key's identity, per key id.
         self.key_submodes: dict[int, tuple[bool, ...]] = {}

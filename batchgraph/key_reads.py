@@ -52,6 +52,7 @@ class KeyReads:
     key_params: dict[int, tuple[torch.Tensor, ...]]
     key_layouts: dict[int, tuple[tuple[torch.dtype, torch.device], ...]]
     key_buffers: dict[int, Versions]
+    key_buffer_parts: dict[int, ModuleParts]
     key_submodes: dict[int, tuple[bool, ...]]
     key_hooks: dict[int, Hooks]
     _module_parts: dict[int, ModuleParts]
@@ -67,9 +68,11 @@ class KeyReads:
         run when computed: ``batchgraph.hooks``)."""
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
-        if isinstance(fn, torch.nn.Module) and _replaced(parts.params, fn):
-            # A parameter replaced (load_state_dict(assign=True), `lin.weight =
-            # nn.Parameter(...)`): list the module's parts anew.
+        if isinstance(fn, torch.nn.Module) and (
+            _replaced(parts.params, fn) or _replaced_buffers(parts, fn)
+        ):
+            # A parameter or buffer replaced (load_state_dict(assign=True), `lin.weight =
+            # nn.Parameter(...)`, `bn.running_mean = t`): list the module's parts anew.
             self.forget_parts(fn)
             parts = self._parts_of(fn)
         if parts.params:
@@ -83,6 +86,10 @@ class KeyReads:
                 # where parameters stay): list the module's parts anew.
                 self.forget_parts(fn)
                 buffers = epochs(self._parts_of(fn).buffers)
+            if buffers is not None:
+                # And which tensors: calls recorded before and after a buffer was
+                # replaced never share a key id (their parts, kept per key id, hold it).
+                buffers = (*buffers, id(self._parts_of(fn).buffers))
         hooks = hooks_of(fn) if isinstance(fn, torch.nn.Module) else None
         return versions, submodes, buffers, hooks
 
@@ -100,6 +107,7 @@ class KeyReads:
             self.key_submodes[kid] = submodes
         if buffers is not None:
             self.key_buffers[kid] = buffers
+            self.key_buffer_parts[kid] = self._parts_of(fn)
         if hooks is not None:
             self.key_hooks[kid] = hooks
 
@@ -200,12 +208,27 @@ class KeyReads:
         noted = self.key_buffers.get(kid)
         if noted is None:
             return []
-        parts = self._parts_of(self.keys[kid].fn)
+        parts, fn = self.key_buffer_parts[kid], self.keys[kid].fn
+        if isinstance(fn, torch.nn.Module):
+            replaced = _replaced_buffers(parts, fn)
+            if replaced:  # `bn.running_mean = t`: the batched calls would read t
+                return replaced
         now = epochs(parts.buffers)
         if now is None:
-            # Replaced since (model.double(): refused as a conversion).
+            # A function's, replaced since (model.double(): refused as a conversion).
             return []
         return [name for name, then, at in zip(parts.buffer_names, noted, now) if then != at]
+
+    def adopt_replaced_buffers(self, kid: int) -> None:
+        """Take the buffers of module key ``kid`` replaced since they were noted as
+        its own (a compute's steps replaced them: ``watching_buffers``)."""
+        fn = self.keys[kid].fn
+        if isinstance(fn, torch.nn.Module) and _replaced_buffers(self.key_buffer_parts[kid], fn):
+            self.forget_parts(fn)
+            parts = self.key_buffer_parts[kid] = self._parts_of(fn)
+            found = epochs(parts.buffers)
+            if found is not None:
+                self.key_buffers[kid] = (*found, id(parts.buffers))
 
     def parameters_converted(self, kid: int) -> bool:
         """Whether the parameters of key ``kid`` changed dtype or device (``.to()``,
@@ -231,6 +254,14 @@ def _pointers(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
         return tuple([p.data_ptr() for p in params])
     except RuntimeError:  # a sparse parameter has no one data pointer: not watched
         return (0,) * len(params)
+
+
+def _replaced_buffers(parts: ModuleParts, module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s buffers that are other tensors than ``parts`` lists
+    (added or removed ones included)."""
+    now = {name: b for name, b in module.named_buffers() if not b.is_inference()}
+    then = {name: w.ref() for name, w in zip(parts.buffer_names, parts.buffers)}
+    return [name for name in {**then, **now} if then.get(name) is not now.get(name)]
 
 
 def _replaced(params: tuple[torch.Tensor, ...], module: torch.nn.Module) -> bool:

@@ -25,6 +25,7 @@ from batchgraph.autocasting import (
     autocast_enabled,
     autocast_state,
 )
+from batchgraph.buffers import buffers_kept
 from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.hooks import Hooks, hooks_of
@@ -494,11 +495,11 @@ class CallSite:
         if isinstance(fn, torch.nn.Module):
             with not_recording():
                 materialize_lazy(fn, call)
-        with not_recording(), guard_lazy_reads(fn):
+        with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
         key = choose_key(fn, call, policy.rules)
         if key.batchable and spec is not None:
-            with not_recording():
+            with not_recording(), buffers_kept(fn):
                 batches = probe_vmap(key, spec)
             if not batches:
                 key = UnbatchedKey(fn, call)
