@@ -52,6 +52,21 @@ class ModuleStub(CallSite):
         return module
 
     def __getattr__(self, name: str) -> Any:
+        if name in _SWAPPED_STATE and _ACTIVE.get() is not None:
+            # torch.func.functional_call(self.cell, params, (h,)) in per-example code
+            # swaps the module's tensors in these dicts for the call it makes, but the
+            # stub records that call, which runs when the batch computes, with the
+            # module's own parameters: the given ones were silently ignored.
+            raise TypeError(
+                f"{self.name} is a recording stub here (a BatchedModule's submodule read "
+                f"while a policy records), and its {name} were read to swap its tensors "
+                "(torch.func.functional_call, torch.nn.utils.stateless): the call it "
+                "records runs when the batch computes, with the module's own tensors. "
+                "Record the functional call itself: make it the body of a method under "
+                "@bg.batched_func (a recorded function sees the module itself), or pass "
+                "the module: bg.batched_func(torch.func.functional_call)(model.cell_module"
+                ", params, (h,)) with the module read outside the policy."
+            )
         return getattr(self.fn, name)
 
     # Per-example code may ask what a submodule is (`if isinstance(layer, nn.Dropout):
@@ -62,6 +77,9 @@ class ModuleStub(CallSite):
     def __class__(self) -> type:  # type: ignore[override]
         return type(self.fn)
 
+
+# The dicts of a module's tensors that torch's functional calls swap entries of.
+_SWAPPED_STATE = frozenset({"_parameters", "_buffers"})
 
 # Sites of functions that live as long as the program (torch functions, operators,
 # functions defined at module level), by the function.
