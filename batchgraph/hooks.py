@@ -20,7 +20,9 @@ from torch.nn.modules import module as torch_module
 
 from batchgraph.keys import BatchKey, VmapKey, callable_name
 
-__all__ = ["BatchedHooksWarning", "Hooks", "hooks_of", "warn_about_hooks"]
+__all__ = [
+    "BatchedHooksWarning", "Hooks", "hooks_of", "warn_about_hooks", "warn_about_read_hooks",
+]
 
 # Per hook dict, the ids of the hooks in it (``hooks_of``).
 Hooks = tuple[tuple[int, ...], ...]
@@ -54,11 +56,11 @@ class BatchedHooksWarning(UserWarning):
     """A module with hooks is batched: its hooks run once per batched call."""
 
 
-def _hook_kinds(module: nn.Module) -> list[str]:
+def _hook_kinds(modules: list[nn.Module]) -> list[str]:
     kinds = []
     for name, attr in zip(("forward", "forward pre", "backward", "backward pre"), _HOOK_DICTS):
-        if getattr(torch_module, f"_global{attr}", None) or any(
-            _per_example_unsafe(getattr(m, attr, None)) for m in module.modules()
+        if (modules and getattr(torch_module, f"_global{attr}", None)) or any(
+            _per_example_unsafe(getattr(m, attr, None)) for m in modules
         ):
             kinds.append(name)
     return kinds
@@ -88,7 +90,7 @@ def warn_about_hooks(module: nn.Module, key: BatchKey) -> None:
     running such a module one call at a time would be a silent slowdown, so this
     says what happens and what to register instead.
     """
-    kinds = _hook_kinds(module)
+    kinds = _hook_kinds(list(module.modules()))
     if not kinds:
         return
     if isinstance(key, VmapKey):
@@ -115,6 +117,32 @@ def warn_about_hooks(module: nn.Module, key: BatchKey) -> None:
         f"behaviour run it one call at a time, BatchingPolicy(rules={{{name}: "
         f"bg.UnbatchedKey}}) (or, for this module alone, the module as the key: "
         f"rules={{module: bg.UnbatchedKey}}){vmap}.",
+        BatchedHooksWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def warn_about_read_hooks(fn: Any, key: BatchKey) -> None:
+    """Warn (once per signature) that hooks of modules a batched function reads
+    (closed over, global, a bound method's module: as ``batchgraph.captured`` finds
+    them) run inside its batched call, as ``warn_about_hooks`` does for a module's:
+    under vmap a forward hook that keeps its output (``store.append(out)``) kept one
+    vmap-internal tensor, which failed when used ("tensor may have escaped")."""
+    from batchgraph.captured import captured_parts  # it imports nothing of ours
+
+    named = captured_parts(fn)[2]
+    kinds = _hook_kinds([m for _, m in named])
+    if not kinds:
+        return
+    hooked = [name for name, m in named if _hook_kinds([m]) and "." not in name]
+    warnings.warn(
+        f"{callable_name(fn)} reads modules with {' and '.join(kinds)} hooks "
+        f"({', '.join(hooked[:5]) or 'global ones'}); batched by {type(key).__name__}, "
+        "they run once per batched call (and once on fake tensors when a call signature "
+        "is new), not once per example: under vmap a forward hook sees each example's "
+        "values, but a tensor it keeps escapes vmap and cannot be used afterwards, and "
+        "backward hooks see the whole batch's gradients. For eager behaviour run it one "
+        "call at a time: BatchingPolicy(rules={fn: bg.UnbatchedKey}).",
         BatchedHooksWarning,
         stacklevel=_caller_level(),
     )

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.embedding import EmbeddingFreqKey, PaddedEmbeddingKey
-from batchgraph.hooks import BatchedHooksWarning, warn_about_hooks
+from batchgraph.hooks import BatchedHooksWarning, warn_about_hooks, warn_about_read_hooks
 from batchgraph.keys import (
     DIM_FUNCTIONS,
     ELEMENTWISE_FUNCTIONS,
@@ -300,8 +300,11 @@ def choose_key(
         if factory is None:
             factory = _function_key(fn, call)
     key = factory(fn, call, deterministic=deterministic)
-    if isinstance(fn, nn.Module) and key.batchable:
-        warn_about_hooks(fn, key)
+    if key.batchable:
+        if isinstance(fn, nn.Module):
+            warn_about_hooks(fn, key)
+        else:
+            warn_about_read_hooks(fn, key)
     return key
 
 

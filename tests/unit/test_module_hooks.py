@@ -213,3 +213,26 @@ def test_random_record_hook_compute_sequences_match_eager_or_are_refused(ops: li
             elif pending:
                 stale = any(then != hook for _, _, then in pending)
                 compute_pending(policy, pending, bg.HooksChangedError if stale else None)
+
+
+def test_a_function_reading_a_hooked_module_warns_and_runs_per_example_when_asked() -> None:
+    # Under vmap a hook keeping its module's output kept one vmap-internal tensor
+    # ("tensor may have escaped" when used), without a word at recording.
+    lin = nn.Linear(4, 4)
+    kept: list[torch.Tensor] = []
+    lin.register_forward_hook(lambda m, i, out: kept.append(out.detach()))
+    step = bg.batched_func(lambda x: torch.tanh(lin(x)))
+    xs = [torch.randn(4) for _ in range(3)]
+    warned = pytest.warns(BatchedHooksWarning, match=r"<lambda> reads modules with forward hooks "
+                          r"\(Linear\); batched by VmapKey.*rules=\{fn: bg\.UnbatchedKey\}")
+    with warned as caught, bg.BatchingPolicy():
+        handles = [step(bg.batched_value(x)) for x in xs]
+        [torch.tanh(h) for h in handles]  # reading no module: no warning
+    assert len(caught) == 1 and caught[0].filename == __file__
+    with bg.BatchingPolicy(rules={step: bg.UnbatchedKey}):
+        handles = [step(bg.batched_value(x)) for x in xs]
+    kept.clear()
+    bg.compute(handles)
+    outs = list(kept)
+    for x, out in zip(xs, outs, strict=True):  # each example's own output, usable
+        torch.testing.assert_close(out + 0, lin(x).detach())
