@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from batchgraph.keys import BatchKey, VmapKey, callable_name
 
@@ -68,7 +69,8 @@ def _hook_kinds(modules: list[nn.Module]) -> list[str]:
 
 # Hooks torch itself installs to compute a parameter from others before each forward
 # (torch.nn.utils.weight_norm's WeightNorm): they read no activations and keep no
-# state, so running once per batched call gives what each eager call gets. Not
+# state, so running once per batched call gives what each eager call gets. (So does
+# a lazy module's, which initializes it: a function reading one it does not call.) Not
 # spectral_norm's: in train mode each call takes a power-iteration step, per example
 # eagerly, once per batch here.
 _PARAMETER_HOOK_MODULES = ("torch.nn.utils.weight_norm",)
@@ -80,6 +82,7 @@ def _per_example_unsafe(hooks: Any) -> bool:
         return False
     return any(
         getattr(type(hook), "__module__", None) not in _PARAMETER_HOOK_MODULES
+        and getattr(hook, "__func__", None) is not LazyModuleMixin._infer_parameters
         for hook in hooks.values()
     )
 
@@ -134,7 +137,7 @@ def warn_about_read_hooks(fn: Any, key: BatchKey) -> None:
     kinds = _hook_kinds([m for _, m in named])
     if not kinds:
         return
-    hooked = [name for name, m in named if _hook_kinds([m]) and "." not in name]
+    hooked = [name for name, m in named if _hook_kinds([m])]
     warnings.warn(
         f"{callable_name(fn)} reads modules with {' and '.join(kinds)} hooks "
         f"({', '.join(hooked[:5]) or 'global ones'}); batched by {type(key).__name__}, "

@@ -80,6 +80,8 @@ class _Method(bg.BatchedModule):
         return self.lazy(x) if use_lazy else self.lin(x).sum()
 
 
+# Its initializing pre-hook is no hook a batched call must warn of.
+@pytest.mark.filterwarnings("error::batchgraph.rules.BatchedHooksWarning")
 def test_a_method_reading_a_lazy_module_it_does_not_call_records() -> None:
     model = _Method()
     xs = [torch.randn(3) for _ in range(3)]
