@@ -1,10 +1,13 @@
-"""Building only this rank's stages: the others are never materialised here."""
+"""Building only this rank's stages: the others are never materialised here; and making
+the data-parallel replicas of a stage start equal."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from batchgraph.pipeline.actions import PipelineSchedule
@@ -12,7 +15,7 @@ from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.partition import partition_sequential
 from batchgraph.pipeline.stage import Stage
 
-__all__ = ["StageSpec", "build_local_stages", "materialise", "stage_specs"]
+__all__ = ["StageSpec", "build_local_stages", "materialise", "stage_specs", "sync_replicas"]
 
 #: A stage given as a module, or as a zero-argument factory only its own rank calls.
 StageSpec = nn.Module | Callable[[], nn.Module]
@@ -91,3 +94,23 @@ def build_local_stages(
         stage.split_backward = s in split_backward
         built[s] = stage
     return built
+
+
+def sync_replicas(stages: dict[int, Stage], group: Any, src: int) -> None:
+    """Copy the first replica's parameters and buffers of ``stages`` to every replica.
+
+    Each rank builds (or initialises on ``meta``) its stages with its own random state,
+    and scripts often seed each rank apart (``torch.manual_seed(seed + rank)``, for
+    different dropout masks): the replicas would start apart and stay apart, however
+    exactly their gradients are summed. As ``DistributedDataParallel`` does at
+    construction, every replica starts from the first one's values. Collective over
+    ``group`` (the ranks that run these stages, one per replica).
+
+    Example (every rank of a 2 stages x 2 replicas job, after building its stages)::
+
+        sync_replicas(stages, replica_group, src=topology.rank_of(topology.device, 0))
+    """
+    tensors = (t for s in sorted(stages) for t in (*stages[s].module.parameters(),
+                                                  *stages[s].module.buffers()))  # fmt: skip
+    for t in dict.fromkeys(tensors):  # a tensor shared by two of these stages once
+        dist.broadcast(t.data, src=src, group=group)

@@ -36,7 +36,12 @@ from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.checkpoint import CheckpointMethods, StateNames, guard_split
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
-from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, stage_specs
+from batchgraph.pipeline.dist_build import (
+    StageSpec,
+    build_local_stages,
+    stage_specs,
+    sync_replicas,
+)
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_errors import (
     FailureRecord,
@@ -213,6 +218,9 @@ class DistributedPipeline(CheckpointMethods):
         # Parameters shared by stages on different ranks: their gradients are summed
         # over those ranks after each step (see dist_tied).
         self.tied = TiedGradients(ties, self.schedule.device_of, self.groups, self.stages, timeout)
+        if self.groups.replica is not None:  # replicas start as the first one (as DDP)
+            t = self.topology
+            sync_replicas(self.stages, self.groups.replica, src=t.rank_of(t.device, 0))
         self.comm = DistCommunicator(
             lambda s: self.topology.rank_of(self.schedule.device_of(s)),
             self.groups.pipeline,
