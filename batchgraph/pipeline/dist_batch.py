@@ -44,6 +44,7 @@ INVALID = -3  # it got something that is not a batch, or refused (it raises its 
 #: Bits of a rank's third number: what it knows of the step besides its batches.
 TRAINABLE = 1  # a parameter of its stages requires grad, or its inputs do
 INFERENCE = 2  # it was called under torch.inference_mode(): no gradient can be recorded
+TRAINING = 4  # it was called by train_step (else by forward)
 
 #: Per rank, (inputs, targets, flags): a sample count or one of the codes above, and bits.
 BatchCounts = Sequence[tuple[int, int, int]]
@@ -72,9 +73,11 @@ def local_counts(
     first: bool,
     last: bool,
     trainable: bool = True,
+    train: bool = True,
 ) -> tuple[tuple[int, int, int], BaseException | None]:
     """This rank's (inputs, targets, flags) counts, and its own error for a batch that is
-    not one. ``trainable``: whether a parameter of this rank's stages requires grad.
+    not one. ``trainable``: whether a parameter of this rank's stages requires grad;
+    ``train``: whether ``train_step`` (not ``forward``) asks.
 
     Never raises: a rank that failed here before the gather would leave the others
     waiting in it.
@@ -86,6 +89,8 @@ def local_counts(
     flags = TRAINABLE if trainable or (first and _requires_grad(inputs)) else 0
     if torch.is_inference_mode_enabled():
         flags |= INFERENCE
+    if train:
+        flags |= TRAINING
     return (n_in, n_tg, flags), err_in or err_tg
 
 
@@ -123,14 +128,21 @@ def check_batches(
 
     Example (2 ranks, one replica: rank 0 holds 8 inputs, rank 1 the 4 targets)::
 
-        check_batches([(8, NOT_HERE, TRAINABLE), (NOT_HERE, 4, TRAINABLE)],
+        check_batches([(8, NOT_HERE, TRAINABLE | TRAINING), (NOT_HERE, 4, TRAINABLE | TRAINING)],
                       Topology(2, 1, 0), 0, 1)
         # (0, PipelineConfigError("inputs have 8 samples but targets have 4 (...)"))
     """
+    training = [r for r, (_, _, flags) in enumerate(counts) if flags & TRAINING]
+    if 0 < len(training) < len(counts):
+        # Each would run its own plan and wait for messages the other never sends.
+        forward = [r for r in range(len(counts)) if r not in training]
+        return 0, PipelineConfigError(
+            f"{_ranks(training)} called train_step but {_ranks(forward)} called forward; "
+            "every rank must make the same call each step"
+        )
     inference = [r for r, (_, _, flags) in enumerate(counts) if flags & INFERENCE]
     if inference and train:
-        ranks = ", ".join(map(str, inference))
-        return 0, inference_mode_error(f" on rank{'s' if len(inference) > 1 else ''} {ranks}")
+        return 0, inference_mode_error(f" on {_ranks(inference)}")
     total = 0
     for j in range(topology.replicas):
         f, last = topology.rank_of(first_device, j), topology.rank_of(last_device, j)
@@ -158,3 +170,8 @@ def check_batches(
     if train and not any(flags & TRAINABLE for _, _, flags in counts):
         return 0, nothing_to_train_error(" on any rank")
     return total, None
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``"rank 0"`` or ``"ranks 0, 2"``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -445,7 +445,7 @@ class DistributedPipeline(CheckpointMethods):
         trainable = any(p.requires_grad for p in params)
         counts, own_error = local_counts(
             inputs, targets, first=self._has_first, last=self._has_last and train,
-            trainable=trainable,
+            trainable=trainable, train=train,
         )  # fmt: skip
         try:
             every = gather_counts(self.groups.control, counts, self.comm.device)

@@ -94,6 +94,11 @@ def job_refusals(rank: int, world: int) -> dict[str, Any]:
                 want = nn.Sequential(*[W.make_stage(s, world) for s in range(world)])(x)
             out["forward_then"] = (outputs - want).abs().max().item()  # type: ignore[operator]
         out["forward_then_train"] = good(pipe)
+        # Rank 0 calls forward while the last rank calls train_step.
+        out["mixed_calls"] = _attempt(
+            lambda: pipe.forward(x) if first else pipe.train_step(None, y if last else None)
+        )
+        out["mixed_then"] = good(pipe)
     return out
 
 

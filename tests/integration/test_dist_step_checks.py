@@ -61,6 +61,17 @@ def test_forward_refuses_bad_inputs_on_every_rank_and_stays_usable(refusals: W.L
     assert refusals.ok(1)["forward_then"] < TOL
 
 
+def test_ranks_making_different_calls_are_refused_on_every_rank(refusals: W.Launch) -> None:
+    # Each ran its own plan: both waited the whole timeout, rank 0 with a raw gloo error.
+    for r in range(2):
+        res = refusals.ok(r)
+        assert res["mixed_calls"] == (
+            "PipelineConfigError: rank 1 called train_step but rank 0 called forward; every "
+            "rank must make the same call each step"
+        ), res["mixed_calls"]
+        assert res["mixed_then"] < TOL
+
+
 def test_a_0d_output_warns_in_train_step_and_forward_refuses_it_on_the_last_rank() -> None:
     launch = W.launch(C.job_scalar_output, world=2, limit=60)
     zero, one = launch.ok(0), launch.ok(1)
