@@ -285,7 +285,12 @@ class DistributedPipeline(CheckpointMethods):
     def __enter__(self) -> DistributedPipeline:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not self._closed and self._failed is None:
+            # Left on an error of the caller's (between steps): the other ranks may be
+            # waiting for this one's next step. They learn why at once, as from a failed
+            # step, instead of after their timeout (close's barrier would wait for them).
+            self._fail(exc, keep_frames=True)
         self.close()
 
     def close(self) -> None:
@@ -407,7 +412,7 @@ class DistributedPipeline(CheckpointMethods):
                 result = (result,)
         return result
 
-    def _fail(self, exc: BaseException) -> BaseException:
+    def _fail(self, exc: BaseException, keep_frames: bool = False) -> BaseException:
         """Publish the failure, tear down the groups (waking blocked peers), name this rank."""
         self._failed = exc
         rank = self.topology.rank
@@ -427,7 +432,7 @@ class DistributedPipeline(CheckpointMethods):
         if self._gather is not None:
             self._gather.release()
         self.tied.release()
-        if not isinstance(exc, StageError):
+        if not (keep_frames or isinstance(exc, StageError)):
             clear_frames(exc)
         gc.collect()
         return error

@@ -326,7 +326,13 @@ class Pipeline(CheckpointMethods):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        # A runtime that is a context manager learns why the block was left (a process
+        # backend tells its peers at once instead of waiting for them).
+        leave = getattr(self._runtime, "__exit__", None)
+        if callable(leave):
+            leave(*exc)
+        else:
+            self.close()
 
     def train_step(self, inputs: Batch | None, targets: Batch | None) -> Tensor | None:
         """One forward and backward over the batch; gradients accumulate into ``.grad``.

@@ -61,3 +61,33 @@ def job_fail_after_last_message(rank: int, world: int) -> dict[str, Any]:
         if rank == 1:
             warnings.simplefilter("error")
         return _timed_step(pipe, x if rank == 0 else None, y if rank == 1 else None)
+
+
+def job_leave_on_error(rank: int, world: int) -> dict[str, Any]:
+    """After a good step, rank 1's own code raises and leaves the pipeline's ``with``
+    block while rank 0 goes on to the next step; once with DistributedPipeline, once
+    with the Pipeline façade."""
+    from batchgraph.pipeline import DistributedPipeline, Pipeline
+
+    x, y = W.batch()
+    out: dict[str, Any] = {}
+    builds = {
+        "direct": lambda: DistributedPipeline(W.factories(world), stages=world, microbatches=4,
+                                              loss_fn=nn.MSELoss(), timeout=20),
+        "facade": lambda: Pipeline([W.make_stage(s, world) for s in range(world)],
+                                   microbatches=4, loss_fn=nn.MSELoss(),
+                                   backend="torch.distributed", timeout=20),
+    }  # fmt: skip
+    for name, build in builds.items():
+        start = time.monotonic()
+        try:
+            with build() as pipe:
+                pipe.train_step(x if rank == 0 else None, y if rank == 1 else None)
+                if rank == 1:
+                    raise KeyError("the caller's own bug")
+                pipe.train_step(x, None)
+            out[name] = {"error": None}
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[name]["seconds"] = time.monotonic() - start
+    return out

@@ -37,3 +37,15 @@ def test_a_rank_failing_after_its_last_message_is_named_by_the_others() -> None:
         "PeerFailedError: rank 0 stopped in a collective with the other ranks: rank 1 failed "
         "first (outside a stage action): RuntimeWarning: the last stage"
     ), zero
+
+
+def test_a_rank_leaving_its_with_block_on_an_error_is_named_by_the_others() -> None:
+    # Rank 1's exit waited in close()'s barrier while rank 0 waited for its next step:
+    # both for the whole timeout, rank 0 then raising gloo's 'Timed out waiting 20000ms'.
+    launch = W.launch(F.job_leave_on_error, world=2, limit=90)
+    for name in ("direct", "facade"):
+        one, zero = launch.ok(1)[name], launch.ok(0)[name]
+        assert one["error"] == 'KeyError: "the caller\'s own bug"', one
+        assert zero["seconds"] < PROMPT and one["seconds"] < PROMPT, (name, zero, one)
+        assert zero["error"].startswith("PeerFailedError: rank 0 stopped"), zero
+        assert "rank 1 failed first (outside a stage action): KeyError" in zero["error"], zero
