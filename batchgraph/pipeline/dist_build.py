@@ -3,6 +3,7 @@ the data-parallel replicas of a stage start equal."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,12 +22,16 @@ __all__ = ["StageSpec", "build_local_stages", "materialise", "stage_specs", "syn
 StageSpec = nn.Module | Callable[[], nn.Module]
 
 
-def materialise(module: nn.Module, device: torch.device) -> nn.Module:
+def materialise(module: nn.Module, device: torch.device, what: str = "the module") -> nn.Module:
     """Move ``module`` to ``device``; a module on ``meta`` gets fresh storage and init.
 
     A meta module has no values to move, so its storage is allocated on ``device`` and every
-    submodule with ``reset_parameters`` re-initialises itself (load a state dict afterwards
-    to set specific weights).
+    submodule with ``reset_parameters`` (``_reset_parameters``: ``nn.MultiheadAttention``)
+    re-initialises itself (load a state dict afterwards to set specific weights). A
+    parameter or buffer that none of them sets would keep whatever the fresh memory held
+    (a causal mask or rotary frequencies of garbage, silently): a floating one is NaN
+    instead, so a step that uses it before a state_dict loads it shows NaN, and a
+    ``RuntimeWarning`` names them all when built (``what`` names ``module``).
 
     Example:
         >>> with torch.device("meta"):
@@ -34,14 +39,55 @@ def materialise(module: nn.Module, device: torch.device) -> nn.Module:
         >>> materialise(layer, torch.device("cpu")).weight.device
         device(type='cpu')
     """
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        module = module.to_empty(device=device)
-        for sub in module.modules():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-        return module
-    return module.to(device)
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return module.to(device)
+    module = module.to_empty(device=device)
+    with torch.no_grad():  # what no reset sets stays NaN (floating tensors), to be found
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))
+    for sub in module.modules():
+        reset = _reset_of(sub)
+        if reset is not None:
+            reset()
+    missing = _uninitialised(module)
+    if missing:
+        warnings.warn(
+            f"{what} was built on meta, and no reset_parameters() initialises "
+            f"{', '.join(missing)}: allocated with to_empty, floating ones hold NaN and others "
+            "whatever the memory held until a state_dict loads them (non-persistent buffers "
+            "never are). Load them before training, initialise them in a reset_parameters() "
+            "of their module (called on every submodule after allocation), or give this stage "
+            "built on the CPU, or as a factory that builds it on its own rank",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return module
+
+
+def _uninitialised(module: nn.Module) -> list[str]:
+    """The tensors of a just-allocated ``module`` that no reset set: floating ones still
+    NaN; others (they cannot hold NaN) where their module has no reset at all."""
+    missing = []
+    for path, sub in module.named_modules():
+        own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+        for name, t in own:
+            if t.is_floating_point() or t.is_complex():
+                unset = bool(t.isnan().any())
+            else:
+                unset = _reset_of(sub) is None
+            if unset:
+                missing.append(f"{path + '.' if path else ''}{name} ({type(sub).__name__})")
+    return missing
+
+
+def _reset_of(module: nn.Module) -> Callable[[], object] | None:
+    """``module``'s own re-initialisation, if it has one."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return reset  # type: ignore[no-any-return]
+    return None
 
 
 def stage_specs(module: nn.Sequential | Sequence[StageSpec], total: int) -> list[StageSpec]:
@@ -90,7 +136,8 @@ def build_local_stages(
     for s in schedule.stages_of(device_index):
         spec = specs[s]
         mod = spec if isinstance(spec, nn.Module) else spec()
-        stage = Stage(materialise(mod, device), s, total, device)
+        what = f"stage {s} ({type(mod).__name__})"
+        stage = Stage(materialise(mod, device, what), s, total, device)
         stage.split_backward = s in split_backward
         built[s] = stage
     return built

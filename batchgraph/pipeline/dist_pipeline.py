@@ -105,7 +105,8 @@ class DistributedPipeline(CheckpointMethods):
         module: the model as an ``nn.Sequential`` (split into ``stages * chunks`` parts by
             parameter count; build it under ``torch.device("meta")`` so no rank
             materialises it, this rank's parts are then allocated and initialised with
-            ``reset_parameters``), or one entry per model stage, each an ``nn.Module`` or a
+            ``reset_parameters``: a parameter or buffer that none sets is refused, naming
+            it), or one entry per model stage, each an ``nn.Module`` or a
             zero-argument factory that only the rank running that stage calls.
         stages: devices per pipeline p (ranks per pipeline).
         microbatches: microbatches per step m (per replica).
