@@ -93,6 +93,15 @@ def test_a_parent_reset_may_set_its_childrens_tensors() -> None:
         lambda: nn.TransformerEncoderLayer(4, 2, 8),
         lambda: nn.RMSNorm(4),
     ],
+    ids=[
+        "Linear",
+        "BatchNorm1d",
+        "MultiheadAttention",
+        "Embedding",
+        "LSTM",
+        "Transformer",
+        "RMSNorm",
+    ],
 )
 def test_torch_layers_are_initialised_by_their_resets(make: object) -> None:
     assert callable(make)
@@ -105,6 +114,9 @@ def test_torch_layers_are_initialised_by_their_resets(make: object) -> None:
         assert not t.is_meta, name
         if t.is_floating_point():
             assert not t.isnan().any(), f"{name} left uninitialised"
+    if isinstance(got, nn.MultiheadAttention):  # set by _reset_parameters, not left as memory
+        assert torch.equal(got.in_proj_bias, torch.zeros(12))
+        assert got.in_proj_weight.abs().min() > 0
     if isinstance(got, nn.BatchNorm1d):  # buffers as a fresh layer's
         fresh = nn.BatchNorm1d(4)
         assert torch.equal(got.running_var, fresh.running_var)
