@@ -26,15 +26,16 @@ from batchgraph.autocasting import (
     autocast_state,
 )
 from batchgraph.buffers import buffers_kept
+from batchgraph.entries import Entry
 from batchgraph.graph import INFERENCE, RecordedGrad
 from batchgraph.handle import ResultHandle, unchanged
-from batchgraph.hooks import Hooks, hooks_of
+from batchgraph.hooks import hooks_of
 from batchgraph.inference import infer_spec
-from batchgraph.keys import BatchKey, UnbatchedKey, callable_name
+from batchgraph.keys import UnbatchedKey, callable_name
 from batchgraph.lazy_modules import guard_lazy_reads, materialize_lazy
 from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
-from batchgraph.rules import choose_key, may_be_random
+from batchgraph.rules import choose_key
 from batchgraph.signatures import (
     encode_argument,
     encode_handle_tuple,
@@ -94,59 +95,6 @@ def not_recording() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-class _Entry:
-    """What a call signature resolves to; cached on its CallSite."""
-
-    __slots__ = (
-        "children", "dedupe", "hooks", "key", "kind", "layout", "memo", "modes", "on_copy",
-        "rules_token", "sig", "single", "spec", "view",
-    )
-
-    def __init__(
-        self, key: BatchKey, spec: OutSpec, rules_token: int, draws_random: bool,
-        kind: type | None = None,
-    ) -> None:
-        self.key = key
-        self.spec = spec
-        # The eager result's sequence type when it is not a plain tuple (a list, a
-        # namedtuple, ``torch.return_types.max``): handles come back in that type.
-        self.kind = kind
-        # A call with several outputs returns a tuple of handles, as the eager call
-        # returns a tuple of tensors: ``h, c = cell(...)`` is then a plain tuple
-        # unpacking. For a flat tuple these are (leaf, spec) per output; None for a
-        # single tensor, an unknown structure, or nested tuples (built recursively).
-        self.children: tuple[tuple[int, TensorSpec], ...] | None = None
-        if kind is None and type(spec) is tuple and all(type(c) is TensorSpec for c in spec):
-            self.children = tuple(enumerate(cast(tuple[TensorSpec, ...], spec)))
-        # One tensor (or an unknown structure): the call returns one handle.
-        self.single = type(spec) is not tuple
-        # Random calls (dropout, or a function drawing random numbers inside) are
-        # never merged with identical ones; nor are calls of a module with a random
-        # layer in eval mode, which may be trained later.
-        self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
-        self.rules_token = rules_token
-        # (graph stamp, key id in that graph, grad mode, module mode and hook count it
-        # was recorded in): one tuple, so it is replaced atomically, and a stamp rather
-        # than the graph, so the cache keeps no batch alive.
-        self.memo: tuple[int, int, RecordedGrad, bool | None, int | None] = (
-            -1, -1, True, None, None)
-        # The dtype and device of each tensor the callable reads besides its arguments
-        # (Graph.layout_of), when the spec was inferred: see CallSite.__call__.
-        self.layout: tuple[tuple[torch.dtype, torch.device], ...] = ()
-        # The modes of the module and its submodules when resolved (Graph.modes_of),
-        # and its cache key (None: not cached): see CallSite._switch_modes.
-        self.modes: tuple[bool, ...] | None = None
-        # A module's hooks when resolved (hooks.hooks_of; None for a function).
-        self.hooks: Hooks | None = None
-        self.sig: Any = None
-        # An in-place call on a handle, recorded on a copy (batchgraph.on_copy): the
-        # input handle then stands for the result.
-        self.on_copy = False
-        # Whether the call makes a view of an input (aliasing.makes_view); worked out
-        # the first time a handed-out value is its input (None until then).
-        self.view: bool | None = None
-
-
 class CallSite:
     """Records calls of one callable into the active policy's graph.
 
@@ -170,13 +118,13 @@ class CallSite:
         # A module's calls note its train/eval mode: they must run in it (dropout on or
         # off, batch or running statistics), as they would have run eagerly.
         self.mode_module = fn if isinstance(fn, torch.nn.Module) else None
-        self.cache: dict[Any, _Entry] = {}
+        self.cache: dict[Any, Entry] = {}
         # Its in-place calls on handles run as this (batchgraph.on_copy), made once so
         # that their keys compare equal.
         self.copying: Callable[..., Any] | None = None
         # Entries resolved in other train/eval modes than the cached ones, by
         # (signature, modes): switching back and forth resolves each signature once.
-        self.by_modes: dict[tuple[Any, tuple[bool, ...]], _Entry] = {}
+        self.by_modes: dict[tuple[Any, tuple[bool, ...]], Entry] = {}
         # Calls made under autocast record through a shadow site per autocast state,
         # with its own caches: their specs (and keys) are that state's.
         self.autocast = autocast
@@ -408,7 +356,7 @@ class CallSite:
             return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 
-    def _note_view(self, entry: _Entry) -> bool:
+    def _note_view(self, entry: Entry) -> bool:
         """Work out, once per entry, whether its calls make a view of an input."""
         view = entry.view = not entry.on_copy and makes_view(self.fn, entry.key)
         return view
@@ -422,7 +370,7 @@ class CallSite:
         self.last1 = (None, None)
 
     def _switch_modes(
-        self, policy: BatchingPolicy, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, policy: BatchingPolicy, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Cache ``entry``'s signature resolved in the modes of now (kept from an
         earlier switch, or resolved now) in place of ``entry``, kept for a switch back.
@@ -454,7 +402,7 @@ class CallSite:
 
     def _entry(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
-    ) -> _Entry:
+    ) -> Entry:
         """The cached entry for ``key_sig``, resolved (and cached) when new."""
         try:
             entry = self.cache.get(key_sig)
@@ -477,7 +425,7 @@ class CallSite:
 
     def _resolve(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
-    ) -> _Entry:
+    ) -> Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
         fn = self.fn
@@ -505,7 +453,7 @@ class CallSite:
                 key = UnbatchedKey(fn, call)
         if spec is None and key.batchable:
             key = UnbatchedKey(fn, call)
-        entry = _Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
+        entry = Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
         # Of the site's own callable, as CallSite.__call__ compares them.
         entry.layout = policy.graph.layout_of(self.fn)
         entry.modes = policy.graph.modes_of(self.fn)
