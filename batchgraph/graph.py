@@ -17,7 +17,6 @@ is row ``loc & ROW_MASK`` of store ``loc >> STORE_SHIFT`` where ``loc = node_loc
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import weakref
@@ -30,6 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from batchgraph.autocasting import AutocastState
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import ShapeMismatchError
+from batchgraph.handing_out import own_copy, reading
 from batchgraph.key_reads import KeyReads, ModuleParts
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.placeholders import is_placeholder
@@ -442,47 +442,6 @@ def _describe(spec: TensorSpec | None) -> str:
 
 # Constants up to this many elements are merged by value; larger ones never.
 _VALUE_DEDUPE_NUMEL = 16
-
-
-def reading(column: Any) -> contextlib.AbstractContextManager[Any]:
-    """Where rows of ``column``, a computed value, are taken for the caller: with grad
-    on and outside inference mode when it has history, so that its rows keep it, as
-    the eager value would, whatever mode the caller reads in (a view taken under
-    no_grad or in inference mode has none); in the caller's mode otherwise."""
-    if getattr(column, "requires_grad", False) and (
-        not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
-    ):
-        return _handing_out()
-    return contextlib.nullcontext()
-
-
-def _handing_out() -> contextlib.AbstractContextManager[Any]:
-    if torch.is_inference_mode_enabled():
-        return torch.inference_mode(False)  # which also turns grad on
-    return torch.enable_grad()
-
-
-def private_rows(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The rows of a copy of ``column``, a stored value, for handing out many at once
-    (one copy for all; see ``Graph.leaf_value`` for why a copy). A row that several
-    handles stand for (a merged node) is copied again for each (``own_copy``)."""
-    copy = own_copy(column)
-    with reading(copy):
-        return copy.unbind(0)
-
-
-def own_copy(value: torch.Tensor) -> torch.Tensor:
-    """A copy that is what ``value`` is: an inference tensor (copied in inference
-    mode), or a normal tensor with ``value``'s history (copied where it is recorded),
-    also when the caller reads in inference mode."""
-    if value.is_inference():
-        with torch.inference_mode():
-            return value.clone()
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):  # which also turns grad on
-            return value.clone()
-    with reading(value):
-        return value.clone()
 
 
 def _no_policy() -> None:

@@ -28,7 +28,8 @@ from batchgraph.aliasing import check_changed
 from batchgraph.eager_grad import eager_requires_grad, reads_grad
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
-from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph, own_copy, private_rows
+from batchgraph.graph import ROW_MASK, STORE_SHIFT, Graph
+from batchgraph.handing_out import own_copy, private_rows
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import ConstantKey, callable_name
 from batchgraph.passes import prune
