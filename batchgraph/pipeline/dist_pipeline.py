@@ -23,7 +23,6 @@ gradient of a mean (or sum) loss.
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +34,6 @@ from torch import Tensor, nn
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.checkpoint import CheckpointMethods, StateNames, guard_split
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
-from batchgraph.pipeline.dist_batch import check_batches, gather_counts, local_counts
 from batchgraph.pipeline.dist_build import (
     StageSpec,
     build_local_stages,
@@ -43,12 +41,7 @@ from batchgraph.pipeline.dist_build import (
     sync_replicas,
 )
 from batchgraph.pipeline.dist_comm import DistCommunicator
-from batchgraph.pipeline.dist_errors import (
-    FailureRecord,
-    PeerFailedError,
-    clear_frames,
-    rank_error,
-)
+from batchgraph.pipeline.dist_failing import RankFailures
 from batchgraph.pipeline.dist_loss import StepLoss, count_over_replicas
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
@@ -66,7 +59,7 @@ from batchgraph.pipeline.dist_topology import (
     check_same_config,
     clock_offsets,
 )
-from batchgraph.pipeline.errors import PipelineClosedError, PipelineConfigError, StageError
+from batchgraph.pipeline.errors import PipelineConfigError, StageError
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import (
     Batch,
@@ -95,7 +88,7 @@ def _describe(schedule: str | PipelineSchedule) -> str:
     return f"{schedule.name}[{order}]"
 
 
-class DistributedPipeline(CheckpointMethods):
+class DistributedPipeline(CheckpointMethods, RankFailures):
     """Pipeline training across processes: this rank's share of a pipeline (x replicas).
 
     Call it the same way on every rank of an initialised process group of
@@ -105,9 +98,10 @@ class DistributedPipeline(CheckpointMethods):
         module: the model as an ``nn.Sequential`` (split into ``stages * chunks`` parts by
             parameter count; build it under ``torch.device("meta")`` so no rank
             materialises it, this rank's parts are then allocated and initialised with
-            ``reset_parameters``: a parameter or buffer that none sets is refused, naming
-            it), or one entry per model stage, each an ``nn.Module`` or a
-            zero-argument factory that only the rank running that stage calls.
+            ``reset_parameters``: a floating parameter or buffer that none sets is
+            NaN, and a warning names it), or one entry per model stage, each an
+            ``nn.Module`` or a zero-argument factory that only the rank running that
+            stage calls.
         stages: devices per pipeline p (ranks per pipeline).
         microbatches: microbatches per step m (per replica).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``, ``"sync"``, or
@@ -369,14 +363,6 @@ class DistributedPipeline(CheckpointMethods):
     def _has_last(self) -> bool:
         return self.schedule.stages - 1 in self.stages
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PipelineClosedError("this pipeline is closed; build a new one")
-        if self._failed is not None:
-            raise PipelineClosedError(
-                f"this pipeline failed ({self._failed}); its process groups are gone, build a new one"
-            ) from self._failed
-
     def _step_guarded(self, inputs: Batch | None, targets: Batch | None, *, train: bool) -> Any:
         self._check_open()
         total_n = self._check_batches(inputs, targets, train)
@@ -412,60 +398,6 @@ class DistributedPipeline(CheckpointMethods):
             if isinstance(result, Tensor) and not last.bare:  # the model returns (h,)
                 result = (result,)
         return result
-
-    def _fail(self, exc: BaseException, keep_frames: bool = False) -> BaseException:
-        """Publish the failure, tear down the groups (waking blocked peers), name this rank."""
-        self._failed = exc
-        rank = self.topology.rank
-        error = rank_error(exc, rank, self.groups.board)
-        if not isinstance(error, PeerFailedError):
-            self.groups.board.publish(FailureRecord.of(rank, error))
-        self.comm.abort(exc)
-        self.groups.destroy()
-        # Destroying a gloo group closes its connections only when the group is freed,
-        # and the transfers this rank had in flight hold it: a peer blocked on this rank
-        # would wait until this process exits or its timeout passes (a caller that
-        # catches the error and goes on, to log or save, kept every peer waiting). So
-        # every holder lets go, and the peers wake now and read the board. The frames of
-        # a wait that failed hold its transfer too; a stage's error keeps its frames
-        # (the user's code, for post-mortem debugging), which hold no transfer.
-        self.comm.release()
-        if self._gather is not None:
-            self._gather.release()
-        self.tied.release()
-        if not (keep_frames or isinstance(exc, StageError)):
-            clear_frames(exc)
-        gc.collect()
-        return error
-
-    def _check_batches(self, inputs: Batch | None, targets: Batch | None, train: bool) -> int:
-        """The step's global batch size; raises what every rank raises for bad batches.
-
-        Before the step begins (no message sent, no gradient stashed), so a refused
-        batch leaves the pipeline usable, as in the threads backend; for ``forward`` too
-        (an evaluation's last, smaller batch failed rank 0 inside the step, which tore
-        the process groups down for good).
-        """
-        # Stops at the first trainable parameter: costs nothing in the usual case.
-        params = (p for s in self.stages.values() for p in s.module.parameters())
-        trainable = any(p.requires_grad for p in params)
-        counts, own_error = local_counts(
-            inputs, targets, first=self._has_first, last=self._has_last and train,
-            trainable=trainable, train=train,
-        )  # fmt: skip
-        try:
-            every = gather_counts(self.groups.control, counts, self.comm.device)
-        except BaseException as exc:  # a peer is gone or stuck: the pipeline cannot go on
-            raise self._fail(exc) from exc
-        first, last = self.schedule.device_of(0), self.schedule.device_of(self.schedule.stages - 1)
-        total, error = check_batches(
-            every, self.topology, first, last, self.schedule.microbatches, train=train
-        )
-        if own_error is not None:
-            raise own_error  # this rank's own words for its batch; the others name it
-        if error is not None:
-            raise error
-        return total
 
     def _run(
         self, inputs: Batch | None, targets: Batch | None, total_n: int, *, train: bool
