@@ -250,6 +250,10 @@ class CallSite:
                     entry = self._entry(policy, args, kwargs, tuple(sig))
                     if simple:
                         self.last = (sig, entry)
+            if entry.on_copy and type(args[0]) is not ResultHandle:
+                # Resolved for a handle changed in place (h.add_(g)); a tensor of the
+                # same spec (t.add_(g)) has its signature, but it may not change so.
+                raise cast(Exception, in_place_error(self.fn, self.name, args, kwargs))
             refs = tuple(inputs)
         if handed and (entry.view if entry.view is not None else self._note_view(entry)):
             # A view of a value handed out: eagerly it shares the value's memory, and

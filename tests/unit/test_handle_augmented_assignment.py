@@ -236,6 +236,36 @@ def test_a_tensor_changed_in_place_with_a_recorded_value_is_refused() -> None:
     assert torch.equal(t, torch.ones(3))
 
 
+_CHANGES: dict[str, Callable[[Any, Any], Any]] = {
+    "add_": lambda t, g: t.add_(g),
+    "mul_": lambda t, g: t.mul_(g),
+    "copy_": lambda t, g: t.copy_(g),
+    "addcmul_": lambda t, g: t.addcmul_(g, g, value=0.5),
+    "+=": operator.iadd,
+}
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # addcmul_ through vmap
+@pytest.mark.parametrize("change", sorted(_CHANGES))
+def test_a_tensor_is_refused_the_change_a_handle_of_its_spec_made_before(change: str) -> None:
+    # The signature of `h.add_(g)` (recorded on a copy, h rebound to it) is the one of
+    # `t.add_(g)` for a tensor t of h's spec: the cached entry took t for a handle and
+    # failed with "'Tensor' object has no attribute '_graph'" (found by the DAG fuzzer).
+    fn = _CHANGES[change]
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3, 4)) * 1
+        g = bg.batched_value(torch.ones(3, 4)) * 2
+        fn(h, g)
+        t = torch.ones(3, 4)
+        with pytest.raises(RuntimeError, match="would change a tensor in place"):
+            fn(t, g)
+        got = bg.compute(h)
+    assert torch.equal(t, torch.ones(3, 4))
+    want = torch.ones(3, 4)
+    fn(want, torch.ones(3, 4) * 2)
+    torch.testing.assert_close(got, want)
+
+
 def test_the_refusal_of_copy_into_a_tensor_advises_code_that_records() -> None:
     # t.copy_(h) advised `t = torch.copy(t, ...)`, which torch has not; the form it
     # advises now records, and gives what copy_ makes eagerly.
