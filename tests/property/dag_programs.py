@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import batchgraph as bg
+from tests.property.dag_math_ops import MATH_OPS
 from tests.property.tensor_programs import broadcasts
 
 Op = Callable[[Any, Any, int], Any]
@@ -279,6 +280,7 @@ OPS: dict[str, Op] = {
     "scan": _scan,
     "product": _product,
     "data_dependent": _data_dependent,
+    **MATH_OPS,
 }
 # Values made by these are views of their input (a changed view would change it):
 # no in-place change is made to either afterwards.
