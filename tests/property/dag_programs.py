@@ -256,6 +256,11 @@ def _data_dependent(a: Any, b: Any, c: int) -> Any:
     return torch.masked_select(a, _real(a).double().abs() > 0.5)
 
 
+def _copy(a: Any, b: Any, c: int) -> Any:
+    """A copy of ``a``: the step ``computed`` computes it as soon as it is made."""
+    return a.clone() if c % 3 else a * 1
+
+
 OPS: dict[str, Op] = {
     "add": _binary(lambda x, y: x + y),
     "sub": _binary(lambda x, y: x - y),
@@ -280,6 +285,7 @@ OPS: dict[str, Op] = {
     "scan": _scan,
     "product": _product,
     "data_dependent": _data_dependent,
+    "computed": _copy,
     **MATH_OPS,
 }
 # Values made by these are views of their input (a changed view would change it):
@@ -301,6 +307,10 @@ class Run:
         name, pick_a, pick_b, c = step
         ia = pick_a % len(self.values)
         a, b = self.values[ia], self.values[pick_b % len(self.values)]
+        if compute is not None and name == "in_place" and isinstance(a, torch.Tensor):
+            # A tensor handed out by a compute: its copy is changed with recorded
+            # values, which a plain tensor may not be (see the README).
+            a = bg.batched_value(a)
         if name == "in_place" and c % 4 == 3:
             # The value itself, where it may change (the name bound to it sees it).
             if not self.own[ia]:
@@ -314,6 +324,11 @@ class Run:
             if name == "data_dependent":
                 # Computed now, and a per-example value again for the steps after it.
                 value = bg.batched_value(compute(value))
+            elif name == "computed":
+                # Computed now: later steps read the tensor handed out (a constant
+                # with history), or the handle, whose calls read the stored rows.
+                done = compute(value)
+                value = done if c % 2 and isinstance(done, torch.Tensor) else value
             elif isinstance(value, torch.Tensor):
                 # Made from plain tensors alone: a per-example value of its own too,
                 # which later steps may change in place with recorded values (a plain
