@@ -295,47 +295,54 @@ _VIEWS = frozenset({"view"})
 _OWN = frozenset({"add", "sub", "mul", "div", "where", "unary", "in_place"})
 
 
+# Steps whose values are computed as soon as they are made, when recorded.
+_NOW = frozenset({"data_dependent", "computed"})
+
+
 class Run:
     """One example's run of a program: its values, and which of them may change in
-    place (made by an op in ``_OWN``, with no view taken of them since)."""
+    place (made by an op in ``_OWN``, with no view taken of them since).
+
+    A step is ``make`` (its value, or None where it does not fit) then ``keep``; in
+    between, a recorded run computes the values of the steps in ``_NOW`` (with
+    ``bg.compute``, or ``await bg.value`` in a coroutine example).
+    """
 
     def __init__(self, inputs: list[Any]) -> None:
         self.values = list(inputs)
         self.own = [False] * len(inputs)
 
-    def step(self, step: Step, compute: Callable[[Any], Any] | None) -> None:
+    def make(self, step: Step, recorded: bool) -> Any:
         name, pick_a, pick_b, c = step
         ia = pick_a % len(self.values)
         a, b = self.values[ia], self.values[pick_b % len(self.values)]
-        if compute is not None and name == "in_place" and isinstance(a, torch.Tensor):
+        if recorded and name == "in_place" and isinstance(a, torch.Tensor):
             # A tensor handed out by a compute: its copy is changed with recorded
             # values, which a plain tensor may not be (see the README).
             a = bg.batched_value(a)
         if name == "in_place" and c % 4 == 3:
             # The value itself, where it may change (the name bound to it sees it).
-            if not self.own[ia]:
-                return
-            value = _change(a, b, c // 4)
-        else:
-            value = OPS[name](a, b, c)
-        if value is None:
-            return
-        if compute is not None:
+            return _change(a, b, c // 4) if self.own[ia] else None
+        return OPS[name](a, b, c)
+
+    def keep(self, step: Step, value: Any, recorded: bool, done: Any = None) -> None:
+        """Keep ``value``, made by ``step``; ``done`` is what computing it gave."""
+        name, pick_a, _, c = step
+        if recorded:
             if name == "data_dependent":
-                # Computed now, and a per-example value again for the steps after it.
-                value = bg.batched_value(compute(value))
+                # A per-example value again for the steps after it.
+                value = bg.batched_value(done)
             elif name == "computed":
-                # Computed now: later steps read the tensor handed out (a constant
-                # with history), or the handle, whose calls read the stored rows.
-                done = compute(value)
-                value = done if c % 2 and isinstance(done, torch.Tensor) else value
+                # Later steps read the tensor handed out (a constant with history), or
+                # the handle, whose calls read the stored rows.
+                value = done if c % 2 else value
             elif isinstance(value, torch.Tensor):
                 # Made from plain tensors alone: a per-example value of its own too,
                 # which later steps may change in place with recorded values (a plain
                 # tensor may not change so: see the README).
                 value = bg.batched_value(value).clone()
         if name in _VIEWS:
-            self.own[ia] = False
+            self.own[pick_a % len(self.values)] = False
         self.values.append(value)
         self.own.append(name in _OWN)
 
@@ -345,10 +352,17 @@ def run_eagerly(program: list[Step], inputs: list[torch.Tensor]) -> tuple[list[A
     run, failed = Run(inputs), set()
     for k, step in enumerate(program):
         try:
-            run.step(step, None)
+            value = run.make(step, recorded=False)
         except (RuntimeError, TypeError, IndexError, ValueError):
             failed.add(k)
+            continue
+        if value is not None:
+            run.keep(step, value, recorded=False)
     return run.values, failed
+
+
+def _now(value: Any, compute: Callable[[Any], Any]) -> Any:
+    return value if isinstance(value, torch.Tensor) else compute(value)
 
 
 def run_recorded(program: list[Step], inputs: list[Any], leave_out: set[int]) -> list[Any]:
@@ -356,6 +370,21 @@ def run_recorded(program: list[Step], inputs: list[Any], leave_out: set[int]) ->
     computed as they are made (``bg.compute``, inside the open policy)."""
     run = Run(inputs)
     for k, step in enumerate(program):
-        if k not in leave_out:
-            run.step(step, bg.compute)
+        if k not in leave_out and (value := run.make(step, recorded=True)) is not None:
+            done = _now(value, bg.compute) if step[0] in _NOW else None
+            run.keep(step, value, recorded=True, done=done)
+    return run.values
+
+
+async def run_awaiting(program: list[Step], inputs: list[torch.Tensor],
+                       leave_out: set[int]) -> list[Any]:
+    """``run_recorded`` as a coroutine example (for ``bg.run_all``): the inputs enter
+    as ``batched_value``, and values are read with ``await bg.value``."""
+    run = Run([bg.batched_value(t) for t in inputs])
+    for k, step in enumerate(program):
+        if k not in leave_out and (value := run.make(step, recorded=True)) is not None:
+            done = None
+            if step[0] in _NOW:
+                done = value if isinstance(value, torch.Tensor) else await bg.value(value)
+            run.keep(step, value, recorded=True, done=done)
     return run.values

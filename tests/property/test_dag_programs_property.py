@@ -4,13 +4,15 @@ Each example runs a program from ``dag_programs`` (most share one, some have the
 own) on three inputs of its own shapes and dtypes, so that some calls batch and some
 do not. Every value is compared with the eager run (shape, dtype, values, and whether
 it requires grad), and so are the gradients of a weighted sum of all the floating
-values with respect to the inputs and a module's parameters. Data-dependent values are
-computed as they are made, inside the open policy, so later steps read them in a later
-compute.
+values with respect to the inputs and a module's parameters. Data-dependent values
+(and some others) are computed as they are made, inside the open policy, so later steps
+read them in a later compute; the same programs also run as coroutine examples
+(``bg.run_all``), reading those values with ``await bg.value(h)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
-from tests.property.dag_programs import LINEAR, OPS, Step, run_eagerly, run_recorded
+from tests.property.dag_programs import (
+    LINEAR,
+    OPS,
+    Step,
+    run_awaiting,
+    run_eagerly,
+    run_recorded,
+)
 
 _SHAPES = [(3, 4), (2, 4), (4,), (), (3,), (0,)]
 _OTHER_DTYPES = [torch.float64, torch.float32, torch.complex128, torch.int64, torch.bool]
@@ -84,11 +93,11 @@ def _grads(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return grads
 
 
-@settings(max_examples=3 * settings.default.max_examples)
-@given(shared=programs, spec=examples, dedupe=st.booleans(), seed=st.integers(0, 2**16))
-def test_dag_programs_of_mixed_dtypes_batched_equal_eager(
-    shared: list[Step], spec: list[Example], dedupe: bool, seed: int
-) -> None:
+def _check(spec: list[Example], shared: list[Step], seed: int,
+           batched: Callable[[list[Step], list[list[torch.Tensor]], list[set[int]]], list[list[Any]]],
+           ) -> None:
+    """Run the examples eagerly and through ``batched(programs, inputs, left_out)``;
+    compare values, whether they require grad, and gradients."""
     inputs = _inputs(spec, seed)
     program_of = [own or shared for *_, own in spec]
     eager_inputs, inputs_b = _copies(inputs), _copies(inputs)
@@ -99,11 +108,7 @@ def test_dag_programs_of_mixed_dtypes_batched_equal_eager(
         values, failed = run_eagerly(program, xs)
         eager.append(values)
         left_out.append(failed)
-
-    with bg.BatchingPolicy(dedupe=dedupe):
-        handles = [run_recorded(program, [bg.batched_value(t) for t in xs], failed)
-                   for program, xs, failed in zip(program_of, inputs_b, left_out)]
-        got = bg.compute(handles)
+    got = batched(program_of, inputs_b, left_out)
 
     for i, (want, values) in enumerate(zip(eager, got)):
         assert len(values) == len(want), f"example {i}"
@@ -136,3 +141,35 @@ def test_dag_programs_of_mixed_dtypes_batched_equal_eager(
             torch.testing.assert_close(g, w, rtol=1e-6 if loose else 1e-4,
                                        atol=1e-7 if loose else 1e-4, equal_nan=True,
                                        msg=f"gradient {k}")
+
+
+@settings(max_examples=3 * settings.default.max_examples)
+@given(shared=programs, spec=examples, dedupe=st.booleans(), seed=st.integers(0, 2**16))
+def test_dag_programs_of_mixed_dtypes_batched_equal_eager(
+    shared: list[Step], spec: list[Example], dedupe: bool, seed: int
+) -> None:
+    def batched(program_of: list[list[Step]], inputs: list[list[torch.Tensor]],
+                left_out: list[set[int]]) -> list[list[Any]]:
+        with bg.BatchingPolicy(dedupe=dedupe):
+            handles = [run_recorded(program, [bg.batched_value(t) for t in xs], failed)
+                       for program, xs, failed in zip(program_of, inputs, left_out)]
+            return bg.compute(handles)  # type: ignore[no-any-return]
+
+    _check(spec, shared, seed, batched)
+
+
+@given(shared=programs, spec=examples, groups=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_dag_programs_as_coroutines_equal_eager(
+    shared: list[Step], spec: list[Example], groups: int, seed: int
+) -> None:
+    # The same programs as coroutine examples (bg.run_all), reading the values they
+    # compute as they go with `await bg.value(h)`.
+    def batched(program_of: list[list[Step]], inputs: list[list[torch.Tensor]],
+                left_out: list[set[int]]) -> list[list[Any]]:
+        return bg.run_all(  # type: ignore[no-any-return]
+            [run_awaiting(program, xs, failed)
+             for program, xs, failed in zip(program_of, inputs, left_out)],
+            groups=groups,
+        )
+
+    _check(spec, shared, seed, batched)
