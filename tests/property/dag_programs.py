@@ -1,10 +1,10 @@
 """Random per-example programs that are DAGs over values of mixed dtypes.
 
 Where ``tensor_programs`` applies a catalog of operations to one float64 value at a
-time, these programs start from three inputs per example (a float64 value, a value of
-any dtype, an int64 index vector), reuse every value made so far as either operand,
-and combine them with plain tensors shared by all examples, Python scalars and 0-d
-tensors of every dtype: type promotion (bool, int64, float32, float64, complex128),
+time, these programs start from three inputs per example (a floating or complex value,
+a value of any dtype, an int64 index vector), reuse every value made so far as either
+operand, and combine them with plain tensors shared by all examples, Python scalars
+and 0-d tensors of every dtype: type promotion (bool, int64, float32, float64, complex128),
 broadcasting between per-example values and shared ones, in-place changes of
 recorded values (``add_``, ``copy_``, ``masked_fill_``, ``index_put_``, ``h[i] = v``),
 view chains, advanced indexing, scatter and gather, sorting and scans, products, a
@@ -188,6 +188,10 @@ def _combine(a: Any, b: Any, c: int) -> Any:
 def _change(z: Any, b: Any, c: int) -> Any:
     """``z`` changed in place by an in-place method, augmented or item assignment."""
     v = b if broadcasts(z, b) and torch.broadcast_shapes(z.shape, b.shape) == z.shape else b.sum()
+    if not (z.is_floating_point() or z.is_complex()):
+        # Eagerly an int tensor changed by a value that requires grad gets a grad_fn
+        # (which torch allows nowhere else), and so do the floats made from it.
+        v = v.detach()
     kind = c % 10
     if kind == 0:
         z.add_(v)
