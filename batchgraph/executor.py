@@ -446,11 +446,13 @@ class Executor:
                 # The error of the call as eager code makes it, where it fails so:
                 # a batch of one (through vmap, say) names dimensions of the batch
                 # ("out of bounds for dimension 1" for the example's dimension 0).
-                alone = _eager_error(key, inputs, i) or single
-                failing = (
-                    f" Run alone, the call of {where} (row {i}) fails too: "
-                    f"{type(alone).__name__}: {alone}"
-                )
+                alone = _eager_error(key, inputs, i)
+                failing = (f" Run alone, the call of {where} (row {i}) fails too: "
+                           f"{type(alone).__name__}: {alone}") if alone is not None else (
+                    f" Made as eager code makes it, the call of {where} (row {i}) runs: "
+                    f"the rule fails where eager code does not (a batch of one: "
+                    f"{type(single).__name__}: {single}). Register bg.UnbatchedKey for "
+                    "the callable to run its calls one at a time (and report our rules).")
                 break
         shown = ", ".join(map(str, examples[:10])) + (" ..." if len(examples) > 10 else "")
         return BatchedCallError(

@@ -340,3 +340,26 @@ def test_a_function_changing_its_input_in_place_is_refused_where_recorded() -> N
     with bg.BatchingPolicy():
         total = doubled_copy(bg.batched_value(torch.ones(3)))  # a copy: recorded
     torch.testing.assert_close(bg.compute(total), torch.tensor(6.0))
+
+
+class _FailingKey(bg.StackKey):
+    """A rule that fails on every batch, where the call itself runs."""
+
+    def run(self, fn: Any, inputs: Any, size: int) -> Any:
+        raise ValueError("this rule cannot batch")
+
+
+def test_a_rule_failing_where_the_call_runs_eagerly_says_so() -> None:
+    # The diagnosis ran a batch of one through the rule itself and, when the eager
+    # call ran, reported the rule's own error as "the call fails too" (found while
+    # fuzzing, where vmap failed on examples with no elements).
+    site = bg.batched_func(torch.tanh)
+    with bg.BatchingPolicy(rules={torch.tanh: _FailingKey}):
+        hs = [site(bg.batched_value(torch.full((2,), v))) for v in (1.0, 2.0)]
+    with pytest.raises(bg.BatchedCallError) as err:
+        bg.compute(hs)
+    message = str(err.value)
+    assert "fails too" not in message
+    assert "the call of example 0 (row 0) runs: the rule fails where eager code does not" in message
+    assert "ValueError: this rule cannot batch" in message
+    assert "bg.UnbatchedKey" in message
