@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from batchgraph.errors import BatchedCallError
-from batchgraph.keys import BatchKey, VmapKey, callable_name
+from batchgraph.keys import BatchKey, UnbatchedKey, VmapKey, callable_name
 from batchgraph.specs import OutSpec, TensorSpec, spec_leaves
 
 __all__ = ["check_columns", "check_stacked", "rule_advice"]
@@ -109,6 +109,16 @@ def check_columns(
                 continue
             if leaf.shape != leaf_spec.shape or leaf.device != leaf_spec.device or (
                     leaf.dtype != leaf_spec.dtype and not autocast):
+                if type(key) is UnbatchedKey:
+                    # It ran the call as eager code does: the spec was wrong, not the rule.
+                    raise BatchedCallError(
+                        f"{callable_name(key.fn)} returned a {tuple(leaf.shape)} "
+                        f"{leaf.dtype} tensor on {leaf.device} (output {i}) for {where}, "
+                        f"run alone as eager code runs it, where its run on fake tensors "
+                        f"gave {leaf_spec.describe()} when it was recorded: torch's fake "
+                        "and real runs of it disagree (x.nansum(dim=[]) does; write it "
+                        "another way, x.nansum()), or it reads state changed since."
+                    )
                 raise BatchedCallError(
                     f"{key.label} returned a {tuple(leaf.shape)} {leaf.dtype} tensor on "
                     f"{leaf.device} (output {i}) for {where} (row {row} of a batch of "

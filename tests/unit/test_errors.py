@@ -363,3 +363,17 @@ def test_a_rule_failing_where_the_call_runs_eagerly_says_so() -> None:
     assert "the call of example 0 (row 0) runs: the rule fails where eager code does not" in message
     assert "ValueError: this rule cannot batch" in message
     assert "bg.UnbatchedKey" in message
+
+
+def test_a_call_run_alone_against_a_wrong_inference_blames_the_inference() -> None:
+    # torch's fake run of x.nansum(dim=[]) keeps x's shape, its real run reduces all:
+    # the call runs alone (UnbatchedKey), so the rule was blamed (and VmapKey advised)
+    # for what only the recorded spec got wrong (found by the fuzzer).
+    with bg.BatchingPolicy():
+        h = bg.batched_value(torch.ones(3, 4)).nansum(dim=[])
+    with pytest.raises(bg.BatchedCallError) as err:
+        bg.compute(h)
+    message = str(err.value)
+    assert "gave (3, 4) float32 on cpu when it was recorded" in message
+    assert "x.nansum()" in message
+    assert "batching rule" not in message and "VmapKey" not in message
