@@ -21,7 +21,7 @@ class Entry:
 
     Example:
         >>> import batchgraph as bg, torch
-        >>> site = bg.batched_func(torch.tanh)
+        >>> site = bg.batched_func(torch.nn.Linear(2, 2))  # a site of its own
         >>> with bg.BatchingPolicy():
         ...     _ = site(torch.zeros(2))
         >>> [type(e).__name__ for e in site.cache.values()]

@@ -252,7 +252,9 @@ def _versions(params: tuple[torch.Tensor, ...]) -> Versions:
 def _pointers(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
     try:
         return tuple([p.data_ptr() for p in params])
-    except RuntimeError:  # a sparse parameter has no one data pointer: not watched
+    except (RuntimeError, ValueError):
+        # A sparse parameter has no one data pointer, an uninitialized one (a lazy
+        # module's) none yet: not watched.
         return (0,) * len(params)
 
 
