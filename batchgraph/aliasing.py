@@ -28,6 +28,10 @@ from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
 from torch.utils._pytree import tree_leaves, tree_map
 
 if TYPE_CHECKING:
@@ -262,14 +266,31 @@ def _run_and_see(key: BatchKey) -> bool:
 
     try:
         with on_fake_tensors():
-            fakes = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
-                     for s in call.input_specs]
-            out = call.apply(key.fn, fakes)
-            inputs = {f.untyped_storage()._cdata for f in fakes}
-            return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in inputs
-                       for t in tree_leaves(out))
+            return _shares_input(call, key.fn, [torch.empty(s.shape, dtype=s.dtype, device=s.device)
+                                       for s in call.input_specs])
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        pass
     except Exception:  # not runnable on fakes: as before, not a view
         return False
+    # Whether it is a view depends on values fakes lack (x[i], i a 0-d integer tensor,
+    # is x.select(0, i), a view): run once on real zeros, one element each expanded to
+    # its shape, so the inputs take no memory.
+    try:
+        with torch.no_grad():
+            return _shares_input(call, key.fn, [
+                torch.zeros((), dtype=s.dtype, device=s.device).expand(s.shape)
+                for s in call.input_specs])
+    except Exception:  # fails on zeros: as before, not a view
+        return False
+
+
+def _shares_input(call: Any, fn: Callable[..., Any], inputs: list[torch.Tensor]) -> bool:
+    """Whether ``call`` (a key's CallSignature) of ``fn`` on ``inputs`` returns a tensor
+    sharing memory with one of them."""
+    out = call.apply(fn, inputs)
+    storages = {t.untyped_storage()._cdata for t in inputs}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages
+               for t in tree_leaves(out))
 
 
 def _label(key: BatchKey) -> str:

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -165,3 +166,36 @@ def test_a_function_returning_its_input_is_still_one_recorded_call() -> None:
         assert (h.node, 0) in policy.graph.node_inputs[doubled.node]
         assert doubled._out is None and state._out is None
         assert torch.equal(bg.compute(doubled), torch.full((3,), 2.0))
+
+
+@given(index=st.integers(-2, 1), computed=st.booleans(), by=st.integers(1, 3))
+def test_an_index_by_a_0d_integer_tensor_is_a_view(index: int, computed: bool, by: int) -> None:
+    # Eagerly y[i], i a 0-d integer tensor, is y.select(0, i): a view of y. Whether it
+    # is one cannot be seen on fake tensors (it reads i's value); it was taken for no
+    # view, so a change of y did not reach the calls recorded on it afterwards.
+    x = torch.arange(6.0).reshape(2, 3)
+    eager_y = -x
+    eager_row = eager_y[torch.tensor(index)]
+    eager_y.add_(by)
+    with bg.BatchingPolicy():
+        h = bg.batched_func(torch.neg)(x)
+        i = bg.batched_value(torch.tensor(index))
+        if computed:  # an index computed by a call rather than given
+            i = bg.batched_func(torch.clone)(torch.tensor(index))
+            bg.compute(i)
+        y = bg.compute(h)
+        row = h[i]
+        y.add_(by)
+        got = bg.compute(row * 2)
+    torch.testing.assert_close(got, eager_row * 2)
+
+
+def test_an_in_place_change_reaches_an_index_by_a_0d_integer_tensor() -> None:
+    # Recorded h += 1 changes the row eagerly, which batched values cannot follow:
+    # refused, as for h[0], rather than read as before the change.
+    with bg.BatchingPolicy():
+        h = bg.batched_func(torch.neg)(torch.zeros(2, 3))
+        row = h[bg.batched_value(torch.tensor(1))]
+        h += 1
+        with pytest.raises(TypeError, match="shares memory eagerly"):
+            bg.compute(row * 2)
