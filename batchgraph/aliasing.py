@@ -223,7 +223,12 @@ def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple
     real_args, real_kwargs = tree_map(value, (args, kwargs))
     if missing:
         return NOT_VIEWED
-    views = fn(*real_args, **real_kwargs)
+    try:
+        views = fn(*real_args, **real_kwargs)
+    except Exception:
+        # It fails eagerly (an index out of range): recorded as any call, it fails at
+        # compute with the eager error (BatchedCallError), as calls do.
+        return NOT_VIEWED
     plain_args, plain_kwargs = tree_map(_not_handed, (args, kwargs))
     recorded = site(*plain_args, **plain_kwargs)
     for handle, view in zip(tree_leaves(recorded), tree_leaves(views), strict=True):
