@@ -175,13 +175,16 @@ def makes_view(fn: Callable[..., Any], key: BatchKey) -> bool:
         >>> makes_view(torch.Tensor.__getitem__, key(row)), makes_view(torch.sum, key(total))
         (True, False)
     """
+    return _tensor_operation(fn) and _aliases(key)
+
+
+def _tensor_operation(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is torch's (or stands for torch's): not a module, nor the user's
+    own function."""
     if isinstance(fn, torch.nn.Module):
         return False
-    if type(fn) is FunctionType and not (
-        (fn.__module__ or "").startswith("torch") or fn.__module__ in _OUR_TENSOR_OPERATIONS
-    ):
-        return False
-    return _aliases(key)
+    return type(fn) is not FunctionType or (
+        (fn.__module__ or "").startswith("torch") or fn.__module__ in _OUR_TENSOR_OPERATIONS)
 
 
 def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -279,7 +282,10 @@ def _run_and_see(key: BatchKey) -> bool:
         return False
     # Whether it is a view depends on values fakes lack (x[i], i a 0-d integer tensor,
     # is x.select(0, i), a view): run once on real zeros, one element each expanded to
-    # its shape, so the inputs take no memory.
+    # its shape, so the inputs take no memory. Only torch's own deterministic
+    # operations: the user's code may have effects (a counter, random draws).
+    if not (_tensor_operation(key.fn) and key.deterministic):
+        return False
     try:
         with torch.no_grad():
             return _shares_input(call, key.fn, [

@@ -199,3 +199,20 @@ def test_an_in_place_change_reaches_an_index_by_a_0d_integer_tensor() -> None:
         h += 1
         with pytest.raises(TypeError, match="shares memory eagerly"):
             bg.compute(row * 2)
+
+
+def test_alias_checks_do_not_run_the_users_functions_on_real_values() -> None:
+    # Whether a call makes a view is worked out on fake tensors; where those cannot
+    # run it (indexing by a value), torch's own operations run once on real zeros,
+    # but not the user's code, whose effects (random draws here) would show.
+    def pick(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return x[i] + torch.rand(())
+
+    torch.manual_seed(0)
+    with bg.BatchingPolicy():
+        h = bg.batched_func(torch.neg)(torch.zeros(3, 4))
+        i = bg.batched_value(torch.tensor(1))
+        bg.batched_func(pick)(h, i)
+        state = torch.get_rng_state()
+        h += 1  # finds the values sharing memory with h: asks whether pick makes a view
+        assert torch.equal(torch.get_rng_state(), state)
