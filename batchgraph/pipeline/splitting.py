@@ -226,7 +226,7 @@ def devices_of_stages(
         if not (isinstance(stage, Stage) and stage.device_given):
             continue
         where = plan.device_of(index)
-        if named.setdefault(where, stage.device) != stage.device:
+        if not _same_device(named.setdefault(where, stage.device), stage.device):
             raise PipelineConfigError(
                 f"Stage {index} asks for {stage.device}, but another stage of pipeline "
                 f"device {where} asks for {named[where]}: a device's stages run together"
@@ -234,8 +234,10 @@ def devices_of_stages(
     if not named:
         return devices
     if devices is not None:
+        if len(devices) != plan.devices:
+            return devices  # the pipeline refuses the count, naming it
         for where, device in named.items():
-            if torch.device(devices[where]) != device:
+            if not _same_device(torch.device(devices[where]), device):
                 raise PipelineConfigError(
                     f"devices[{where}] is {devices[where]}, but its Stages ask for {device}; "
                     "give one or the other"
@@ -248,3 +250,9 @@ def devices_of_stages(
             "do not: name one on every Stage, or give devices=[...] to the Pipeline"
         )
     return [named[where] for where in range(plan.devices)]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` can name one device: ``"cuda"`` (the current one) and
+    ``"cuda:0"`` may, so they are not told apart here."""
+    return a.type == b.type and (a.index == b.index or a.index is None or b.index is None)

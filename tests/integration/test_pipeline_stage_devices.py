@@ -76,3 +76,20 @@ def test_stages_of_one_device_naming_two_devices_are_refused() -> None:
     with pytest.raises(PipelineConfigError, match="another stage of pipeline device 0 asks for cpu"):
         Pipeline(stages, schedule="interleaved-1f1b", chunks=2, microbatches=2,
                  loss_fn=nn.MSELoss(), timeout=30)
+
+
+def test_a_device_named_with_and_without_its_index_is_one_device() -> None:
+    # "cuda" is the current CUDA device, maybe "cuda:0": not a contradiction ("meta"
+    # stands in for a device type here: no CUDA is needed to build the check).
+    _SEEN.clear()
+    with Pipeline(_stages(mlp(layers=4), ["meta:0", "meta"]), microbatches=2,
+                  loss_fn=nn.MSELoss(), devices=["meta", "meta:0"], backend="noting-threads",
+                  timeout=30):
+        pass
+    assert _SEEN[-1].devices == [torch.device("meta"), torch.device("meta:0")]
+
+
+def test_too_few_devices_beside_stages_naming_theirs_are_refused_by_count() -> None:
+    with pytest.raises(PipelineConfigError, match="devices has 1 entries"):
+        Pipeline(_stages(mlp(layers=4), ["cpu", "cpu"]), microbatches=2,
+                 loss_fn=nn.MSELoss(), devices=["cpu"], timeout=30)
