@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 # Modules of the functions recorded in place of tensor operations (h.T, as_strided).
-_OUR_TENSOR_OPERATIONS = frozenset({"batchgraph.handle", "batchgraph.strided"})
+_OUR_TENSOR_OPERATIONS = frozenset({"batchgraph.attribute_reads", "batchgraph.strided"})
 
 # What view_of_handed returns where it cannot take the view eagerly.
 NOT_VIEWED: Any = object()

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from batchgraph import handle_operators
+from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
 from batchgraph.errors import ConstantChangedError, NotComputedError
 from batchgraph.handle_operators import TensorOperators
 from batchgraph.specs import OutSpec, TensorSpec
@@ -30,60 +31,6 @@ if TYPE_CHECKING:
     from batchgraph.graph import Graph
 
 __all__ = ["ResultHandle", "snapshot", "unchanged"]
-
-
-# Tensor properties that are computations (recorded); other non-callable tensor
-# attributes (grad, requires_grad, ...) only exist on computed values.
-_TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-
-
-class _TensorProperty:
-    """The recorded form of each such property: one importable function per property
-    (``batchgraph.handle:_TensorProperty.T``), so batches recorded in worker
-    processes name it, and one call-signature cache per property."""
-
-
-def _define_getter(name: str) -> None:
-    def getter(t: torch.Tensor) -> torch.Tensor:
-        value: torch.Tensor = getattr(t, name)
-        return value
-
-    getter.__name__ = name
-    getter.__qualname__ = f"_TensorProperty.{name}"
-    setattr(_TensorProperty, name, staticmethod(getter))
-
-
-for _name in sorted(_TENSOR_PROPERTIES):
-    _define_getter(_name)
-
-
-# The field names of torch's named results (``torch.linalg.lstsq(a, b).solution``)
-# that no tensor has: on a result whose structure is only known once it runs, reading
-# one records the read, as ``h[0]`` does. (Names tensors have too, such as ``values``,
-# stay the tensor's methods.)
-_RESULT_FIELDS = frozenset(
-    field
-    for kind in vars(torch.return_types).values()
-    if isinstance(kind, type) and hasattr(kind, "n_fields")
-    for field in getattr(kind, "__match_args__", ())
-    if not hasattr(torch.Tensor, field)
-)
-
-
-def read_field(result: Any, name: str) -> Any:
-    """``result.name``: what reading a field of a handle of unknown structure
-    records (importable, so batches recorded in worker processes name it).
-
-    Example:
-        >>> read_field(torch.linalg.slogdet(torch.eye(2)), "logabsdet")
-        tensor(0.)
-    """
-    return getattr(result, name)
-
-
-def _property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    getter: Callable[[torch.Tensor], torch.Tensor] = getattr(_TensorProperty, name)
-    return getter
 
 
 def unchanged(out: tuple[Any, Any]) -> bool:
@@ -408,9 +355,9 @@ class ResultHandle(TensorOperators):
         return _record(func, tuple(args), kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
-        if name in _TENSOR_PROPERTIES:  # h.T and friends: recorded right away
-            return _record(_property_getter(name), (self,), {})
-        if name in _RESULT_FIELDS and self.spec is None:
+        if name in TENSOR_PROPERTIES:  # h.T and friends: recorded right away
+            return _record(property_getter(name), (self,), {})
+        if name in RESULT_FIELDS and self.spec is None:
             return _record(read_field, (self, name), {})
         method = getattr(torch.Tensor, name, None)
         if method is None or name.startswith("_") or not callable(method):

@@ -359,5 +359,5 @@ def test_tensor_properties_record_in_portable_batches() -> None:
     got = bg.bind(PROGRAM_COLLATE(items), PROGRAM_MODEL)
     torch.testing.assert_close(got[0][1], items[0][0].mT)
     for name in ("T", "mT", "H", "mH", "real", "imag"):
-        getter = bg.handle._property_getter(name)
+        getter = bg.attribute_reads.property_getter(name)
         assert bg.naming.resolve_function(bg.naming.function_name(getter)) is getter
