@@ -94,6 +94,11 @@ class Graph(KeyReads):
         # Nodes whose values were handed out (by compute or an await): the caller may
         # hold them, so a change in place through a view of theirs is refused.
         self.handed_out: set[int] = set()
+        # Values handed out while calls were pending, per output, and the most nodes
+        # recorded before one of them: see batchgraph.handed_views.
+        self.handed_views: dict[Ref, list[Any]] = {}
+        self.handed_mark = 0
+        self.handed_kept = 64  # the table's size after its last scan (or the least)
         self.keys: list[BatchKey] = []
         self.key_ids: dict[tuple[Any, ...], int] = {}
         # Whether grad was enabled where a call was recorded, per key id: a call runs

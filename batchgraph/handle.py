@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from batchgraph import handle_operators
 from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
 from batchgraph.errors import ConstantChangedError, NotComputedError
+from batchgraph.handed_views import note_handed
 from batchgraph.handle_operators import TensorOperators
 from batchgraph.specs import OutSpec, TensorSpec
 
@@ -262,6 +263,8 @@ class ResultHandle(TensorOperators):
             if type(spec) is TensorSpec or spec is None:
                 # Inference tensors keep no version: they count as changed (None).
                 self._out = (value, None if value.is_inference() else value._version)
+                if self._graph.first_uncomputed < len(self._graph.node_key):  # calls pending
+                    note_handed(self._graph, self.node, self.leaf, value, self._out[1])
         elif spec is None:  # a structure known only once computed
             self._out = (value, _versions(value))
         return value

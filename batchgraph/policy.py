@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from batchgraph import gcpause
+from batchgraph import gcpause, handed_views
 from batchgraph.aliasing import check_changed
 from batchgraph.eager_grad import eager_requires_grad, reads_grad
 from batchgraph.errors import PolicyMismatchError
@@ -220,6 +220,8 @@ class BatchingPolicy:
         if graph.changed:  # values changed in place through a view: see aliasing
             check_changed(graph, [h.node for h in handles])
         live = prune(graph, [h.node for h in handles])
+        # Views recorded before the value they view was handed out: see handed_views.
+        stale = handed_views.check(graph, live.nodes)
         schedule = build_schedule(graph, live, self.scheduler)
         scheduled = time.perf_counter()
         example_of = (
@@ -228,6 +230,8 @@ class BatchingPolicy:
         executor = Executor(graph, example_of=example_of)
         executor.run(schedule)
         executed = time.perf_counter()
+        if stale:
+            handed_views.hand_out_views(graph, handles, stale)
         self.last_schedule = schedule
         self.computes += 1
         self.stats = self._stats(schedule, live.nodes, merged, record_seconds, start, scheduled, executed)
@@ -417,6 +421,8 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
                     return obj.handed(own_copy(row))
                 obj._out = (row, version)  # ResultHandle.handed, inlined
                 graph.handed_out.add(obj.node)
+                if graph.first_uncomputed < len(graph.node_key):  # calls still pending
+                    handed_views.note_handed(graph, obj.node, obj.leaf, row, version)
                 return row
         return obj.value
     if isinstance(obj, list):

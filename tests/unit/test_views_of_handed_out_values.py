@@ -91,6 +91,12 @@ def test_views_of_a_handed_out_value_follow_its_changes_as_eagerly(
     x = torch.randn(shape, dtype=torch.float64)
     eager, eager_grad = _program(steps, grad, x, batched=False)
     got, got_grad = _program(steps, grad, x, batched=True)
+    assert_as_eager(got, got_grad, eager, eager_grad)
+
+
+def assert_as_eager(got: list[torch.Tensor], got_grad: Any, eager: list[torch.Tensor],
+                    eager_grad: Any) -> None:
+    """The batched program's values and gradient are the eager program's."""
     assert len(got) == len(eager)
     for g, e in zip(got, eager, strict=True):
         torch.testing.assert_close(g, e)

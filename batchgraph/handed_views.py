@@ -1,0 +1,199 @@
+"""Views recorded before the value they view was handed out.
+
+``last = h[0:2]``, then ``y = bg.compute(h)``: eagerly ``last`` is a view of ``y``, so
+an in-place change of ``y`` (``y += 1``, outside recording) reaches it. Batched,
+``last`` is a pending call reading ``h``'s stored row, which ``y`` is a copy of.
+(A view recorded *after* the hand-out is taken of ``y`` itself: ``view_of_handed``.)
+
+Recording does not watch handed-out tensors (a check per recorded call would cost
+every call), so this is settled once per compute, over the nodes it computes:
+
+* such a view computed itself (``bg.compute(last)``) is handed out as the view of
+  ``y`` taken now, as the eager ``last`` is (``rederive``);
+* a call recorded before the hand-out that reads the view reads the value as it was,
+  as eagerly (it ran before any change of ``y``);
+* a call recorded after the hand-out that reads the view, where ``y``'s contents
+  changed since: eagerly it read ``y`` before or after the change, which cannot be told
+  apart here, so the compute is refused (``check``), naming what to write instead.
+
+A hand-out is noted (``note_handed``) only while calls are pending (none can be such
+a view otherwise), holding the value weakly: one dropped can no longer change.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from batchgraph.aliasing import makes_view
+from batchgraph.graph import ROW_MASK, STORE_SHIFT
+from batchgraph.handing_out import reading
+
+if TYPE_CHECKING:
+    from batchgraph.graph import Graph, Ref
+    from batchgraph.handle import ResultHandle
+
+__all__ = ["Handout", "check", "hand_out_views", "note_handed", "rederive"]
+
+# A value handed out for a node's output while calls were pending: the value (weakly),
+# its version then (None: an inference tensor, which keeps none) and the number of
+# nodes recorded then (the calls recorded before it). A tuple: one is made per value
+# handed out while calls are pending (a coroutine step hands out one per example).
+Handout = tuple[weakref.ref[torch.Tensor], int | None, int]
+
+# A tracked view: the hand-outs of the value it views and that value's output.
+_Tracked = tuple[tuple[Handout, ...], "Ref"]
+
+
+def note_handed(graph: Graph, node: int, leaf: int, value: Any, version: Any) -> None:
+    """Note ``value``, handed out for output ``leaf`` of ``node``, where a pending call
+    may be a view of it (the callers check that some call is pending).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as policy:
+        ...     h = bg.batched_value(torch.ones(2)) * 1
+        ...     last = h[0:1]
+        ...     y = bg.compute(h)                  # last is still pending
+        >>> [handout[0]() is y for handout in policy.graph.handed_views[(h.node, 0)]]
+        [True]
+    """
+    if not isinstance(value, torch.Tensor):
+        return
+    mark = graph.handed_mark = len(graph.node_key)
+    graph.handed_views.setdefault((node, leaf), []).append(
+        (weakref.ref(value), version if type(version) is int else None, mark))
+
+
+def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
+    """Of ``nodes`` (about to be computed, ascending), the views recorded before the
+    value they view was handed out, with what they view (for ``rederive``).
+
+    Raises:
+        TypeError: where a call recorded after the hand-out reads such a view and the
+            value was changed in place since (see the module docstring).
+    """
+    table = graph.handed_views
+    if not table:
+        return {}
+    _forget_settled(graph)
+    if not table or not nodes or nodes[0] >= graph.handed_mark:
+        return {}
+    loc, inputs, node_key, keys = graph.node_loc, graph.node_inputs, graph.node_key, graph.keys
+    mark = graph.handed_mark
+    tracked: dict[int, _Tracked] = {}
+    for n in nodes:
+        if n >= mark and not tracked:
+            break
+        for ref in inputs[n]:
+            src = ref[0]
+            viewed = tracked.get(src)
+            if viewed is None:
+                if n < mark and loc[src] >= 0 and (outs := table.get(ref)):
+                    before = tuple(o for o in outs if n < o[2])  # recorded before it
+                    key = keys[node_key[n]]
+                    if before and makes_view(key.fn, key):
+                        tracked[n] = (before, ref)
+                continue
+            key = keys[node_key[n]]
+            if makes_view(key.fn, key):  # a view of the view: a view of the value too
+                tracked[n] = viewed
+                continue
+            handouts, base = viewed
+            for handout in handouts:
+                if n >= handout[2] and _changed(graph, handout, base):
+                    _refuse(graph, n, src)
+    return tracked
+
+
+def rederive(graph: Graph, node: int, tracked: dict[int, _Tracked]) -> Any:
+    """The value of ``node``, a view in ``tracked`` (``check``), taken as eagerly of the
+    value handed out (every node it reads computed); None where that value is gone or
+    more than one handle of the node was handed out (which one it views is unknown)."""
+    handouts, base = tracked[node]
+    alive = [value for h in handouts if (value := h[0]()) is not None]
+    if len(alive) != 1:
+        return None
+    with reading(alive[0]):
+        return _view(graph, node, tracked, base, alive[0])
+
+
+def _view(graph: Graph, node: int, tracked: dict[int, _Tracked], base: Ref,
+          value: torch.Tensor) -> Any:
+    key = graph.keys[graph.node_key[node]]
+    args: list[Any] = []
+    for ref in graph.node_inputs[node]:
+        if ref == base:
+            args.append(value)
+        elif ref[0] in tracked:
+            args.append(_leaf(_view(graph, ref[0], tracked, base, value), ref[1]))
+        else:
+            loc = graph.node_loc[ref[0]]
+            args.append(graph.stores[loc >> STORE_SHIFT][ref[1]][loc & ROW_MASK])
+    return key.call.apply(key.fn, args)
+
+
+def _leaf(out: Any, leaf: int) -> Any:
+    return out if isinstance(out, torch.Tensor) else tree_leaves(out)[leaf]
+
+
+def hand_out_views(graph: Graph, handles: list[ResultHandle], tracked: dict[int, _Tracked]) -> None:
+    """Hand the ``handles`` of ``tracked`` views their eager values (``rederive``): views
+    of the value handed out, following its later in-place changes as eagerly."""
+    values: dict[int, Any] = {}
+    for h in handles:
+        if h.node in tracked and h._out is None:
+            if h.node not in values:
+                values[h.node] = rederive(graph, h.node, tracked)
+            if values[h.node] is not None:
+                h.handed(_leaf(values[h.node], h.leaf))
+
+
+def _changed(graph: Graph, handout: Handout, base: Ref) -> bool:
+    """Whether the value handed out differs from the stored one it is a copy of (a
+    version count alone would also count ``y += 0``); one dropped is taken as is."""
+    ref, version, _ = handout
+    value = ref()
+    if value is None or (version is not None and value._version == version):
+        return False
+    loc = graph.node_loc[base[0]]
+    stored = graph.stores[loc >> STORE_SHIFT][base[1]][loc & ROW_MASK]
+    return not torch.equal(value, stored)
+
+
+def _forget_settled(graph: Graph) -> None:
+    """Drop the hand-outs no pending call can view any more: the value dropped, or every
+    call recorded before it computed. All of them where every call is computed, else
+    a scan once the table has doubled (not at every compute of a coroutine run whose
+    examples left calls pending)."""
+    table, first = graph.handed_views, graph.first_uncomputed
+    if first >= graph.handed_mark:
+        table.clear()
+    elif len(table) >= 2 * graph.handed_kept:
+        for ref in list(table):
+            outs = [o for o in table[ref] if o[2] > first and o[0]() is not None]
+            if outs:
+                table[ref] = outs
+            else:
+                del table[ref]
+        graph.handed_kept = max(len(table), 64)
+
+
+def _refuse(graph: Graph, reader: int, view: int) -> None:
+    def label(n: int) -> str:
+        fn = graph.keys[graph.node_key[n]].fn
+        return getattr(fn, "__name__", None) or type(fn).__name__
+
+    raise TypeError(
+        f"a call ({label(reader)}, node {reader}) reads a view ({label(view)}, node {view}) "
+        "recorded before the value it views was handed out (by compute or an await), "
+        "was recorded after that, and the value was changed in place since: eagerly the "
+        "view shares the value's memory, and the call read it before or after the "
+        "change, which batchgraph cannot tell (it does not watch the tensors it handed "
+        "out while recording). Take the view after the value is handed out (last = "
+        "h[0:2] after y = bg.compute(h), or y[0:2]), or compute the call before "
+        "changing the value."
+    )
