@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from batchgraph.keys import BatchKey
 
 __all__ = [
-    "NOT_VIEWED", "alias_group", "check_changed", "makes_view", "note_change", "view_of",
-    "view_of_handed",
+    "NOT_VIEWED", "alias_group", "check_changed", "holds_handed", "makes_view", "note_change",
+    "view_of", "view_of_handed",
 ]
 
 # Modules of the functions recorded in place of tensor operations (h.T, as_strided).
@@ -225,6 +225,10 @@ def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple
 
     real_args, real_kwargs = tree_map(value, (args, kwargs))
     if missing:
+        # Another handle has no value yet (h.expand_as(g), g pending): recorded as any
+        # call, noted as a view of the handed-out values, checked at compute
+        # (batchgraph.handed_views: computing it takes the view of y then).
+        _note_pending_view(args, kwargs)
         return NOT_VIEWED
     try:
         views = fn(*real_args, **real_kwargs)
@@ -238,6 +242,36 @@ def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple
         if type(handle) is ResultHandle and isinstance(view, torch.Tensor):
             handle.handed(view)
     return recorded
+
+
+def holds_handed(args: tuple[Any, ...]) -> bool:
+    """Whether a handle in ``args`` (in lists and tuples too) stands for a value
+    handed out.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     h = bg.batched_value(torch.ones(2)) * 1
+        ...     before = holds_handed(([h],))
+        ...     _ = bg.compute(h)
+        >>> before, holds_handed(([h],))
+        (False, True)
+    """
+    from batchgraph.handle import ResultHandle
+
+    return any(type(a) is ResultHandle and a._out is not None for a in tree_leaves(args))
+
+
+def _note_pending_view(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Note the handed-out values, as they are, of the handles in a view's arguments
+    recorded next (see ``handed_views.note_handed``)."""
+    from batchgraph.handed_views import note_handed
+    from batchgraph.handle import ResultHandle, unchanged
+
+    for a in tree_leaves((args, kwargs)):
+        if type(a) is ResultHandle and a._out is not None and unchanged(a._out):
+            graph = a._graph
+            note_handed(graph, a.node, a.leaf, a._out[0], a._out[1], len(graph.node_key) + 1)
 
 
 def _not_handed(a: Any) -> Any:

@@ -48,9 +48,12 @@ Handout = tuple[weakref.ref[torch.Tensor], int | None, int]
 _Tracked = tuple[tuple[Handout, ...], "Ref"]
 
 
-def note_handed(graph: Graph, node: int, leaf: int, value: Any, version: Any) -> None:
+def note_handed(graph: Graph, node: int, leaf: int, value: Any, version: Any,
+                mark: int | None = None) -> None:
     """Note ``value``, handed out for output ``leaf`` of ``node``, where a pending call
-    may be a view of it (the callers check that some call is pending).
+    may be a view of it (the callers check that some call is pending); ``mark``: the
+    calls recorded before this number read it as it is (all recorded so far unless
+    given).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -63,7 +66,7 @@ def note_handed(graph: Graph, node: int, leaf: int, value: Any, version: Any) ->
     """
     if not isinstance(value, torch.Tensor):
         return
-    mark = graph.handed_mark = len(graph.node_key)
+    mark = graph.handed_mark = len(graph.node_key) if mark is None else mark
     graph.handed_views.setdefault((node, leaf), []).append(
         (weakref.ref(value), version if type(version) is int else None, mark))
 
@@ -189,11 +192,12 @@ def _refuse(graph: Graph, reader: int, view: int) -> None:
 
     raise TypeError(
         f"a call ({label(reader)}, node {reader}) reads a view ({label(view)}, node {view}) "
-        "recorded before the value it views was handed out (by compute or an await), "
-        "was recorded after that, and the value was changed in place since: eagerly the "
-        "view shares the value's memory, and the call read it before or after the "
-        "change, which batchgraph cannot tell (it does not watch the tensors it handed "
-        "out while recording). Take the view after the value is handed out (last = "
-        "h[0:2] after y = bg.compute(h), or y[0:2]), or compute the call before "
-        "changing the value."
+        "of a value handed out (by compute or an await) that was not taken of that "
+        "value itself (recorded before the hand-out, or reading a handle not computed "
+        "then), and the value was changed in place since: eagerly the view shares the "
+        "value's memory, and the call read it before or after the change, which "
+        "batchgraph cannot tell (it does not watch the tensors it handed out while "
+        "recording). Take the view after the value is handed out and what else it "
+        "reads is computed (last = h[0:2] after y = bg.compute(h), or y[0:2]), or "
+        "compute the call before changing the value."
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils.hooks import RemovableHandle as _HANDLES
 
-from batchgraph.aliasing import NOT_VIEWED, makes_view, view_of_handed
+from batchgraph.aliasing import NOT_VIEWED, holds_handed, makes_view, view_of_handed
 from batchgraph.autocasting import (
     AutocastState,
     autocast_enabled,
@@ -201,6 +201,7 @@ class CallSite:
             sig: list[Any] = []
             simple = True  # only handles and numbers: the last-signature check applies
             handed = False  # a handle's value was handed out (see view_of_handed)
+            nested = False  # handles in a list or tuple argument
             for a in args:
                 if (
                     type(a) is ResultHandle and a._graph is graph and type(spec := a.spec) is TensorSpec
@@ -228,7 +229,10 @@ class CallSite:
                         if entry_ is not None:
                             sig.append(entry_)
                             deepest = box[0]
+                            nested = True
                             continue
+                    elif kind is list:
+                        nested = True
                     simple = False
                     sig.append(encode_argument(a, graph, inputs, box))
                     deepest = box[0]
@@ -255,6 +259,11 @@ class CallSite:
                 # same spec (t.add_(g)) has its signature, but it may not change so.
                 raise cast(Exception, in_place_error(self.fn, self.name, args, kwargs))
             refs = tuple(inputs)
+            if nested and not handed and (
+                    entry.view if entry.view is not None else self._note_view(entry)):
+                # A view of handles in a list (torch.meshgrid([h, g])): looked into only
+                # for calls that make views, so a cell's (h, c) costs no scan.
+                handed = holds_handed(args)
         if handed and (entry.view if entry.view is not None else self._note_view(entry)):
             # A view of a value handed out: eagerly it shares the value's memory, and
             # follows its in-place changes, made outside recording (aliasing module).
