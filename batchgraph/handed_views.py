@@ -114,10 +114,24 @@ def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
 
 def rederive(graph: Graph, node: int, tracked: dict[int, _Tracked]) -> Any:
     """The value of ``node``, a view in ``tracked`` (``check``), taken as eagerly of the
-    value handed out (every node it reads computed); None where that value is gone or
-    more than one handle of the node was handed out (which one it views is unknown)."""
+    value handed out (every node it reads computed); None where that value is gone, or
+    more than one handle of the node was handed out (identical calls merged) and none
+    of their values changed (so the value as computed is each one's).
+
+    Raises:
+        TypeError: where several were handed out and one changed: which one the view
+            is of is not kept.
+    """
     handouts, base = tracked[node]
     alive = [value for h in handouts if (value := h[0]()) is not None]
+    if len(alive) > 1 and any(_changed(graph, h, base) for h in handouts):
+        raise TypeError(
+            f"a view ({_label(graph, node)}, node {node}) of a value computed for several "
+            "handles (identical calls, merged) and handed out to each, one of which was "
+            "changed in place since: eagerly the view follows the one it was taken of, "
+            "which is not kept. Take the view of the tensor handed out (y[0:2]), or keep "
+            "identical calls apart (BatchingPolicy(dedupe=False))."
+        )
     if len(alive) != 1:
         return None
     with reading(alive[0]):
@@ -185,13 +199,15 @@ def _forget_settled(graph: Graph) -> None:
         graph.handed_kept = max(len(table), 64)
 
 
-def _refuse(graph: Graph, reader: int, view: int) -> None:
-    def label(n: int) -> str:
-        fn = graph.keys[graph.node_key[n]].fn
-        return getattr(fn, "__name__", None) or type(fn).__name__
+def _label(graph: Graph, node: int) -> str:
+    fn = graph.keys[graph.node_key[node]].fn
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
+
+def _refuse(graph: Graph, reader: int, view: int) -> None:
     raise TypeError(
-        f"a call ({label(reader)}, node {reader}) reads a view ({label(view)}, node {view}) "
+        f"a call ({_label(graph, reader)}, node {reader}) reads a view "
+        f"({_label(graph, view)}, node {view}) "
         "of a value handed out (by compute or an await) that was not taken of that "
         "value itself (recorded before the hand-out, or reading a handle not computed "
         "then), and the value was changed in place since: eagerly the view shares the "

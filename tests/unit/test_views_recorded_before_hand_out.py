@@ -145,3 +145,20 @@ def test_a_coroutine_view_recorded_before_its_await_is_refused_after_a_change() 
                          return_exceptions=True)
     assert isinstance(results[0], TypeError) and "cannot tell" in str(results[0])
     assert torch.equal(results[1], torch.full((2,), -2.0))
+
+
+@pytest.mark.parametrize("dedupe", [True, False])
+def test_a_view_of_merged_calls_handed_out_twice_is_refused_after_a_change(dedupe: bool) -> None:
+    # h1 and h2 are one node (identical calls merged), handed out as two tensors:
+    # which one `last` views is not kept. Kept apart, it is h1's, as eagerly.
+    x = torch.arange(4.0)
+    with bg.BatchingPolicy(dedupe=dedupe):
+        h1, h2 = bg.batched_func(torch.neg)(x), bg.batched_func(torch.neg)(x)
+        last = h1[0:2]
+        y1, _ = bg.compute([h1, h2])
+        y1.add_(10)
+        if dedupe:
+            with pytest.raises(TypeError, match="merged"):
+                bg.compute(last)
+        else:
+            assert torch.equal(bg.compute(last), y1[0:2])
