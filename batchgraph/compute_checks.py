@@ -11,15 +11,17 @@ nothing and the caller can put things back and compute again. Kept apart from
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from batchgraph.attributes import Attributes, note_own_state
 from batchgraph.buffers import Watch, computing
 from batchgraph.errors import (
     BufferChangedError,
     DefaultDtypeChangedError,
     HooksChangedError,
+    ModuleAttributeChangedError,
     ModuleModeChangedError,
     ParameterChangedError,
 )
@@ -29,7 +31,8 @@ from batchgraph.keys import ConstantKey
 from batchgraph.scheduling import Schedule, Step
 
 __all__ = [
-    "check_buffers", "check_default_dtype", "check_modes", "check_parameters", "watching_buffers",
+    "check_buffers", "check_default_dtype", "check_modes", "check_parameters",
+    "watching_attributes", "watching_buffers",
 ]
 
 
@@ -115,6 +118,38 @@ def _check_submodules(graph: Graph, step: Step) -> None:
             "statistics differ). Compute them before switching (read a value, or "
             "policy.compute(...)), or switch back and compute then."
         )
+
+@contextlib.contextmanager
+def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
+    """Refuse a step whose module (or a submodule; for a function, a module it reads)
+    had a plain attribute set (``drop.p``, ``norm.eps``, ``conv.padding``, a
+    ``self.temperature``: ``batchgraph.attributes``) since its calls were recorded;
+    then run the steps, and take attributes they set for state their modules keep
+    themselves (a forward noting something only when it really runs), not settings."""
+    done: dict[int, tuple[Sequence[torch.nn.Module], Attributes | None]] = {}
+    for step in schedule.steps:
+        kid = step.key
+        if kid not in graph.key_attrs or id(fn := graph.keys[kid].fn) in done:
+            continue
+        changed = graph.changed_attributes(kid)
+        if changed:
+            whose = "of" if isinstance(fn, torch.nn.Module) else "of modules read by"
+            raise ModuleAttributeChangedError(
+                f"attribute(s) {'; '.join(changed[:5])} {whose} {graph.keys[kid].label} "
+                f"in {graph.name!r} were set after its calls in "
+                f"this batch ({len(step.nodes)}) were recorded and before they were "
+                "computed. A batched call reads them when it runs, so those calls would "
+                "use the new values where eager calls used the old ones (a value set "
+                "between two calls recorded with no compute in between counts for "
+                "both). Compute what you recorded before setting them (bg.compute, or "
+                "read a value), or set them back and compute then, or record the calls "
+                "again after the change."
+            )
+        done[id(fn)] = (graph.watched_modules(fn), graph.key_attrs[kid])
+    yield
+    for modules, before in done.values():
+        note_own_state(modules, before)
+
 
 def check_parameters(graph: Graph, schedule: Schedule) -> None:
     """Refuse a step whose parameters (a function's captured tensors) were converted

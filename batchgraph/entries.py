@@ -7,6 +7,7 @@ from typing import Any, cast
 
 import torch
 
+from batchgraph.attributes import Attributes
 from batchgraph.graph import RecordedGrad
 from batchgraph.hooks import Hooks
 from batchgraph.keys import BatchKey
@@ -29,7 +30,7 @@ class Entry:
     """
 
     __slots__ = (
-        "children", "dedupe", "hooks", "key", "kind", "layout", "memo", "modes", "on_copy",
+        "attrs", "children", "dedupe", "hooks", "key", "kind", "layout", "memo", "modes", "on_copy",
         "rules_token", "sig", "single", "spec", "view",
     )
 
@@ -69,6 +70,9 @@ class Entry:
         self.modes: tuple[bool, ...] | None = None
         # A module's hooks when resolved (hooks.hooks_of; None for a function).
         self.hooks: Hooks | None = None
+        # The plain attributes of the modules the key's callable is or reads when
+        # resolved (batchgraph.attributes), as Graph.key_id notes them.
+        self.attrs: Attributes | None = None
         self.sig: Any = None
         # An in-place call on a handle, recorded on a copy (batchgraph.on_copy): the
         # input handle then stands for the result.

@@ -14,6 +14,7 @@ __all__ = [
     "ConstantChangedError",
     "DefaultDtypeChangedError",
     "HooksChangedError",
+    "ModuleAttributeChangedError",
     "ModuleModeChangedError",
     "NotATensorError",
     "NotComputedError",
@@ -75,6 +76,13 @@ class ModuleModeChangedError(BatchgraphError, RuntimeError):
     """A module was switched between ``train()`` and ``eval()`` after calls of it were
     recorded and before they were computed: the batched run would use the new mode
     (dropout, batch statistics) where the eager run used the old one."""
+
+
+class ModuleAttributeChangedError(BatchgraphError, RuntimeError):
+    """A plain attribute of a module (``drop.p``, ``norm.eps``, ``conv.padding``, a
+    ``self.temperature`` read in ``forward``; see ``batchgraph.attributes``) was set
+    after calls of it were recorded and before they were computed: the batched run
+    would use the new value where the eager run used the old one."""
 
 
 class HooksChangedError(BatchgraphError, RuntimeError):

@@ -31,6 +31,7 @@ from batchgraph.compute_checks import (
     check_default_dtype,
     check_modes,
     check_parameters,
+    watching_attributes,
     watching_buffers,
 )
 from batchgraph.eager_grad import eager_requires_grad
@@ -107,6 +108,8 @@ class Executor:
         # nothing else changed them since their calls were recorded.
         watching = (watching_buffers(graph, schedule) if graph.key_buffers
                     else _NOTHING_WATCHED)
+        attributes = (watching_attributes(graph, schedule) if graph.key_attrs
+                      else _NOTHING_WATCHED)
         added = 0
         guard, wanted, constants_outside = self._modes(schedule)
         # Likewise each call runs in the autocast state it was recorded in (mostly
@@ -115,7 +118,7 @@ class Executor:
         ambient_cast = autocast_state()
         keys = graph.keys
         try:
-            with guard, not_recording(), watching:  # a batched call computes, even inside `with`
+            with guard, not_recording(), watching, attributes:  # a batched call computes, even inside `with`
                 # Index tensors too are made here: in inference mode they would be
                 # inference tensors, which a gather with grad cannot save.
                 self._index_all(schedule)

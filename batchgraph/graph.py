@@ -26,11 +26,12 @@ from typing import Any, cast
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from batchgraph.attributes import Attributes
 from batchgraph.autocasting import AutocastState
 from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.errors import ShapeMismatchError
 from batchgraph.handing_out import own_copy, reading
-from batchgraph.key_reads import KeyReads, ModuleParts
+from batchgraph.key_reads import NOT_READ, KeyReads, ModuleParts
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.placeholders import is_placeholder
 from batchgraph.specs import OutSpec, TensorSpec, intern_spec
@@ -135,6 +136,8 @@ class Graph(KeyReads):
         self.key_submodes: dict[int, tuple[bool, ...]] = {}
         # A module key's hooks (hooks.hooks_of), which its calls run when computed.
         self.key_hooks: dict[int, tuple[tuple[int, ...], ...]] = {}
+        # And the plain attributes of the modules a key reads (batchgraph.attributes).
+        self.key_attrs: dict[int, Attributes] = {}
         self._module_parts: dict[int, ModuleParts] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []
@@ -218,14 +221,16 @@ class Graph(KeyReads):
         grad: RecordedGrad | None = None,
         autocast: AutocastState | None = None,
         training: bool | None = None,
+        attrs: Any = NOT_READ,
     ) -> int:
         """The id of ``key`` recorded with grad enabled or not, or in inference mode
         (``INFERENCE``; None: any), in the autocast state ``autocast`` (None: off)
         and, for a module's calls, with the module in training mode or not (None: not
         a module). Calls of one key recorded in different modes get different ids, so
-        they never run as one call."""
-        versions, submodes, buffers, hooks = self.reads_now(key.fn)
-        ident = (key, grad, autocast, training, versions, submodes, buffers, hooks)
+        they never run as one call. ``attrs``: ``attributes_now(key.fn)``, where the
+        caller read them already."""
+        versions, submodes, buffers, hooks, attrs = self.reads_now(key.fn, attrs)
+        ident = (key, grad, autocast, training, versions, submodes, buffers, hooks, attrs)
         kid = self.key_ids.get(ident)
         if kid is not None and self.keys[kid] is not key:
             _check_stackable(self.keys[kid], key)
@@ -239,7 +244,7 @@ class Graph(KeyReads):
                 self.key_autocast[kid] = autocast
             if training is not None:
                 self.key_training[kid] = training
-            self.note_reads(kid, key.fn, versions, submodes, buffers, hooks)
+            self.note_reads(kid, key.fn, versions, submodes, buffers, hooks, attrs)
         return kid
 
     def new_stamp(self) -> None:

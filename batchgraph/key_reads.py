@@ -6,7 +6,8 @@ computes, not when it was recorded. ``Graph.key_id`` notes them, as part of a ke
 identity, at a key's first call after each compute and each optimizer step, so calls
 recorded before and after a change never batch together; the executor asks, before
 a compute runs, whether they changed since (``ParameterChangedError``,
-``BufferChangedError``, ``ModuleModeChangedError``). Kept apart from
+``BufferChangedError``, ``ModuleModeChangedError``, and for modules' plain
+attributes, ``batchgraph.attributes``, ``ModuleAttributeChangedError``). Kept apart from
 ``batchgraph.graph``, whose ``Graph`` takes these methods as a mixin.
 """
 
@@ -17,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchgraph.attributes import Attributes, changed_attributes, plain_attributes
 from batchgraph.buffers import Watch, epochs, watches_of
 from batchgraph.captured import captured_parts
 from batchgraph.hooks import Hooks, hooks_of
 from batchgraph.keys import BatchKey
 
-__all__ = ["KeyReads", "ModuleParts"]
+__all__ = ["NOT_READ", "KeyReads", "ModuleParts"]
+
+# reads_now's ``attrs`` when the caller has not read them.
+NOT_READ: Any = object()
 
 Versions = tuple[int, ...]
 
@@ -55,17 +60,21 @@ class KeyReads:
     key_buffer_parts: dict[int, ModuleParts]
     key_submodes: dict[int, tuple[bool, ...]]
     key_hooks: dict[int, Hooks]
+    key_attrs: dict[int, Attributes]
     _module_parts: dict[int, ModuleParts]
 
     if TYPE_CHECKING:
         def new_stamp(self) -> None: ...  # Graph's: the next calls note anew
 
-    def reads_now(self, fn: Any) -> tuple[Versions | None, tuple[bool, ...] | None,
-                                          Versions | None, Hooks | None]:
+    def reads_now(self, fn: Any, attrs: Any = NOT_READ) -> tuple[
+            Versions | None, tuple[bool, ...] | None, Versions | None, Hooks | None,
+            Attributes | None]:
         """What calls of ``fn`` would read now, as part of their key's identity: its
         parameters' versions, its submodules' train/eval modes, its buffers' epochs
-        (each None where it has none) and, for a module, its hooks (which its calls
-        run when computed: ``batchgraph.hooks``)."""
+        (each None where it has none), for a module, its hooks (which its calls
+        run when computed: ``batchgraph.hooks``), and the plain attributes of the
+        modules it reads (``attributes_now``; ``attrs`` where the caller has them
+        already, ``NOT_READ`` where not)."""
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
         if isinstance(fn, torch.nn.Module) and (
@@ -91,11 +100,13 @@ class KeyReads:
                 # replaced never share a key id (their parts, kept per key id, hold it).
                 buffers = (*buffers, id(self._parts_of(fn).buffers))
         hooks = hooks_of(fn) if isinstance(fn, torch.nn.Module) else None
-        return versions, submodes, buffers, hooks
+        if attrs is NOT_READ:
+            attrs = plain_attributes(parts.watched) if parts.watched else None
+        return versions, submodes, buffers, hooks, attrs
 
     def note_reads(self, kid: int, fn: Any, versions: Versions | None,
                    submodes: tuple[bool, ...] | None, buffers: Versions | None,
-                   hooks: Hooks | None = None) -> None:
+                   hooks: Hooks | None = None, attrs: Attributes | None = None) -> None:
         """Note for the new key id ``kid`` what ``reads_now`` gave, for the checks
         at compute."""
         if versions is not None:
@@ -110,6 +121,8 @@ class KeyReads:
             self.key_buffer_parts[kid] = self._parts_of(fn)
         if hooks is not None:
             self.key_hooks[kid] = hooks
+        if attrs is not None:
+            self.key_attrs[kid] = attrs
 
     def _parts_of(self, module: Any) -> ModuleParts:
         found = self._module_parts.get(id(module))  # the key holds the module: id stays
@@ -132,6 +145,31 @@ class KeyReads:
             # A function: the modules it reads, if any.
             return tuple([m.training for m in submodules]) if submodules else None
         return (fn.training, *[m.training for m in submodules])
+
+    def watched_modules(self, fn: Any) -> tuple[torch.nn.Module, ...]:
+        """The modules whose plain attributes calls of ``fn`` read: it and its
+        submodules, or the modules a function reads."""
+        return self._parts_of(fn).watched
+
+    def attributes_now(self, fn: Any) -> Attributes | None:
+        """The plain attributes of the modules ``fn`` is or reads
+        (``batchgraph.attributes``; None where it reads no module)."""
+        watched = self._parts_of(fn).watched
+        return plain_attributes(watched) if watched else None
+
+    def changed_attributes(self, kid: int) -> list[str]:
+        """The plain attributes of the modules key ``kid``'s callable is or reads
+        changed since its calls were recorded, each as ``name: old -> new``.
+
+        Exact where the change came between computes; one made between two calls
+        recorded with no compute in between counts for both."""
+        noted = self.key_attrs.get(kid)
+        if noted is None:
+            return []
+        parts = self._parts_of(self.keys[kid].fn)
+        if plain_attributes(parts.watched) == noted:
+            return []
+        return changed_attributes(parts.watched, parts.watched_names, noted)
 
     def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
         """The dtype and device of each tensor ``fn`` reads besides its arguments: a
@@ -278,7 +316,9 @@ class ModuleParts:
     arguments, and the buffers and modules (submodules too) of the modules it reads
     (``captured_parts``)."""
 
-    __slots__ = ("buffer_names", "buffers", "names", "params", "submodules")
+    __slots__ = (
+        "buffer_names", "buffers", "names", "params", "submodules", "watched", "watched_names",
+    )
 
     def __init__(self, module: Any) -> None:
         self.params: tuple[torch.Tensor, ...]
@@ -290,6 +330,13 @@ class ModuleParts:
             self.params, named_buffers, named = captured_parts(module)
         self.names = [name for name, _ in named]
         self.submodules = tuple(m for _, m in named)
+        # The modules whose plain attributes calls read (batchgraph.attributes): a
+        # module and its submodules, or the modules a function reads.
+        self.watched: tuple[torch.nn.Module, ...] = self.submodules
+        self.watched_names = self.names
+        if isinstance(module, torch.nn.Module):
+            self.watched = (module, *self.submodules)
+            self.watched_names = ["", *self.names]
         self.buffer_names, self.buffers = watches_of(named_buffers)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle as _HANDLES
 
 from batchgraph.aliasing import NOT_VIEWED, holds_handed, makes_view, view_of_handed
+from batchgraph.attributes import note_own_state, plain_attributes
 from batchgraph.autocasting import (
     AutocastState,
     autocast_enabled,
@@ -310,7 +311,14 @@ class CallSite:
                 # hold (a hook may reshape), and resolving warns of batched hooks.
                 self._forget()
                 return self(*args, **kwargs)
-            kid = graph.key_id(entry.key, grad, self.autocast, training)
+            attrs = graph.attributes_now(entry.key.fn)
+            if entry.attrs != attrs:
+                # A plain attribute of a module it reads was set since this signature
+                # was resolved (conv.padding, drop.p): the spec may not hold. Its calls
+                # get a key id of their own, and compute refuses those recorded before.
+                self._forget()
+                return self(*args, **kwargs)
+            kid = graph.key_id(entry.key, grad, self.autocast, training, attrs)
             entry.memo = (graph.stamp, kid, grad, training, hooked)
             if not entry.dedupe:  # never merged: it may draw random numbers
                 graph.draws_random = True
@@ -456,6 +464,8 @@ class CallSite:
         if isinstance(fn, torch.nn.Module):
             with not_recording():
                 materialize_lazy(fn, call)
+        graph = policy.graph
+        before = plain_attributes(watched := graph.watched_modules(fn))
         with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
         key = choose_key(fn, call, policy.rules)
@@ -464,12 +474,14 @@ class CallSite:
                 batches = probe_vmap(key, spec)
             if not batches:
                 key = UnbatchedKey(fn, call)
+        note_own_state(watched, before)  # what they changed is no setting (a counter)
         if spec is None and key.batchable:
             key = UnbatchedKey(fn, call)
         entry = Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
         # Of the site's own callable, as CallSite.__call__ compares them.
-        entry.layout = policy.graph.layout_of(self.fn)
-        entry.modes = policy.graph.modes_of(self.fn)
+        entry.layout = graph.layout_of(self.fn)
+        entry.modes = graph.modes_of(self.fn)
+        entry.attrs = graph.attributes_now(key.fn)  # as CallSite.__call__ compares them
         if isinstance(self.fn, torch.nn.Module):
             entry.hooks = hooks_of(self.fn)
         entry.on_copy = fn is not self.fn

@@ -1,0 +1,147 @@
+"""Plain attributes of the modules a call reads: numbers, strings and tuples of them.
+
+A batched call reads its module's attributes when it computes, not when it was
+recorded: ``drop.p``, ``norm.eps``, ``conv.padding``, ``attention.dropout``, your own
+module's ``self.temperature`` read in ``forward``. Eagerly each call used the values
+of its time; batched, every call of a batch would use those of the compute. So they
+are watched as the train/eval modes are (``batchgraph.key_reads``): noted with a
+call signature when it is resolved (a change resolves it anew: ``conv.padding``
+changes the output's shape), and per key id at a key's first call after each compute,
+so calls recorded before and after a change never batch together, and ``compute``
+refuses calls whose attributes changed since (``ModuleAttributeChangedError``).
+
+Watched: each entry of the module's (and its submodules') ``__dict__`` whose value is
+a number, bool, string, None, dtype, device or enum, or a tuple of such (not tensors:
+parameters and buffers are watched apart), except ``nn.Module``'s own bookkeeping (its
+mode and hook dicts). Not watched: attributes a module's ``forward`` changes itself (a
+call counter, a cached length: found where its run on fake tensors, when a signature
+is resolved, or a compute changed them), mutable containers (a list or dict, which a
+forward may fill as it goes), values inside other objects (``self.cfg.scale`` of a
+config object), and a recorded function's plain globals and closure cells
+(``SCALE = 2.0`` read by a ``bg.batched_func``): keep those as they were until the
+calls are computed.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Attributes", "changed_attributes", "note_own_state", "plain_attributes"]
+
+# (index of the module in the list given, attribute name, tagged value), for each
+# plain attribute, in the modules' order.
+Attributes = tuple[tuple[int, str, Any], ...]
+
+# What every module has in its __dict__ (its mode, parameter and hook dicts): its
+# mode is watched apart, and the rest is not read by forward as a setting.
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+_SCALARS = frozenset({int, bool, str, complex, type(None), torch.dtype, torch.device})
+# A sequence longer than this is taken for data, not a setting, and not watched.
+_MAX_ITEMS = 64
+_NOT_PLAIN = object()
+
+# Per module, the attributes its forward changes itself (a counter, a cache): not
+# settings of the caller's, and they would differ after every compute.
+_OWN_STATE: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def plain_attributes(modules: Sequence[torch.nn.Module]) -> Attributes | None:
+    """The plain attributes of ``modules`` (see the module docstring), tagged with
+    their types (``1`` and ``1.0`` scale an integer tensor differently), or None where
+    they have none. Equal results mean calls compute with the same settings.
+
+    Example:
+        >>> drop = torch.nn.Dropout(0.1)
+        >>> before = plain_attributes([drop])
+        >>> drop.p = 0.5
+        >>> [(name, value) for _, name, (_, value) in plain_attributes([drop])]
+        [('p', 0.5), ('inplace', False)]
+        >>> plain_attributes([drop]) == before
+        False
+    """
+    found: list[tuple[int, str, Any]] = []
+    append = found.append
+    for i, module in enumerate(modules):
+        own = _OWN_STATE.get(module, ()) if _OWN_STATE else ()
+        for name, value in vars(module).items():
+            kind = type(value)
+            # The commonest kinds inline (this runs once per key and compute).
+            if kind is int or kind is bool or kind is str:
+                if name not in _MODULE_OWN and name not in own:
+                    append((i, name, (kind, value)))
+            elif name not in _MODULE_OWN and name not in own:
+                tagged = _tag(value, 0)
+                if tagged is not _NOT_PLAIN:
+                    append((i, name, tagged))
+    return tuple(found) if found else None
+
+
+def _tag(value: Any, depth: int) -> Any:
+    kind = type(value)
+    if kind is float:
+        # NaN equals nothing, itself included: the attribute would always differ.
+        return (float, "nan") if value != value else (float, value)
+    if kind in _SCALARS:
+        return (kind, value)
+    if isinstance(value, tuple):  # conv.padding, normalized_shape, torch.Size
+        if kind is tuple and all([type(v) is int for v in value]):
+            return (tuple, value)  # the commonest: (1,), (3, 3)
+        if depth > 2 or len(value) > _MAX_ITEMS:
+            return _NOT_PLAIN
+        items = tuple([_tag(v, depth + 1) for v in value])
+        return _NOT_PLAIN if _NOT_PLAIN in items else (kind, items)
+    if isinstance(value, enum.Enum):
+        return (kind, value)
+    return _NOT_PLAIN
+
+
+def note_own_state(modules: Sequence[torch.nn.Module], before: Attributes | None) -> None:
+    """Take the attributes of ``modules`` that differ from ``before`` (noted before a
+    run of their forward: on fake tensors, or a compute's) for state the forward keeps
+    itself: no longer watched."""
+    after = plain_attributes(modules)
+    if after == before:
+        return
+    changed: dict[int, set[str]] = {}
+    then, now = set(before or ()), set(after or ())
+    for i, name, _ in then ^ now:
+        changed.setdefault(i, set()).add(name)
+    for i, names in changed.items():
+        module = modules[i]
+        _OWN_STATE[module] = _OWN_STATE.get(module, frozenset()) | names
+
+
+def changed_attributes(
+    modules: Sequence[torch.nn.Module], names: Sequence[str], then: Attributes | None,
+) -> list[str]:
+    """The attributes of ``modules`` (named ``names[i] + '.'``, or bare for an empty
+    name) that differ now from ``then``, each as ``name: old -> new``; attributes a
+    forward changes itself (found since ``then`` was noted) do not count."""
+    now = {(i, name): value for i, name, value in plain_attributes(modules) or ()}
+    old = {(i, name): value for i, name, value in then or ()
+           if name not in _OWN_STATE.get(modules[i], ())}
+    shown = []
+    for i, name in sorted({*old, *now}):
+        a, b = old.get((i, name)), now.get((i, name))
+        if a != b:
+            where = f"{names[i]}.{name}" if names[i] else name
+            shown.append(f"{where}: {_show(a)} -> {_show(b)}")
+    return shown
+
+
+def _show(tagged: Any) -> str:
+    if tagged is None:
+        return "(not set)"
+    kind, value = tagged
+    if isinstance(kind, type) and issubclass(kind, tuple):
+        # Tuples of ints are kept as they are (_tag), other items tagged.
+        inner = ", ".join(repr(v) if type(v) is int else _show(v) for v in value)
+        return f"({inner}{',' if len(value) == 1 else ''})"
+    return "nan" if kind is float and value == "nan" else repr(value)

@@ -1,0 +1,197 @@
+"""Plain attributes of modules (``drop.p``, ``norm.eps``, ``conv.padding``, a
+``self.temperature``) set between recording calls and computing them.
+
+Eagerly each call uses the values of its time; a batched call reads them when it
+computes. Calls whose attributes were set since they were recorded are refused
+(``bg.ModuleAttributeChangedError``); calls recorded after the change use the new
+values, with the spec of the new values (``conv.padding`` changes the output shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import batchgraph as bg
+
+
+class Scaled(nn.Module):
+    """A module of the user's reading a number of its own in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / self.temperature
+
+
+class Counting(nn.Module):
+    """A module whose forward changes a number of its own (not a setting)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+class Model(bg.BatchedModule):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+
+def _attention() -> nn.Module:
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(4, 2, dropout=0.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    return Attend()
+
+
+# (name, layer, per-example input shape, attribute path, the value set after recording)
+CASES: list[tuple[str, Callable[[], nn.Module], tuple[int, ...], str, Any]] = [
+    ("dropout_p", lambda: nn.Dropout(0.0), (4,), "p", 1.0),
+    ("layernorm_eps", lambda: nn.LayerNorm(4), (4,), "eps", 10.0),
+    ("conv_padding", lambda: nn.Conv1d(1, 2, 3, padding=1), (1, 6), "padding", (0,)),
+    ("attention_dropout", _attention, (3, 4), "mha.dropout", 1.0),
+    ("temperature", Scaled, (4,), "temperature", 4.0),
+]
+
+
+def _set(module: nn.Module, path: str, value: Any) -> None:
+    *owners, name = path.split(".")
+    for owner in owners:
+        module = getattr(module, owner)
+    setattr(module, name, value)
+
+
+def _get(module: nn.Module, path: str) -> Any:
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _inputs(shape: tuple[int, ...], n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=g, requires_grad=True) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name, make, shape, path, new", CASES, ids=[c[0] for c in CASES])
+def test_an_attribute_set_after_recording_is_refused_and_set_back_computes_as_eagerly(
+    name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], path: str, new: Any,
+) -> None:
+    model = Model(make())
+    xs = _inputs(shape)
+    eager = [model.layer(x) for x in xs]
+    old = _get(model.layer, path)
+    with bg.BatchingPolicy():
+        handles = [model.layer(x) for x in xs]
+    _set(model.layer, path, new)
+    with pytest.raises(bg.ModuleAttributeChangedError, match=path.split(".")[-1]):
+        bg.compute(handles)
+    _set(model.layer, path, old)
+    out = bg.compute(handles)
+    for e, o in zip(eager, out):
+        torch.testing.assert_close(o, e)
+    grads = torch.autograd.grad(torch.stack(out).sum(), xs)
+    eager_grads = torch.autograd.grad(torch.stack(eager).sum(), xs)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("name, make, shape, path, new", CASES, ids=[c[0] for c in CASES])
+def test_calls_recorded_after_a_change_compute_with_the_new_value(
+    name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], path: str, new: Any,
+) -> None:
+    # The site caches the first value's spec and key: the second batch must not reuse
+    # them (conv.padding changes the output shape).
+    model = Model(make())
+    xs = _inputs(shape)
+    with bg.BatchingPolicy():
+        first = [model.layer(x) for x in xs]
+    bg.compute(first)
+    _set(model.layer, path, new)
+    eager = [model.layer(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [model.layer(x) for x in xs]
+    assert handles[0].shape == eager[0].shape
+    for e, o in zip(eager, bg.compute(handles)):
+        torch.testing.assert_close(o, e)
+
+
+def test_an_attribute_set_between_two_recorded_calls_refuses_both() -> None:
+    model = Model(Scaled())
+    layer = model.layer  # the module itself: inside the block model.layer is its stub
+    xs = _inputs((4,), 2)
+    with bg.BatchingPolicy():
+        h0 = model.layer(xs[0])
+        layer.temperature = 2.0
+        h1 = model.layer(xs[1])
+    with pytest.raises(bg.ModuleAttributeChangedError, match=r"temperature: 1\.0 -> 2\.0"):
+        bg.compute([h0, h1])
+
+
+def test_a_function_reading_a_module_attribute_is_refused_after_a_change() -> None:
+    layer = Scaled()
+    score = bg.batched_func(lambda x: layer(x).sum())
+    xs = _inputs((4,))
+    eager = [score(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [score(x) for x in xs]
+    layer.temperature = 3.0
+    with pytest.raises(bg.ModuleAttributeChangedError, match="of modules read by"):
+        bg.compute(handles)
+    layer.temperature = 1.0
+    torch.testing.assert_close(torch.stack(bg.compute(handles)), torch.stack(eager))
+
+
+def test_state_a_forward_changes_itself_is_not_taken_for_a_setting() -> None:
+    model = Model(Counting())
+    xs = _inputs((4,))
+    eager = [model.layer(x) for x in xs]
+    with bg.BatchingPolicy():
+        first = model.layer(xs[0])
+        deeper = [model.layer(model.layer(x)) for x in xs[1:]]
+    # The compute of `first` changes `calls`; the calls still pending are not refused.
+    torch.testing.assert_close(bg.compute(first), eager[0])
+    out = bg.compute(deeper)
+    for x, o in zip(xs[1:], out):
+        torch.testing.assert_close(o, model.layer(model.layer(x)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(then=st.floats(0.25, 4.0), now=st.floats(0.25, 4.0), as_int=st.booleans())
+def test_a_temperature_set_after_recording_is_refused_unless_equal(
+    then: float, now: float, as_int: bool,
+) -> None:
+    model = Model(Scaled())
+    model.layer.temperature = then
+    xs = _inputs((4,), 2)
+    eager = [model.layer(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [model.layer(x) for x in xs]
+    # An int of the same value still counts as set (1 and 1.0 scale an integer
+    # tensor differently).
+    model.layer.temperature = round(now) if as_int else now
+    if model.layer.temperature == then and not as_int:
+        for e, o in zip(eager, bg.compute(handles)):
+            torch.testing.assert_close(o, e)
+    else:
+        with pytest.raises(bg.ModuleAttributeChangedError, match="temperature"):
+            bg.compute(handles)
