@@ -66,7 +66,7 @@ class Entry:
         # (Graph.layout_of), when the spec was inferred: see CallSite.__call__.
         self.layout: tuple[tuple[torch.dtype, torch.device], ...] = ()
         # The modes of the module and its submodules when resolved (Graph.modes_of),
-        # and its cache key (None: not cached): see CallSite._switch_modes.
+        # and its cache key (None: not cached): see stale_entries.switch_modes.
         self.modes: tuple[bool, ...] | None = None
         # A module's hooks when resolved (hooks.hooks_of; None for a function).
         self.hooks: Hooks | None = None

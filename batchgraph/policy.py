@@ -121,6 +121,8 @@ class BatchingPolicy:
         # dtype has its own (see __enter__).
         self._rules_base = 0 if not self.rules else next(_rules_tokens)
         self.rules_token = self._rules_base
+        # The default dtype the signatures resolve under (see follow_default_dtype).
+        self.default_dtype = torch.get_default_dtype()
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
@@ -155,7 +157,7 @@ class BatchingPolicy:
         # A cached signature's spec and key hold for the default dtype it was resolved
         # in (`int_h * 2.5` is float64 under a float64 default): another default reads
         # other caches. Read once per block: changed inside it, compute refuses.
-        default = torch.get_default_dtype()
+        default = self.default_dtype = torch.get_default_dtype()
         self.graph.default_dtypes.add(default)
         self.rules_token = _token_for(self._rules_base, default)
         if not self._quiet:
@@ -166,6 +168,34 @@ class BatchingPolicy:
             self._quiet = True
         self._mark = time.perf_counter()
         return self
+
+    def follow_default_dtype(self) -> bool:
+        """Whether the default dtype changed since the block began or this was last
+        asked (``torch.set_default_dtype`` inside it). If so, it is noted, so that
+        compute refuses (``DefaultDtypeChangedError``), and signatures resolve under
+        it from now on: a spec resolved under one default is not cached as the
+        block's, where a later block under that default would take it (its
+        ``int_h * 2.5`` float64 under float32, failing as a batching rule's error).
+        Asked where a signature is resolved and at a key's first call after each
+        compute, not per call: a default changed and changed back between two calls
+        of one signature with no compute in between is not seen.
+
+        Example:
+            >>> policy = BatchingPolicy()
+            >>> with policy:
+            ...     torch.set_default_dtype(torch.float64)
+            ...     changed = policy.follow_default_dtype()
+            ...     torch.set_default_dtype(torch.float32)
+            >>> changed, sorted(str(d) for d in policy.graph.default_dtypes)
+            (True, ['torch.float32', 'torch.float64'])
+        """
+        default = torch.get_default_dtype()
+        if default is self.default_dtype:
+            return False
+        self.default_dtype = default
+        self.graph.default_dtypes.add(default)
+        self.rules_token = _token_for(self._rules_base, default)
+        return True
 
     def __exit__(self, *exc: object) -> None:
         # One default, unless torch.set_default_dtype was called inside the block

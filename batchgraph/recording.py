@@ -54,6 +54,7 @@ from batchgraph.specs import (
     intern_spec,
     rebuild_sequence,
 )
+from batchgraph.stale_entries import STALE, recheck
 from batchgraph.vmap_probe import probe_vmap
 
 if TYPE_CHECKING:
@@ -289,34 +290,8 @@ class CallSite:
         if memo[0] == graph.stamp and memo[2] is grad and memo[3] is training and memo[4] == hooked:
             kid = memo[1]
         else:
-            if entry.layout and entry.layout != graph.layout_of(self.fn):
-                # The module was converted (model.double(), .to(device)), or a tensor
-                # the function reads was rebound to another dtype, since this
-                # signature was resolved: its cached output spec is stale (an
-                # embedding's dtype is its weight's). Checked here, once per key and
-                # compute, not per call, and not for callables that read no tensors
-                # (operators, most functions); the signatures are resolved anew.
-                self._forget()
-                # A conversion keeps the parameters' objects but replaces the buffers:
-                # the graph lists them anew, so the new ones are watched.
-                graph.forget_parts(self.fn)
-                return self(*args, **kwargs)
-            if entry.modes is not None and entry.modes != graph.modes_of(self.fn):
-                # The module or a submodule was switched (train/eval) since this
-                # signature was resolved: see _switch_modes. Checked as the layout is.
-                self._switch_modes(policy, entry, args, kwargs)
-                return self(*args, **kwargs)
-            if entry.hooks is not None and module is not None and entry.hooks != hooks_of(module):
-                # Hooks changed since this signature was resolved: its spec may not
-                # hold (a hook may reshape), and resolving warns of batched hooks.
-                self._forget()
-                return self(*args, **kwargs)
-            attrs = graph.attributes_now(entry.key.fn)
-            if entry.attrs != attrs:
-                # A plain attribute of a module it reads was set since this signature
-                # was resolved (conv.padding, drop.p): the spec may not hold. Its calls
-                # get a key id of their own, and compute refuses those recorded before.
-                self._forget()
+            attrs = recheck(self, policy, entry, args, kwargs)
+            if attrs is STALE:  # resolved anew
                 return self(*args, **kwargs)
             kid = graph.key_id(entry.key, grad, self.autocast, training, attrs)
             entry.memo = (graph.stamp, kid, grad, training, hooked)
@@ -390,28 +365,6 @@ class CallSite:
         self.last = (None, None)
         self.last1 = (None, None)
 
-    def _switch_modes(
-        self, policy: BatchingPolicy, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """Cache ``entry``'s signature resolved in the modes of now (kept from an
-        earlier switch, or resolved now) in place of ``entry``, kept for a switch back.
-
-        The spec, key and randomness found in one mode may not hold in the other: a
-        BatchNorm vmapped in eval mode cannot run so in training, and a layer adding
-        noise only in training, found deterministic, had identical calls merged into
-        one draw. (An uncached entry, of an unhashable static argument, is resolved
-        at each call, so only cached ones get here.)"""
-        sig, old, modes = entry.sig, entry.modes, policy.graph.modes_of(self.fn)
-        assert sig is not None and old is not None and modes is not None
-        other = self.by_modes.get((sig, modes))
-        if other is None or other.rules_token != policy.rules_token:
-            other = self._resolve(policy, args, kwargs, sig)
-            other.sig = sig
-        self.by_modes[(sig, old)] = entry
-        self.cache[sig] = other
-        self.last = (None, None)
-        self.last1 = (None, None)
-
     def _shadow(self) -> CallSite:
         """The site recording this callable's calls in the current autocast state."""
         state = autocast_state()
@@ -449,6 +402,7 @@ class CallSite:
     ) -> Entry:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
+        policy.follow_default_dtype()  # the entry's token is of the default it is resolved in
         fn = self.fn
         if changes_handle_in_place(fn, args, kwargs):
             # Recorded on a copy, which the input handle then stands for.

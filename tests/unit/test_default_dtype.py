@@ -94,3 +94,51 @@ def test_a_default_changed_inside_the_block_is_refused_at_compute() -> None:
         b = _int_times_float(bg.batched_value(torch.tensor(2)))
     with pytest.raises(bg.DefaultDtypeChangedError, match="float32 and float64"):
         bg.compute([a, b])
+
+
+_ZEROS_PLUS = bg.batched_func(lambda x: x + torch.zeros(3))
+
+
+def test_a_default_changed_and_changed_back_inside_the_block_is_refused_at_compute() -> None:
+    # The calls under float64 are the first of their signatures (or of their keys
+    # after a compute): eagerly float64, batched they would compute under float32.
+    with bg.BatchingPolicy():
+        torch.set_default_dtype(torch.float64)
+        handles = [_ZEROS_PLUS(torch.ones(3, dtype=torch.float32) * i) for i in range(2)]
+        assert all(h.dtype == torch.float64 for h in handles)  # as eagerly
+        torch.set_default_dtype(torch.float32)
+    with pytest.raises(bg.DefaultDtypeChangedError, match="float32 and float64"):
+        bg.compute(handles)
+
+
+def test_a_signature_resolved_under_a_default_changed_inside_a_block_is_not_kept_for_later_blocks(
+) -> None:
+    xs = [torch.ones(3) * i for i in range(2)]  # float32, made before the change
+
+    def record() -> list[Any]:
+        return [_ZEROS_PLUS(x) for x in xs]
+
+    with bg.BatchingPolicy():
+        torch.set_default_dtype(torch.float64)
+        record()
+        torch.set_default_dtype(torch.float32)
+    # A later block wholly under float32 computes as eagerly (it reused the float64
+    # spec, and failed with a BatchedCallError blaming the batching rule).
+    with bg.BatchingPolicy():
+        handles = record()
+    assert all(h.dtype == torch.float32 for h in handles)
+    for x, value in zip(xs, bg.compute(handles), strict=True):
+        torch.testing.assert_close(value, x + torch.zeros(3), rtol=0, atol=0)
+
+
+def test_a_default_changed_before_a_key_s_first_call_after_a_compute_is_refused() -> None:
+    x = torch.ones(3)
+    with bg.BatchingPolicy() as policy:
+        first = _ZEROS_PLUS(x)
+    policy.compute(first)  # a new stamp: the next call of the key is rechecked
+    with policy:
+        torch.set_default_dtype(torch.float64)
+        second = _ZEROS_PLUS(x * 2)
+        torch.set_default_dtype(torch.float32)
+    with pytest.raises(bg.DefaultDtypeChangedError, match="float32 and float64"):
+        policy.compute(second)

@@ -1,0 +1,88 @@
+"""Whether a call site's cached signature still holds at a key's first call after
+each compute (``CallSite.__call__`` asks, not per call): what it was resolved under
+(the default dtype, the layout, train/eval modes, hooks and plain attributes of the
+modules it reads) may have changed since; then it is resolved anew."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgraph.hooks import hooks_of
+
+if TYPE_CHECKING:
+    from batchgraph.entries import Entry
+    from batchgraph.policy import BatchingPolicy
+    from batchgraph.recording import CallSite
+
+__all__ = ["STALE", "recheck", "switch_modes"]
+
+STALE: Any = object()  # what recheck returns for an entry resolved anew
+_default_dtype = torch.get_default_dtype
+
+
+def recheck(
+    site: CallSite, policy: BatchingPolicy, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """At a key's first call after each compute (not per call): whether what
+    ``entry`` was resolved under still holds. ``STALE`` where not (the caller
+    calls again, which resolves anew), else the plain attributes for key_id."""
+    graph, module = policy.graph, site.mode_module
+    if _default_dtype() is not policy.default_dtype and policy.follow_default_dtype():
+        # torch.set_default_dtype inside the block: noted (compute refuses), and
+        # the signature resolved under the new default (int_h * 2.5 is float64).
+        return STALE
+    if entry.layout and entry.layout != graph.layout_of(site.fn):
+        # The module was converted (model.double(), .to(device)), or a tensor
+        # the function reads was rebound to another dtype, since this
+        # signature was resolved: its cached output spec is stale (an
+        # embedding's dtype is its weight's). Checked here, once per key and
+        # compute, not per call, and not for callables that read no tensors
+        # (operators, most functions); the signatures are resolved anew.
+        site._forget()
+        # A conversion keeps the parameters' objects but replaces the buffers:
+        # the graph lists them anew, so the new ones are watched.
+        graph.forget_parts(site.fn)
+        return STALE
+    if entry.modes is not None and entry.modes != graph.modes_of(site.fn):
+        # The module or a submodule was switched (train/eval) since this
+        # signature was resolved: see switch_modes. Checked as the layout is.
+        switch_modes(site, policy, entry, args, kwargs)
+        return STALE
+    if entry.hooks is not None and module is not None and entry.hooks != hooks_of(module):
+        # Hooks changed since this signature was resolved: its spec may not
+        # hold (a hook may reshape), and resolving warns of batched hooks.
+        site._forget()
+        return STALE
+    attrs = graph.attributes_now(entry.key.fn)
+    if entry.attrs != attrs:
+        # A plain attribute of a module it reads was set since this signature
+        # was resolved (conv.padding, drop.p): the spec may not hold. Its calls
+        # get a key id of their own, and compute refuses those recorded before.
+        site._forget()
+        return STALE
+    return attrs
+
+
+def switch_modes(
+    site: CallSite, policy: BatchingPolicy, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Cache ``entry``'s signature resolved in the modes of now (kept from an
+    earlier switch, or resolved now) in place of ``entry``, kept for a switch back.
+
+    The spec, key and randomness found in one mode may not hold in the other: a
+    BatchNorm vmapped in eval mode cannot run so in training, and a layer adding
+    noise only in training, found deterministic, had identical calls merged into
+    one draw. (An uncached entry, of an unhashable static argument, is resolved
+    at each call, so only cached ones get here.)"""
+    sig, old, modes = entry.sig, entry.modes, policy.graph.modes_of(site.fn)
+    assert sig is not None and old is not None and modes is not None
+    other = site.by_modes.get((sig, modes))
+    if other is None or other.rules_token != policy.rules_token:
+        other = site._resolve(policy, args, kwargs, sig)
+        other.sig = sig
+    site.by_modes[(sig, old)] = entry
+    site.cache[sig] = other
+    site.last = (None, None)
+    site.last1 = (None, None)
