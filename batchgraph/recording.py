@@ -191,7 +191,7 @@ class CallSite:
             entry = last1[1]
             if last1[0] is not spec or entry.rules_token != policy.rules_token:
                 entry = self._entry(policy, args, kwargs, (spec,))
-                self.last1 = (spec, entry)
+                _set_last1(self, (spec, entry))  # self.last1 = ..., see _set_last1
             source = a.node
             refs: tuple[Ref, ...] = ((source, a.leaf),)
             deepest = graph.node_depth[source]
@@ -255,7 +255,7 @@ class CallSite:
                 else:
                     entry = self._entry(policy, args, kwargs, tuple(sig))
                     if simple:
-                        self.last = (sig, entry)
+                        _set_last(self, (sig, entry))
             if entry.on_copy and type(args[0]) is not ResultHandle:
                 # Resolved for a handle changed in place (h.add_(g)); a tensor of the
                 # same spec (t.add_(g)) has its signature, but it may not change so.
@@ -444,6 +444,13 @@ class CallSite:
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
         """See ``batchgraph.inference.infer_spec``."""
         return infer_spec(self.fn, self.name, call)
+
+
+# The hot path writes these slots through their descriptors: a ModuleStub (a module's
+# site) forwards other attribute writes to its module (``self.layer.p = 0.2`` in
+# per-example code), and its __setattr__ in Python would cost five times as much.
+_set_last1: Callable[[CallSite, Any], None] = vars(CallSite)["last1"].__set__
+_set_last: Callable[[CallSite, Any], None] = vars(CallSite)["last"].__set__
 
 
 def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:

@@ -69,6 +69,16 @@ class ModuleStub(CallSite):
             )
         return getattr(self.fn, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Per-example code setting a submodule's setting (`self.layer.temperature = t`,
+        # `self.drop.p = 0.2`) sets it on the module, as eagerly; it failed with
+        # "'ModuleStub' object has no attribute". Only the site's own slots are the
+        # stub's (written where a cached signature misses, not per call).
+        if name in _SITE_SLOTS:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.fn, name, value)
+
     # Per-example code may ask what a submodule is (`if isinstance(layer, nn.Dropout):
     # continue`): the stub passes for its module's class, so the recorded code takes
     # the branch the eager code takes (it recorded the dropout the eager code skipped).
@@ -78,6 +88,7 @@ class ModuleStub(CallSite):
         return type(self.fn)
 
 
+_SITE_SLOTS: frozenset[str] = frozenset(vars(CallSite)["__slots__"])
 # The dicts of a module's tensors that torch's functional calls swap entries of.
 _SWAPPED_STATE = frozenset({"_parameters", "_buffers"})
 

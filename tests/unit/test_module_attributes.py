@@ -195,3 +195,22 @@ def test_a_temperature_set_after_recording_is_refused_unless_equal(
     else:
         with pytest.raises(bg.ModuleAttributeChangedError, match="temperature"):
             bg.compute(handles)
+
+
+def test_a_setting_set_through_a_submodule_read_inside_the_block_reaches_the_module() -> None:
+    # Inside the block model.layer reads as its recording stub: setting through it
+    # failed ("'ModuleStub' object has no attribute 'temperature'").
+    model = Model(Scaled())
+    xs = _inputs((4,), 2)
+    with bg.BatchingPolicy():
+        model.layer.temperature = 2.0
+        handles = [model.layer(x) for x in xs]
+    assert model.layer.temperature == 2.0
+    for x, value in zip(xs, bg.compute(handles)):
+        torch.testing.assert_close(value, model.layer(x))
+    with bg.BatchingPolicy():
+        first = model.layer(xs[0])
+        model.layer.temperature = 3.0
+        second = model.layer(xs[1])
+    with pytest.raises(bg.ModuleAttributeChangedError, match=r"temperature: 2\.0 -> 3\.0"):
+        bg.compute([first, second])
