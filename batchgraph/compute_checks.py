@@ -32,7 +32,7 @@ from batchgraph.scheduling import Schedule, Step
 
 __all__ = [
     "check_buffers", "check_default_dtype", "check_modes", "check_parameters",
-    "watching_attributes", "watching_buffers",
+    "own_renorms", "watching_attributes", "watching_buffers",
 ]
 
 
@@ -149,6 +149,29 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
     yield
     for modules, before in done.values():
         note_own_state(modules, before)
+
+
+@contextlib.contextmanager
+def own_renorms(graph: Graph, schedule: Schedule) -> Iterator[None]:
+    """Run the steps; then take the in-place renormalization their ``nn.Embedding(
+    max_norm=...)`` lookups made of the weight for the lookups' own: calls of the
+    same embedding still pending (recorded before, to be computed later) are not
+    refused for it (``ParameterChangedError``).
+
+    Eagerly each lookup renormalizes the rows it reads before reading them, and a
+    renormalized row stays as it is: which lookup renormalized a row first does not
+    change what any of them reads. Calls of other callables reading the weight (a
+    tied output projection) read the rows as they were at their time, so theirs
+    stay refused."""
+    embeddings = {id(fn): fn for step in schedule.steps
+                  if isinstance(fn := graph.keys[step.key].fn, torch.nn.Embedding)
+                  and fn.max_norm is not None}
+    before = {i: fn.weight._version for i, fn in embeddings.items()}
+    yield
+    for kid, noted in list(graph.key_versions.items()):
+        i = id(graph.keys[kid].fn)
+        if i in before and noted[0] == before[i] and graph.key_params[kid][0] is embeddings[i].weight:
+            graph.key_versions[kid] = (embeddings[i].weight._version, *noted[1:])
 
 
 def check_parameters(graph: Graph, schedule: Schedule) -> None:

@@ -31,6 +31,7 @@ from batchgraph.compute_checks import (
     check_default_dtype,
     check_modes,
     check_parameters,
+    own_renorms,
     watching_attributes,
     watching_buffers,
 )
@@ -103,13 +104,12 @@ class Executor:
             check_modes(graph, schedule)
         if graph.key_versions:
             check_parameters(graph, schedule)
-        # Buffers the steps may change themselves (running statistics) are marked as
-        # the computation's while it runs (batchgraph.buffers), after the check that
-        # nothing else changed them since their calls were recorded.
-        watching = (watching_buffers(graph, schedule) if graph.key_buffers
-                    else _NOTHING_WATCHED)
-        attributes = (watching_attributes(graph, schedule) if graph.key_attrs
-                      else _NOTHING_WATCHED)
+        # Buffers, attributes and embedding weights (max_norm) the steps may change
+        # themselves are the computation's own (compute_checks), after the checks
+        # that nothing else changed them since their calls were recorded.
+        watching = watching_buffers(graph, schedule) if graph.key_buffers else _NOTHING_WATCHED
+        attributes = watching_attributes(graph, schedule) if graph.key_attrs else _NOTHING_WATCHED
+        renorms = own_renorms(graph, schedule) if graph.key_versions else _NOTHING_WATCHED
         added = 0
         guard, wanted, constants_outside = self._modes(schedule)
         # Likewise each call runs in the autocast state it was recorded in (mostly
@@ -118,7 +118,7 @@ class Executor:
         ambient_cast = autocast_state()
         keys = graph.keys
         try:
-            with guard, not_recording(), watching, attributes:  # a batched call computes, even inside `with`
+            with guard, not_recording(), watching, attributes, renorms:  # a batched call computes, even inside `with`
                 # Index tensors too are made here: in inference mode they would be
                 # inference tensors, which a gather with grad cannot save.
                 self._index_all(schedule)

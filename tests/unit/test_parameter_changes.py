@@ -160,3 +160,56 @@ def test_an_embedding_with_max_norm_is_not_taken_for_changed_by_shape_inference(
     for got, w in zip(policy.compute(handles), want, strict=True):
         torch.testing.assert_close(got, w)
     torch.testing.assert_close(embed.weight, eager.weight)  # renormalized as eagerly
+
+
+def _long_rows(seed: int) -> tuple[nn.Embedding, nn.Embedding]:
+    """An embedding with max_norm whose rows are longer than it, and an eager copy."""
+    torch.manual_seed(seed)
+    embed = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        embed.weight.mul_(3.0)  # rows longer than max_norm: renormalized at lookup
+    eager = nn.Embedding(10, 4, max_norm=1.0)
+    eager.load_state_dict(embed.state_dict())
+    return embed, eager
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    ids=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=4), min_size=2, max_size=6),
+    data=st.data(),
+)
+def test_embedding_lookups_with_max_norm_pending_across_computes_compute_as_eagerly(
+    ids: list[list[int]], data: st.DataObject,
+) -> None:
+    # A compute's lookups renormalize the rows they read, in place: the lookups still
+    # pending were refused at the next compute (ParameterChangedError), though eagerly
+    # a renormalized row reads the same whichever lookup renormalized it first.
+    embed, eager = _long_rows(len(ids))
+    site = bg.batched_func(embed)
+    tensors = [torch.tensor(i) for i in ids]
+    want = [eager(i) for i in tensors]
+    split = data.draw(st.integers(1, len(ids) - 1))
+    with bg.BatchingPolicy() as policy:
+        handles = [site(i) for i in tensors]
+    got = policy.compute(handles[:split]) + policy.compute(handles[split:])
+    for value, w in zip(got, want, strict=True):
+        torch.testing.assert_close(value, w)
+    torch.testing.assert_close(embed.weight, eager.weight)  # renormalized as eagerly
+    torch.stack([v.sum() for v in got]).sum().backward()
+    torch.stack([w.sum() for w in want]).sum().backward()
+    assert embed.weight.grad is not None and eager.weight.grad is not None
+    torch.testing.assert_close(embed.weight.grad, eager.weight.grad)
+
+
+def test_a_tied_projection_pending_across_a_renormalizing_lookup_is_still_refused() -> None:
+    # Another callable reading the weight read its rows as they were at its time:
+    # eagerly before the lookup renormalized them.
+    embed, _ = _long_rows(0)
+    site = bg.batched_func(embed)
+    project = bg.batched_func(lambda h: embed.weight @ h)
+    with bg.BatchingPolicy() as policy:
+        projected = project(torch.ones(4))
+        looked_up = site(torch.tensor([1, 2]))
+    policy.compute(looked_up)
+    with pytest.raises(bg.ParameterChangedError, match="changed in place"):
+        policy.compute(projected)
