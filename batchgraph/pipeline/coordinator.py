@@ -70,6 +70,11 @@ from batchgraph.pipeline.step_checks import (
     scalar_output_warning,
     targets_require_grad_error,
 )
+from batchgraph.pipeline.step_gradients import (
+    discard_step_gradients,
+    restore_gradients,
+    stash_gradients,
+)
 from batchgraph.pipeline.step_guard import StepGuard
 from batchgraph.pipeline.thread_state import ThreadState
 from batchgraph.pipeline.trace import TimelineEvent
@@ -256,11 +261,22 @@ class Coordinator:
             PipelineConfigError: without a loss, for more microbatches than samples, or
                 under ``torch.inference_mode()``.
             StageMismatchError: if the stages do not fit together (before any compute).
-            StageError: if a task fails; the step is abandoned, ``.grad`` may hold part of
-                the step's gradients.
+            StageError: if a task fails; the step is abandoned and ``.grad`` is as it was
+                before the step (the gradients accumulated by earlier steps, none of this
+                one's), as on one device, where such a failure comes before the backward.
         """
         with self._guard.step("train_step"):
-            return self._train_step(inputs, targets)
+            # Earlier steps' gradients are kept apart (see step_gradients): a step that
+            # fails after some microbatches' backwards must not leave theirs behind.
+            params = list(dict.fromkeys(p for s in self.stages for p in s.module.parameters()))
+            saved = stash_gradients(params)
+            try:
+                loss = self._train_step(inputs, targets)
+            except BaseException:
+                discard_step_gradients(params, saved)
+                raise
+            restore_gradients(params, saved)
+            return loss
 
     def _train_step(self, inputs: Batch, targets: Batch) -> Tensor:
         if self.loss is None:

@@ -48,8 +48,6 @@ from batchgraph.pipeline.dist_sync import (
     TimelineGather,
     allreduce_gradients,
     gather_state,
-    restore_gradients,
-    stash_gradients,
     step_timeline,
 )
 from batchgraph.pipeline.dist_tied import Tie, TiedGradients, describe_ties, find_ties
@@ -72,6 +70,11 @@ from batchgraph.pipeline.schedules import make_schedule
 from batchgraph.pipeline.splitting import warn_whole_model_hooks
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.step_checks import check_timeout, scalar_output_warning
+from batchgraph.pipeline.step_gradients import (
+    discard_step_gradients,
+    restore_gradients,
+    stash_gradients,
+)
 from batchgraph.pipeline.trace import TimelineEvent
 from batchgraph.pipeline.validate import validate_schedule
 
@@ -370,24 +373,27 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
         self.comm.begin_step(self._step, self.schedule.stages)
         for stage in self.stages.values():
             stage.reset()
-        # The gradients summed over ranks after the step: stashed, so only this step's are.
-        replicated = self.parameters() if train and self.groups.replica is not None else []
-        params = replicated or (self.tied.params if train else [])
+        # Earlier steps' gradients are stashed (see step_gradients): only this step's are
+        # summed over ranks, and a failed step leaves .grad as it was before it.
+        params = self.parameters() if train else []
         saved = stash_gradients(params) if params else []
         try:
             if self._gather is not None:
                 self._gather.begin(train)  # rank 0 posts its receives during the fill
             result, events = self._run(inputs, targets, total_n, train=train)
             if params:
-                if replicated:  # over the replicas first, then over the tied copies
-                    allreduce_gradients(replicated, self.groups.replica, [None] * len(replicated))
+                if self.groups.replica is not None:  # over the replicas, then the tied copies
+                    allreduce_gradients(params, self.groups.replica, [None] * len(params))
                 self.tied.allreduce()
-                restore_gradients(params, saved)
             if train and result is not None and self.groups.replica is not None:
                 dist.all_reduce(result, group=self.groups.replica)
             self._record(events, train)
         except BaseException as exc:
+            discard_step_gradients(params, saved)
             raise self._fail(exc) from exc.__cause__ if isinstance(exc, StageError) else exc
+        # Outside the try: it adds into the earlier tensors in place, which no failure
+        # after it could undo.
+        restore_gradients(params, saved)
         if not train and result is not None:
             # After the step: outputs that cannot be merged (0-d) are refused on this rank
             # alone, as the threads backend refuses them, and the pipeline stays usable.

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
+from batchgraph.pipeline.step_gradients import restore_gradients, stash_gradients
 from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = [
@@ -22,18 +23,6 @@ __all__ = [
     "stash_gradients",
     "step_timeline",
 ]
-
-
-def stash_gradients(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
-    """Take the gradients out of ``params`` (set to ``None``) so a step's own can be reduced.
-
-    Without this, gradients accumulated by earlier steps would be summed over the replicas
-    again on every step.
-    """
-    saved = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return saved
 
 
 def gather_state(
@@ -98,17 +87,6 @@ def allreduce_gradients(
                 if count == 0:
                     params[i].grad = None
     restore_gradients(params, saved)
-
-
-def restore_gradients(params: Sequence[nn.Parameter], saved: Sequence[Tensor | None]) -> None:
-    """Add the gradients :func:`stash_gradients` took out back to this step's."""
-    for p, old in zip(params, saved):
-        if old is None:
-            continue
-        if p.grad is None:
-            p.grad = old
-        else:
-            p.grad.add_(old)
 
 
 def gather_events(
