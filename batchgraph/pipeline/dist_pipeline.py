@@ -47,6 +47,7 @@ from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
     allreduce_gradients,
+    broadcast_buffers,
     gather_state,
     step_timeline,
 )
@@ -122,6 +123,13 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
             point-to-point message per rank, which rank 0 posts for while it waits for
             the pipeline to fill, so no rank waits for another at the end of a step);
             ``False`` skips it.
+        broadcast_buffers: with ``replicas > 1``, copy the first replica's buffers
+            (``BatchNorm``'s running statistics) to the other replicas at the start of
+            every step (``train_step`` and ``forward``), as
+            ``DistributedDataParallel(broadcast_buffers=True)``, its default, does before
+            each forward; so every replica evaluates and checkpoints the same model.
+            ``False`` lets each replica keep the statistics of its own shards (as DDP's
+            ``broadcast_buffers=False``).
 
     Raises:
         PipelineConfigError: if the ranks disagree on the configuration (checked by an
@@ -158,6 +166,7 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
         device: torch.device | str | None = None,
         timeout: float = 60.0,
         collect_stats: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         check_timeout(timeout, optional=False)
         if chunks is None:  # a schedule object's own (its counts are checked below)
@@ -178,7 +187,7 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
         config = {
             "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
             "replicas": replicas, "world": dist.get_world_size(), "modules": n_specs,
-            "tied": describe_ties(ties),
+            "tied": describe_ties(ties), "broadcast_buffers": broadcast_buffers,
         }  # fmt: skip
         check_same_config(self.groups.control, config)
         if dist.get_world_size() != stages * replicas:
@@ -227,6 +236,7 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
             board=self.groups.board,
         )
         self.collect_stats = collect_stats
+        self.broadcast_buffers = broadcast_buffers
         self._offsets = clock_offsets(self.groups.control)
         self._gather: TimelineGather | None = None
         if collect_stats:
@@ -380,6 +390,10 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
         try:
             if self._gather is not None:
                 self._gather.begin(train)  # rank 0 posts its receives during the fill
+            if self.broadcast_buffers and self.groups.replica is not None:
+                t = self.topology
+                modules = [self.stages[s].module for s in sorted(self.stages)]
+                broadcast_buffers(modules, self.groups.replica, src=t.rank_of(t.device, 0))
             result, events = self._run(inputs, targets, total_n, train=train)
             if params:
                 if self.groups.replica is not None:  # over the replicas, then the tied copies

@@ -1,4 +1,5 @@
-"""After a step: replica gradient all-reduce, and every rank's timeline gathered to rank 0."""
+"""Between replicas: buffers broadcast before a step and gradients all-reduced after it;
+and every rank's timeline gathered to rank 0 after a step."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from batchgraph.pipeline.trace import TimelineEvent
 __all__ = [
     "TimelineGather",
     "allreduce_gradients",
+    "broadcast_buffers",
     "gather_events",
     "gather_state",
     "restore_gradients",
@@ -40,6 +42,35 @@ def gather_state(
     if parts is None:
         return None
     return {k: v for got in parts for k, v in got.items()}
+
+
+def broadcast_buffers(modules: Sequence[nn.Module], group: Any, src: int) -> None:
+    """Copy rank ``src``'s buffers of ``modules`` (running statistics) to every rank of ``group``.
+
+    What ``DistributedDataParallel(broadcast_buffers=True)`` (its default) does before each
+    forward: each replica updates its own running statistics from its own shard, so
+    without this ``BatchNorm``'s would drift apart across the replicas, and each rank's
+    checkpoint and eval-mode outputs would be those of a different model. One flat
+    broadcast per dtype (``num_batches_tracked`` is int64), not one per tensor.
+    Collective over ``group``.
+
+    Example (on every rank of ``group``, one per replica of these stages)::
+
+        broadcast_buffers([stage.module for stage in stages], replica_group, src=first_rank)
+    """
+    buffers = list(dict.fromkeys(b for m in modules for b in m.buffers()))
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for group_buffers in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in group_buffers])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for b in group_buffers:
+            n = b.numel()
+            with torch.no_grad():
+                b.copy_(flat[offset : offset + n].view_as(b))
+            offset += n
 
 
 def allreduce_gradients(
