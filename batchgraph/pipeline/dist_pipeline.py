@@ -59,6 +59,7 @@ from batchgraph.pipeline.dist_topology import (
     clock_offsets,
 )
 from batchgraph.pipeline.errors import PipelineConfigError, StageError
+from batchgraph.pipeline.grad_clip import RankClipping
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import (
     Batch,
@@ -92,7 +93,7 @@ def _describe(schedule: str | PipelineSchedule) -> str:
     return f"{schedule.name}[{order}]"
 
 
-class DistributedPipeline(CheckpointMethods, RankFailures):
+class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
     """Pipeline training across processes: this rank's share of a pipeline (x replicas).
 
     Call it the same way on every rank of an initialised process group of
@@ -148,6 +149,7 @@ class DistributedPipeline(CheckpointMethods, RankFailures):
                                  loss_fn=nn.MSELoss()) as pipe:
             rank = dist.get_rank()
             loss = pipe.train_step(x if rank == 0 else None, y if rank == 1 else None)
+            pipe.clip_grad_norm_(1.0)   # by the whole model's norm, as on one device
             if rank == 0:
                 print(pipe.stats.summary())
             torch.save(pipe.state_dict(), f"rank{rank}.pt")  # its stages, the model's names

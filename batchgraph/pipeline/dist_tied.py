@@ -99,6 +99,7 @@ class TiedGradients:
             if len(devices) > 1:
                 by_devices.setdefault(devices, []).append(tie)
         self._groups: list[tuple[Any, list[nn.Parameter]]] = []
+        copies: list[nn.Parameter] = []
         topology = groups.topology
         for devices, group_ties in sorted(by_devices.items()):
             for j in range(topology.replicas):
@@ -112,9 +113,15 @@ class TiedGradients:
                 for p in params:
                     dist.broadcast(p.data, src=ranks[0], group=group)
                 self._groups.append((group, params))
+                if topology.rank != ranks[0]:
+                    copies.extend(params)
         self.params: list[nn.Parameter] = list(
             dict.fromkeys(p for _, params in self._groups for p in params)
         )
+        #: This rank's tied parameters that a lower rank also holds: a model-wide sum over
+        #: parameters (the gradient norm) counts them there only, as one device counts
+        #: a shared parameter once.
+        self.copies: list[nn.Parameter] = list(dict.fromkeys(copies))
 
     def release(self) -> None:
         """Forget the groups (after a failure: see ``DistributedPipeline._fail``)."""

@@ -369,6 +369,58 @@ class Pipeline(CheckpointMethods):
         self._check_modes()
         return self._runtime.forward(cast(Batch, inputs))
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:  # fmt: skip
+        """Clip the gradients by the norm over every stage, as on one device.
+
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on the unsplit model:
+        the same total norm (a parameter shared by stages counted once) and the same
+        scaling of every gradient. On threads the stages train the model's own
+        parameters; with ``backend="torch.distributed"`` each rank clips its own by the
+        norm over every rank (collective: call it on every rank; see
+        :meth:`DistributedPipeline.clip_grad_norm_`), where clipping a rank's
+        parameters by their own norm would scale each stage differently.
+
+        Returns:
+            The total norm of the gradients (before clipping).
+
+        Raises:
+            RuntimeError: for a non-finite total with ``error_if_nonfinite=True``.
+            PipelineConfigError: if this process holds only some stages and the
+                backend cannot compute the norm over the others.
+
+        Example:
+            >>> import copy
+            >>> net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            >>> twin = copy.deepcopy(net)
+            >>> x, y = torch.randn(6, 4), torch.randn(6, 1)
+            >>> with Pipeline(net, stages=2, microbatches=3, loss_fn=nn.MSELoss()) as pipe:
+            ...     _ = pipe.train_step(x, y)
+            ...     total = pipe.clip_grad_norm_(0.1)
+            >>> nn.MSELoss()(twin(x), y).backward()
+            >>> want = nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+            >>> torch.allclose(total, want), all(
+            ...     torch.allclose(p.grad, q.grad, atol=1e-7)
+            ...     for p, q in zip(net.parameters(), twin.parameters()))
+            (True, True)
+        """
+        clip = getattr(self._runtime, "clip_grad_norm_", None)
+        if callable(clip):
+            total: Tensor = clip(max_norm, norm_type, error_if_nonfinite, foreach)
+            return total
+        own = self._runtime.own_modules
+        if len(own) != self.schedule.stages:
+            raise PipelineConfigError(
+                f"this process holds {len(own)} of the {self.schedule.stages} stages and "
+                f"backend {self.backend!r} has no clip_grad_norm_: clipping these by their "
+                "own norm would not be the model's; give the runtime a clip_grad_norm_ "
+                "that computes the norm over every process"
+            )
+        params = dict.fromkeys(p for s in sorted(own) for p in own[s].parameters())
+        return nn.utils.clip_grad_norm_(
+            list(params), max_norm, norm_type, error_if_nonfinite, foreach
+        )
+
     def _check_modes(self) -> None:
         """Refuse, before any work, a mode a graph-split stage was not traced in, and a
         model whose layers were replaced since the stages were split from it."""
