@@ -238,7 +238,7 @@ class Coordinator:
 
     # -- steps ----------------------------------------------------------------------------
 
-    def train_step(self, inputs: Batch, targets: Batch) -> Tensor:
+    def train_step(self, inputs: Batch, targets: Batch, grad_scale: float = 1.0) -> Tensor:
         """Forward and backward of one batch; parameter gradients accumulate into ``.grad``.
 
         One step runs at a time: a call from another thread waits for the running step,
@@ -247,6 +247,9 @@ class Coordinator:
         Args:
             inputs: a tensor or tuple of tensors (the first stage's inputs), batch in dim 0.
             targets: what the loss compares the last stage's output with, batch in dim 0.
+            grad_scale: the gradients are those of ``grad_scale * loss`` (a
+                ``GradScaler``'s scale, see ``Pipeline.train_step``); the loss returned is
+                not scaled.
 
         The stages run in the caller's ``torch.autocast`` state (forwards and the loss;
         backwards follow autograd) and saved-tensors hooks (see
@@ -271,14 +274,14 @@ class Coordinator:
             params = list(dict.fromkeys(p for s in self.stages for p in s.module.parameters()))
             saved = stash_gradients(params)
             try:
-                loss = self._train_step(inputs, targets)
+                loss = self._train_step(inputs, targets, grad_scale)
             except BaseException:
                 discard_step_gradients(params, saved)
                 raise
             restore_gradients(params, saved)
             return loss
 
-    def _train_step(self, inputs: Batch, targets: Batch) -> Tensor:
+    def _train_step(self, inputs: Batch, targets: Batch, grad_scale: float) -> Tensor:
         if self.loss is None:
             raise PipelineConfigError("train_step needs a loss: pass loss_fn= to the pipeline")
         loss = self.loss
@@ -325,14 +328,14 @@ class Coordinator:
                 graphs.append(value.requires_grad)
                 last.start_backward_at(mb, (value,))
                 values.append((value.detach(), weight))
-                return (torch.full_like(value, weight),)
+                return (torch.full_like(value, weight * grad_scale),)
             graphs.append(last.has_graph(mb))
             # Detached, so no microbatch's output is kept alive through its loss graph.
             leaves = output_leaves(outputs)
             out = leaves[0] if last.bare else leaves
             with torch.enable_grad():
                 value = loss.compute_loss(out, tgt)
-                grads = loss.compute_gradient(value, out, weight=weight)
+                grads = loss.compute_gradient(value, out, weight=weight * grad_scale)
             values.append((value.detach(), weight))
             return grads
 

@@ -27,12 +27,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from batchgraph.pipeline.errors import PipelineConfigError
+
 if TYPE_CHECKING:
     from batchgraph.pipeline.dist_comm import DistCommunicator
     from batchgraph.pipeline.dist_tied import TiedGradients
     from batchgraph.pipeline.dist_topology import ProcessGroups
 
-__all__ = ["RankClipping", "combine_norms", "nonfinite_norm_error"]
+__all__ = ["RankClipping", "combine_norms", "every_stage_parameters", "nonfinite_norm_error"]
 
 # The real dtypes a total norm can have; gathered as an index so every rank gives the
 # total the dtype one device gives (its gradients' promoted dtype).
@@ -64,6 +66,30 @@ def combine_norms(norms: Tensor, norm_type: float) -> Tensor:
         return norms.sum()
     total: Tensor = torch.linalg.vector_norm(norms, norm_type)
     return total
+
+
+def every_stage_parameters(
+    own: dict[int, nn.Module], stages: int, backend: str
+) -> list[nn.Parameter]:
+    """The parameters of every stage (each once), for a runtime without a clip of its own.
+
+    Raises:
+        PipelineConfigError: if this process holds only some of the ``stages``: clipping
+            them by their own norm would not be the model's clipping.
+
+    Example:
+        >>> shared = nn.Linear(2, 2)
+        >>> len(every_stage_parameters({0: shared, 1: nn.Sequential(shared)}, 2, "threads"))
+        2
+    """
+    if len(own) != stages:
+        raise PipelineConfigError(
+            f"this process holds {len(own)} of the {stages} stages and backend {backend!r} "
+            "has no clip_grad_norm_: clipping these by their own norm would not be the "
+            "model's; give the runtime a clip_grad_norm_ that computes the norm over "
+            "every process"
+        )
+    return list(dict.fromkeys(p for s in sorted(own) for p in own[s].parameters()))
 
 
 class RankClipping:

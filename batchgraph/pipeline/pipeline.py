@@ -29,6 +29,8 @@ from batchgraph.pipeline.checkpoint import (
 )
 from batchgraph.pipeline.coordinator import Coordinator
 from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.grad_clip import every_stage_parameters
+from batchgraph.pipeline.grad_scaling import grad_scale
 from batchgraph.pipeline.held_layers import HeldLayers
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
@@ -334,7 +336,13 @@ class Pipeline(CheckpointMethods):
         else:
             self.close()
 
-    def train_step(self, inputs: Batch | None, targets: Batch | None) -> Tensor | None:
+    def train_step(
+        self,
+        inputs: Batch | None,
+        targets: Batch | None,
+        *,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> Tensor | None:
         """One forward and backward over the batch; gradients accumulate into ``.grad``.
 
         Args:
@@ -342,6 +350,10 @@ class Pipeline(CheckpointMethods):
                 ``backend="torch.distributed"``: on the first rank; ``None`` elsewhere.
             targets: the loss targets, batch in dimension 0.
                 ``backend="torch.distributed"``: on the last rank; ``None`` elsewhere.
+            grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: the gradients
+                are then those ``scaler.scale(loss).backward()`` gives on one device
+                (follow with ``scaler.step(optimizer)`` and ``scaler.update()``; see
+                :mod:`batchgraph.pipeline.grad_scaling`). ``backend="threads"`` only.
 
         Returns:
             The loss of the whole batch (a detached scalar tensor); ``None`` on ranks
@@ -357,7 +369,15 @@ class Pipeline(CheckpointMethods):
         self._check_modes()
         # A process backend takes None where a rank owns neither end; the threads backend
         # rejects None with its own error, so the casts only widen what reaches it.
-        return self._runtime.train_step(cast(Batch, inputs), cast(Batch, targets))
+        if grad_scaler is None:
+            return self._runtime.train_step(cast(Batch, inputs), cast(Batch, targets))
+        runtime = self._runtime
+        # Where the loss is computed; None where this process does not run every stage.
+        device = runtime.stages[-1].device if isinstance(runtime, Coordinator) else None
+        scale = grad_scale(grad_scaler, device)  # refuses device None
+        return cast(Coordinator, runtime).train_step(
+            cast(Batch, inputs), cast(Batch, targets), scale
+        )
 
     def forward(self, inputs: Batch | None) -> Tensor | tuple[Tensor, ...] | None:
         """The model's outputs for the whole batch, without gradients.
@@ -409,17 +429,8 @@ class Pipeline(CheckpointMethods):
             total: Tensor = clip(max_norm, norm_type, error_if_nonfinite, foreach)
             return total
         own = self._runtime.own_modules
-        if len(own) != self.schedule.stages:
-            raise PipelineConfigError(
-                f"this process holds {len(own)} of the {self.schedule.stages} stages and "
-                f"backend {self.backend!r} has no clip_grad_norm_: clipping these by their "
-                "own norm would not be the model's; give the runtime a clip_grad_norm_ "
-                "that computes the norm over every process"
-            )
-        params = dict.fromkeys(p for s in sorted(own) for p in own[s].parameters())
-        return nn.utils.clip_grad_norm_(
-            list(params), max_norm, norm_type, error_if_nonfinite, foreach
-        )
+        params = every_stage_parameters(own, self.schedule.stages, self.backend)
+        return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _check_modes(self) -> None:
         """Refuse, before any work, a mode a graph-split stage was not traced in, and a
