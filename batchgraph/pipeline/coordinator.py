@@ -52,6 +52,7 @@ from batchgraph.pipeline.errors import (
     PipelineConfigError,
     StageError,
 )
+from batchgraph.pipeline.grad_scaling import grad_scale
 from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.microbatch import (
     Batch,
@@ -238,7 +239,9 @@ class Coordinator:
 
     # -- steps ----------------------------------------------------------------------------
 
-    def train_step(self, inputs: Batch, targets: Batch, grad_scale: float = 1.0) -> Tensor:
+    def train_step(
+        self, inputs: Batch, targets: Batch, *, grad_scaler: torch.amp.GradScaler | None = None
+    ) -> Tensor:
         """Forward and backward of one batch; parameter gradients accumulate into ``.grad``.
 
         One step runs at a time: a call from another thread waits for the running step,
@@ -247,9 +250,8 @@ class Coordinator:
         Args:
             inputs: a tensor or tuple of tensors (the first stage's inputs), batch in dim 0.
             targets: what the loss compares the last stage's output with, batch in dim 0.
-            grad_scale: the gradients are those of ``grad_scale * loss`` (a
-                ``GradScaler``'s scale, see ``Pipeline.train_step``); the loss returned is
-                not scaled.
+            grad_scaler: the gradients are then those of ``scaler.scale(loss)`` (see
+                :mod:`batchgraph.pipeline.grad_scaling`); the loss returned is not scaled.
 
         The stages run in the caller's ``torch.autocast`` state (forwards and the loss;
         backwards follow autograd) and saved-tensors hooks (see
@@ -274,7 +276,10 @@ class Coordinator:
             params = list(dict.fromkeys(p for s in self.stages for p in s.module.parameters()))
             saved = stash_gradients(params)
             try:
-                loss = self._train_step(inputs, targets, grad_scale)
+                scale = 1.0
+                if grad_scaler is not None:  # where the loss is computed
+                    scale = grad_scale(grad_scaler, self.stages[-1].device)
+                loss = self._train_step(inputs, targets, scale)
             except BaseException:
                 discard_step_gradients(params, saved)
                 raise

@@ -45,6 +45,7 @@ INVALID = -3  # it got something that is not a batch, or refused (it raises its 
 TRAINABLE = 1  # a parameter of its stages requires grad, or its inputs do
 INFERENCE = 2  # it was called under torch.inference_mode(): no gradient can be recorded
 TRAINING = 4  # it was called by train_step (else by forward)
+SCALED = 8  # it was given a GradScaler (see grad_scaling)
 
 #: Per rank, (inputs, targets, flags): a sample count or one of the codes above, and bits.
 BatchCounts = Sequence[tuple[int, int, int]]
@@ -74,10 +75,12 @@ def local_counts(
     last: bool,
     trainable: bool = True,
     train: bool = True,
+    scaled: bool = False,
 ) -> tuple[tuple[int, int, int], BaseException | None]:
     """This rank's (inputs, targets, flags) counts, and its own error for a batch that is
     not one. ``trainable``: whether a parameter of this rank's stages requires grad;
-    ``train``: whether ``train_step`` (not ``forward``) asks.
+    ``train``: whether ``train_step`` (not ``forward``) asks; ``scaled``: whether it was
+    given a ``GradScaler``.
 
     Never raises: a rank that failed here before the gather would leave the others
     waiting in it.
@@ -91,6 +94,8 @@ def local_counts(
         flags |= INFERENCE
     if train:
         flags |= TRAINING
+    if scaled:
+        flags |= SCALED
     return (n_in, n_tg, flags), err_in or err_tg
 
 
@@ -132,13 +137,18 @@ def check_batches(
                       Topology(2, 1, 0), 0, 1)
         # (0, PipelineConfigError("inputs have 8 samples but targets have 4 (...)"))
     """
-    training = [r for r, (_, _, flags) in enumerate(counts) if flags & TRAINING]
-    if 0 < len(training) < len(counts):
+    split = _split(counts, TRAINING)
+    if split is not None:
         # Each would run its own plan and wait for messages the other never sends.
-        forward = [r for r in range(len(counts)) if r not in training]
         return 0, PipelineConfigError(
-            f"{_ranks(training)} called train_step but {_ranks(forward)} called forward; "
+            f"{_ranks(split[0])} called train_step but {_ranks(split[1])} called forward; "
             "every rank must make the same call each step"
+        )
+    split = _split(counts, SCALED)
+    if split is not None:  # the others would not join the check for overflows
+        return 0, PipelineConfigError(
+            f"{_ranks(split[0])} passed grad_scaler= but {_ranks(split[1])} did not; every "
+            "rank passes its own GradScaler (made alike) to train_step"
         )
     inference = [r for r, (_, _, flags) in enumerate(counts) if flags & INFERENCE]
     if inference and train:
@@ -170,6 +180,14 @@ def check_batches(
     if train and not any(flags & TRAINABLE for _, _, flags in counts):
         return 0, nothing_to_train_error(" on any rank")
     return total, None
+
+
+def _split(counts: BatchCounts, bit: int) -> tuple[list[int], list[int]] | None:
+    """The ranks whose flags have ``bit`` and those whose do not, where both exist."""
+    having = [r for r, (_, _, flags) in enumerate(counts) if flags & bit]
+    if 0 < len(having) < len(counts):
+        return having, [r for r in range(len(counts)) if r not in having]
+    return None
 
 
 def _ranks(ranks: Sequence[int]) -> str:

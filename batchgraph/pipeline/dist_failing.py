@@ -82,7 +82,9 @@ class RankFailures:
         gc.collect()
         return error
 
-    def _check_batches(self, inputs: Batch | None, targets: Batch | None, train: bool) -> int:
+    def _check_batches(
+        self, inputs: Batch | None, targets: Batch | None, train: bool, scaled: bool = False
+    ) -> int:
         """The step's global batch size; raises what every rank raises for bad batches.
 
         Before the step begins (no message sent, no gradient stashed), so a refused
@@ -95,7 +97,7 @@ class RankFailures:
         trainable = any(p.requires_grad for p in params)
         counts, own_error = local_counts(
             inputs, targets, first=self._has_first, last=self._has_last and train,
-            trainable=trainable, train=train,
+            trainable=trainable, train=train, scaled=scaled,
         )  # fmt: skip
         try:
             every = gather_counts(self.groups.control, counts, self.comm.device)

@@ -65,6 +65,7 @@ class StepLoss:
         total_n: the global batch size (over replicas) the loss weights divide by.
         fused: start the last stage's backward from the loss itself (see :meth:`take`).
         one_target: whether the targets were given as one tensor (else as a tuple).
+        grad_scale: the gradients are those of ``grad_scale`` x the loss (not the values).
 
     Example (what :class:`DistributedPipeline` does on the last rank)::
 
@@ -83,6 +84,7 @@ class StepLoss:
         total_n: int,
         fused: bool,
         one_target: bool = True,
+        grad_scale: float = 1.0,
     ) -> None:
         self.loss = loss
         # Targets given as one tensor reach the loss as that tensor; given as a tuple
@@ -93,6 +95,7 @@ class StepLoss:
         self.targets = targets
         self.total_n = total_n
         self.fused = fused
+        self.grad_scale = grad_scale  # a GradScaler's (see grad_scaling): seeds only
         self.values: list[Tensor] = []
         self.weights: list[float] = []
         self.graphs: list[bool] = []  # per microbatch: whether its loss has a backward
@@ -146,7 +149,8 @@ class StepLoss:
                     )
                 graph = value.requires_grad
                 last.start_backward_at(mb, (value,))
-                grads: tuple[Tensor | None, ...] = (torch.full_like(value, weight),)
+                seed = weight * self.grad_scale
+                grads: tuple[Tensor | None, ...] = (torch.full_like(value, seed),)
             else:
                 graph = last.has_graph(mb)
                 leaves = output_leaves(outs)
@@ -154,7 +158,9 @@ class StepLoss:
                 out = leaves[0] if last.bare else leaves
                 with torch.enable_grad():
                     value = self.loss.compute_loss(out, tgt)
-                    grads = self.loss.compute_gradient(value, out, weight=weight)
+                    grads = self.loss.compute_gradient(
+                        value, out, weight=weight * self.grad_scale
+                    )
         except Exception as exc:
             raise StageError(
                 f"the loss failed on microbatch {mb} (after stage {stage}): "

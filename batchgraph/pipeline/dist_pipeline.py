@@ -34,12 +34,7 @@ from torch import Tensor, nn
 from batchgraph.pipeline.actions import Action, ActionKind, PipelineSchedule
 from batchgraph.pipeline.checkpoint import CheckpointMethods, StateNames, guard_split
 from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Payload
-from batchgraph.pipeline.dist_build import (
-    StageSpec,
-    build_local_stages,
-    stage_specs,
-    sync_replicas,
-)
+from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, sync_replicas
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_failing import RankFailures
 from batchgraph.pipeline.dist_loss import StepLoss, count_over_replicas
@@ -51,15 +46,17 @@ from batchgraph.pipeline.dist_sync import (
     gather_state,
     step_timeline,
 )
-from batchgraph.pipeline.dist_tied import Tie, TiedGradients, describe_ties, find_ties
+from batchgraph.pipeline.dist_tied import TiedGradients, describe_ties, ties_of
 from batchgraph.pipeline.dist_topology import (
     ProcessGroups,
     Topology,
     check_same_config,
     clock_offsets,
+    describe_schedule,
 )
 from batchgraph.pipeline.errors import PipelineConfigError, StageError
 from batchgraph.pipeline.grad_clip import RankClipping
+from batchgraph.pipeline.grad_scaling import agree_on_scale, spread_overflow
 from batchgraph.pipeline.loss import Loss
 from batchgraph.pipeline.microbatch import (
     Batch,
@@ -83,14 +80,6 @@ from batchgraph.pipeline.validate import validate_schedule
 __all__ = ["DistributedPipeline", "StageSpec"]
 
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
-
-
-def _describe(schedule: str | PipelineSchedule) -> str:
-    """What the ranks must agree on: a name, or a custom schedule's whole order."""
-    if isinstance(schedule, str):
-        return schedule
-    order = ";".join(" ".join(map(str, schedule.order[d])) for d in sorted(schedule.order))
-    return f"{schedule.name}[{order}]"
 
 
 class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
@@ -183,11 +172,11 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         n_specs = len(module) if isinstance(module, Sequence | nn.Sequential) else -1
         if isinstance(module, nn.Sequential):  # split here: its own hooks would never run
             warn_whole_model_hooks(module, stacklevel=2)
-        ties, specs = self._find_ties(module, stages * chunks)
+        ties, specs = ties_of(module, stages * chunks)
         # The model's names of each stage's state (checkpoints), read before materialising.
         self._names = StateNames.of_given(module, specs, stages * chunks)
         config = {
-            "schedule": _describe(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
+            "schedule": describe_schedule(schedule), "stages": stages, "microbatches": microbatches, "chunks": chunks,
             "replicas": replicas, "world": dist.get_world_size(), "modules": n_specs,
             "tied": describe_ties(ties), "broadcast_buffers": broadcast_buffers,
         }  # fmt: skip
@@ -256,18 +245,6 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         self._warned_scalar = False  # a 0-d output warns once per pipeline
 
     # -- construction ---------------------------------------------------------------------
-
-    @staticmethod
-    def _find_ties(
-        module: nn.Sequential | Sequence[StageSpec], total: int
-    ) -> tuple[list[Tie], list[StageSpec] | None]:
-        """The model's shared parameters, found before the ranks compare configurations
-        (they must agree on them: the groups that sum their gradients are collective)."""
-        try:
-            specs = stage_specs(module, total)
-        except Exception:  # raised again by build_local_stages, after the check
-            return [], None
-        return find_ties(specs), specs
 
     def _all_actions(self) -> list[Action]:
         return [a for acts in self.schedule.order.values() for a in acts]
@@ -339,12 +316,17 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
 
     # -- steps ----------------------------------------------------------------------------
 
-    def train_step(self, inputs: Batch | None, targets: Batch | None) -> Tensor | None:
+    def train_step(self, inputs: Batch | None, targets: Batch | None, *,
+                   grad_scaler: torch.amp.GradScaler | None = None) -> Tensor | None:  # fmt: skip
         """One forward and backward over this rank's share; gradients accumulate into ``.grad``.
 
         Args:
             inputs: the (replica's) batch, on the rank of stage 0; ``None`` elsewhere.
             targets: the (replica's) targets, on the rank of the last stage; ``None`` elsewhere.
+            grad_scaler: this rank's ``torch.amp.GradScaler`` (every rank passes one,
+                made alike): the gradients are ``scaler.scale(loss).backward()``'s, and an
+                overflow on any rank reaches every rank's (see
+                :mod:`batchgraph.pipeline.grad_scaling`).
 
         Returns:
             On the last stage's rank the loss of the whole batch (over all replicas);
@@ -362,7 +344,7 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         """
         if self.loss is None and self._has_last:
             raise PipelineConfigError("train_step needs a loss: pass loss_fn= to the pipeline")
-        loss: Tensor | None = self._step_guarded(inputs, targets, train=True)
+        loss: Tensor | None = self._step_guarded(inputs, targets, train=True, scaler=grad_scaler)
         return loss
 
     def forward(self, inputs: Batch | None) -> Tensor | tuple[Tensor, ...] | None:
@@ -378,9 +360,20 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
     def _has_last(self) -> bool:
         return self.schedule.stages - 1 in self.stages
 
-    def _step_guarded(self, inputs: Batch | None, targets: Batch | None, *, train: bool) -> Any:
+    def _step_guarded(
+        self, inputs: Batch | None, targets: Batch | None, *, train: bool,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> Any:  # fmt: skip
         self._check_open()
-        total_n = self._check_batches(inputs, targets, train)
+        total_n = self._check_batches(inputs, targets, train, scaled=scaler is not None)
+        scale = 1.0
+        if scaler is not None:
+            try:
+                scale = agree_on_scale(scaler, self.device, self.groups.control, self.comm.device)
+            except PipelineConfigError:
+                raise  # on every rank alike: the pipeline stays usable
+            except BaseException as exc:
+                raise self._fail(exc) from exc
         self._step += 1
         self.comm.begin_step(self._step, self.schedule.stages)
         for stage in self.stages.values():
@@ -396,11 +389,13 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
                 t = self.topology
                 modules = [self.stages[s].module for s in sorted(self.stages)]
                 broadcast_buffers(modules, self.groups.replica, src=t.rank_of(t.device, 0))
-            result, events = self._run(inputs, targets, total_n, train=train)
+            result, events = self._run(inputs, targets, total_n, train=train, scale=scale)
             if params:
                 if self.groups.replica is not None:  # over the replicas, then the tied copies
                     allreduce_gradients(params, self.groups.replica, [None] * len(params))
                 self.tied.allreduce()
+                if scaler is not None:  # every rank skips the step if one overflowed
+                    spread_overflow(params, self.groups.control, self.comm.device)
             if train and result is not None and self.groups.replica is not None:
                 dist.all_reduce(result, group=self.groups.replica)
             self._record(events, train)
@@ -422,8 +417,9 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         return result
 
     def _run(
-        self, inputs: Batch | None, targets: Batch | None, total_n: int, *, train: bool
-    ) -> tuple[Any, list[tuple[float, float]]]:
+        self, inputs: Batch | None, targets: Batch | None, total_n: int, *, train: bool,
+        scale: float = 1.0,
+    ) -> tuple[Any, list[tuple[float, float]]]:  # fmt: skip
         m = self.schedule.microbatches
         steps = self._steps(train)
         if self._has_first:
@@ -443,7 +439,7 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
             last = self.stages[self.schedule.stages - 1]
             tgs = split_microbatches(targets, m)
             collected = StepLoss(self.loss, last, self.comm, tgs, total_n, self._fused_loss,
-                                 one_target=isinstance(targets, Tensor))
+                                 one_target=isinstance(targets, Tensor), grad_scale=scale)
         outputs: dict[int, tuple[Tensor, ...]] = {}
 
         def take_output(key: MessageKey, payload: Payload) -> None:

@@ -28,11 +28,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from batchgraph.pipeline.dist_build import StageSpec, stage_specs
 from batchgraph.pipeline.dist_sync import allreduce_gradients
 from batchgraph.pipeline.dist_topology import ProcessGroups
 from batchgraph.pipeline.stage import Stage
 
-__all__ = ["Tie", "TiedGradients", "describe_ties", "find_ties"]
+__all__ = ["Tie", "TiedGradients", "describe_ties", "find_ties", "ties_of"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,26 @@ def find_ties(specs: Sequence[nn.Module | Callable[[], nn.Module]]) -> list[Tie]
             for name, p in spec.named_parameters():
                 holders.setdefault(p, []).append((s, name))
     return [Tie(tuple(h)) for h in holders.values() if len(h) > 1]
+
+
+def ties_of(
+    module: nn.Sequential | Sequence[StageSpec], total: int
+) -> tuple[list[Tie], list[StageSpec] | None]:
+    """The model's shared parameters and its ``total`` stage specs (``None`` if it does
+    not split: raised again when the stages are built, after the ranks compared their
+    configurations, which must include the ties: the groups that sum them are collective).
+
+    Example:
+        >>> emb = nn.Embedding(4, 2)
+        >>> ties, specs = ties_of([nn.Sequential(emb), nn.Sequential(emb)], 2)
+        >>> len(ties), len(specs)
+        (1, 2)
+    """
+    try:
+        specs = stage_specs(module, total)
+    except Exception:
+        return [], None
+    return find_ties(specs), specs
 
 
 def describe_ties(ties: Sequence[Tie]) -> str:

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from batchgraph.pipeline.actions import PipelineSchedule
 from batchgraph.pipeline.dist_errors import AbortBoard
 from batchgraph.pipeline.errors import PipelineConfigError
 
-__all__ = ["ProcessGroups", "Topology", "check_same_config", "clock_offsets"]
+__all__ = ["ProcessGroups", "Topology", "check_same_config", "clock_offsets", "describe_schedule"]
 
 _instances = 0  # pipelines built in this process; equal on every rank (all build alike)
 
@@ -70,6 +71,20 @@ class Topology:
     def replica_ranks(self, device: int | None = None) -> list[int]:
         d = self.device if device is None else device
         return [self.rank_of(d, j) for j in range(self.replicas)]
+
+
+def describe_schedule(schedule: str | PipelineSchedule) -> str:
+    """What the ranks must agree on: a name, or a custom schedule's whole order.
+
+    Example:
+        >>> from batchgraph.pipeline.schedules import make_schedule
+        >>> describe_schedule("1f1b"), describe_schedule(make_schedule("gpipe", stages=2, microbatches=1))
+        ('1f1b', 'gpipe[0F0 0B0;1F0 1B0]')
+    """
+    if isinstance(schedule, str):
+        return schedule
+    order = ";".join(" ".join(map(str, schedule.order[d])) for d in sorted(schedule.order))
+    return f"{schedule.name}[{order}]"
 
 
 def check_same_config(group: Any, config: Mapping[str, object]) -> None:

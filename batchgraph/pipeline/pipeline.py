@@ -13,6 +13,7 @@ without touching this class.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -30,7 +31,7 @@ from batchgraph.pipeline.checkpoint import (
 from batchgraph.pipeline.coordinator import Coordinator
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.grad_clip import every_stage_parameters
-from batchgraph.pipeline.grad_scaling import grad_scale
+from batchgraph.pipeline.grad_scaling import scaler_refused
 from batchgraph.pipeline.held_layers import HeldLayers
 from batchgraph.pipeline.loss import Loss, Output
 from batchgraph.pipeline.microbatch import Batch
@@ -353,7 +354,7 @@ class Pipeline(CheckpointMethods):
             grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: the gradients
                 are then those ``scaler.scale(loss).backward()`` gives on one device
                 (follow with ``scaler.step(optimizer)`` and ``scaler.update()``; see
-                :mod:`batchgraph.pipeline.grad_scaling`). ``backend="threads"`` only.
+                :mod:`batchgraph.pipeline.grad_scaling`); every rank passes its own.
 
         Returns:
             The loss of the whole batch (a detached scalar tensor); ``None`` on ranks
@@ -371,13 +372,11 @@ class Pipeline(CheckpointMethods):
         # rejects None with its own error, so the casts only widen what reaches it.
         if grad_scaler is None:
             return self._runtime.train_step(cast(Batch, inputs), cast(Batch, targets))
-        runtime = self._runtime
-        # Where the loss is computed; None where this process does not run every stage.
-        device = runtime.stages[-1].device if isinstance(runtime, Coordinator) else None
-        scale = grad_scale(grad_scaler, device)  # refuses device None
-        return cast(Coordinator, runtime).train_step(
-            cast(Batch, inputs), cast(Batch, targets), scale
-        )
+        step = self._runtime.train_step
+        if "grad_scaler" not in inspect.signature(step).parameters:
+            raise scaler_refused(self.backend)
+        loss: Tensor | None = cast(Any, step)(inputs, targets, grad_scaler=grad_scaler)
+        return loss
 
     def forward(self, inputs: Batch | None) -> Tensor | tuple[Tensor, ...] | None:
         """The model's outputs for the whole batch, without gradients.

@@ -1,5 +1,6 @@
 """``train_step(..., grad_scaler=scaler)``: float16 autocast with a ``torch.amp.GradScaler``
-trains as ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` on one device.
+trains as ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` on one device
+(threads here; test_dist_grad_scaler.py runs it on gloo ranks).
 
 ``train_step`` runs the backwards itself and returns the loss detached, so the one-device
 loop could not be written; ``scaler.step`` after an unscaled step divided every gradient
@@ -85,7 +86,7 @@ def test_microbatches_give_the_unscaled_gradients_of_one_device() -> None:
 
 
 class _ElsewhereRuntime:
-    """A runtime that is not the threads backend's (as a process backend's rank)."""
+    """A backend's runtime whose train_step takes no grad_scaler (written before it)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -93,8 +94,11 @@ class _ElsewhereRuntime:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def train_step(self, inputs: Any, targets: Any) -> Any:
+        return self._inner.train_step(inputs, targets)
 
-def test_a_backend_of_several_processes_refuses_a_scaler(monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_backend_that_takes_no_scaler_refuses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     threads = pipeline_module._BACKENDS["threads"]
 
     def backend(request: BackendRequest) -> Any:
@@ -103,7 +107,9 @@ def test_a_backend_of_several_processes_refuses_a_scaler(monkeypatch: pytest.Mon
     monkeypatch.setitem(pipeline_module._BACKENDS, "test-elsewhere", backend)
     net = _model(0)
     grads_before = copy.deepcopy([p.grad for p in net.parameters()])
-    refused = pytest.raises(PipelineConfigError, match=r"grad_scaler= needs every stage.*bfloat16")
+    refused = pytest.raises(
+        PipelineConfigError, match=r"'test-elsewhere' does not take grad_scaler=.*bfloat16"
+    )
     with Pipeline(net, stages=2, loss_fn=nn.MSELoss(), backend="test-elsewhere") as pipe, refused:
         pipe.train_step(torch.randn(4, 8), torch.randn(4, 2), grad_scaler=_scaler(2.0))
     assert [p.grad for p in net.parameters()] == grads_before  # nothing ran

@@ -1,0 +1,67 @@
+"""Workers for the tests of ``train_step(..., grad_scaler=)`` on gloo ranks (spawned).
+
+Launched with :func:`tests.integration.dist_workers.launch` on 2 ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.integration import dist_workers as W
+
+STEPS = 6
+INIT_SCALE = 2.0**20  # float16 gradients overflow at first: steps are skipped
+
+
+def stages() -> list[nn.Sequential]:
+    """Two float32 stages (autocast runs them in float16); seeded."""
+    torch.manual_seed(11)
+    return [
+        nn.Sequential(nn.Linear(W.DIM, 16), nn.Tanh()),
+        nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, W.OUT)),
+    ]
+
+
+def scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+
+
+def job_scaler(rank: int, world: int) -> dict[str, Any]:
+    """Each step's scale and this rank's parameters after it; then a step where only
+    rank 0 passes a scaler, and one where the scalers' scales differ."""
+    from batchgraph.pipeline import DistributedPipeline, PipelineConfigError
+
+    x, y = W.batch(12)
+    x, y = x.float(), y.float()
+    out: dict[str, Any] = {"scales": [], "params": []}
+    mine = scaler()
+    with DistributedPipeline(stages(), stages=2, microbatches=1, loss_fn=nn.MSELoss(),
+                             timeout=20) as pipe:  # fmt: skip
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+        def step(grad_scaler: torch.amp.GradScaler | None) -> Any:
+            with torch.autocast("cpu", dtype=torch.float16):
+                return pipe.train_step(
+                    x if rank == 0 else None, y if rank == 1 else None, grad_scaler=grad_scaler
+                )
+
+        for _ in range(STEPS):
+            step(mine)
+            mine.step(opt)
+            mine.update()
+            opt.zero_grad()
+            out["scales"].append(mine.get_scale())
+            out["params"].append([p.tolist() for p in pipe.parameters()])
+        for case, given in (("one_rank", mine if rank == 0 else None),
+                            ("other_scale", mine if rank == 0 else scaler())):  # fmt: skip
+            try:
+                step(given)
+                out[case] = "no error"
+            except PipelineConfigError as exc:
+                out[case] = str(exc)
+        step(mine)  # still usable
+        out["usable"] = True
+    return out
