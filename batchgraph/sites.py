@@ -8,7 +8,16 @@ the signatures a site has resolved serve every later policy (see ``batchgraph.re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from types import FunctionType, MethodType
+from types import (
+    BuiltinFunctionType,
+    ClassMethodDescriptorType,
+    FunctionType,
+    MethodDescriptorType,
+    MethodType,
+    MethodWrapperType,
+    ModuleType,
+    WrapperDescriptorType,
+)
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,11 +104,17 @@ _SWAPPED_STATE = frozenset({"_parameters", "_buffers"})
 # Sites of functions that live as long as the program (torch functions, operators,
 # functions defined at module level), by the function.
 _FUNCTION_SITES: dict[Any, CallSite] = {}
-# The attribute holding the site of a module, lambda or local function on the object
-# itself (batchgraph.held), so that it goes when the object does: a module's
-# parameters, or what a closure captured, are not kept alive by their site.
+# The attribute holding the site of a module, lambda, local function, partial or
+# callable object on the object itself (batchgraph.held), so that it goes when the
+# object does: a module's parameters, or what a closure or partial captured, are not
+# kept alive by their site.
 _SITE = "_batchgraph_site"
 _METHOD_SITES = "_batchgraph_method_sites"
+# C functions and descriptors: torch functions, operators, tensor methods.
+_BUILTINS = (
+    BuiltinFunctionType, MethodDescriptorType, WrapperDescriptorType, MethodWrapperType,
+    ClassMethodDescriptorType,
+)
 
 
 def module_site(module: torch.nn.Module) -> ModuleStub:
@@ -108,24 +123,56 @@ def module_site(module: torch.nn.Module) -> ModuleStub:
     return held_on(module, _SITE, ModuleStub, module)
 
 
+def _lives_forever(fn: Any) -> bool:
+    """Whether ``fn`` lives as long as the program: a function defined at module level,
+    a class, or a C function bound to nothing, a module or a class (``torch.add``,
+    ``operator.mul``, ``torch.Tensor.add``), but not one bound to an object
+    (``w.mul``, a tensor's method), which would keep that object alive."""
+    kind = type(fn)
+    if kind is FunctionType:
+        return "<" not in fn.__qualname__
+    if isinstance(fn, type):
+        return True
+    if kind in _BUILTINS:
+        owner = getattr(fn, "__self__", None)
+        return owner is None or isinstance(owner, (ModuleType, type))
+    return kind is MethodType and isinstance(fn.__self__, type)  # a classmethod
+
+
 def function_site(fn: Callable[..., Any]) -> CallSite:
-    """The (cached) CallSite of a function, operator or tensor method."""
+    """The (cached) CallSite of a function, operator or tensor method.
+
+    Example:
+        >>> import functools
+        >>> function_site(torch.tanh) is function_site(torch.tanh)
+        True
+        >>> half = functools.partial(torch.mul, 0.5)  # held on itself, not globally
+        >>> function_site(half) is function_site(half) and torch.tanh in _FUNCTION_SITES
+        True
+    """
     try:
         site = _FUNCTION_SITES.get(fn)
     except TypeError:
         return CallSite(fn)
-    if site is None:
-        if type(fn) is FunctionType and "<" in fn.__qualname__:
-            # A lambda or a local function, made anew per batch or per model maybe:
-            # its site (and the tensors it captured) must go with it.
-            return held_on(fn, _SITE, CallSite, fn)
-        owner = getattr(fn, "__self__", None)
-        if type(fn) is MethodType and isinstance(owner, torch.nn.Module):
-            # batched_func(model.helper): a bound method keeps its module alive, so its
-            # site goes on the module, by the function it binds.
-            return method_site(fn.__func__, owner)
+    if site is not None:
+        return site
+    if _lives_forever(fn):
         site = _FUNCTION_SITES[fn] = CallSite(fn)
-    return site
+        return site
+    if type(fn) is MethodType:
+        # batched_func(obj.helper): a bound method keeps its object alive (a module
+        # and its parameters, say), so its site goes on the object, by the function.
+        return method_site(fn.__func__, fn.__self__)
+    # A lambda, local function, functools.partial or callable object, made anew per
+    # batch maybe: its site (and the tensors it holds) must go with it. Kept in the
+    # global table, each one made per batch stayed alive for good, with its tensors.
+    if _has_dict(fn):
+        return held_on(fn, _SITE, CallSite, fn)
+    return CallSite(fn)  # nowhere to keep it: its caches last as long as the site
+
+
+def _has_dict(obj: Any) -> bool:
+    return isinstance(getattr(obj, "__dict__", None), dict)
 
 
 def method_site(func: Callable[..., Any], owner: Any) -> CallSite:
@@ -140,7 +187,7 @@ def method_site(func: Callable[..., Any], owner: Any) -> CallSite:
         >>> method_site(Scaler.scale, s) is method_site(Scaler.scale, s)
         True
     """
-    if not hasattr(owner, "__dict__"):  # nowhere to keep it: a site per read
+    if not _has_dict(owner):  # nowhere to keep it: a site per read
         return CallSite(MethodType(func, owner))
     sites: dict[Any, CallSite] = held_on(owner, _METHOD_SITES, dict)
     site = sites.get(func)

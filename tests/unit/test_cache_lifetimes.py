@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import pickle
 import weakref
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -93,3 +95,53 @@ def test_copies_of_a_module_get_sites_of_their_own() -> None:
     shallow = copy.copy(net.lin)  # shares the original's __dict__ entries
     assert module_site(shallow).fn is shallow and module_site(net.lin).fn is net.lin
     assert torch.equal(bg.compute(h), net.f(torch.ones(3)))
+
+
+def _scale(w: torch.Tensor, x: Any) -> Any:
+    return x * w
+
+
+class _Scaler:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+    def __call__(self, x: Any) -> Any:
+        return x * self.w
+
+    def apply(self, x: Any) -> Any:
+        return x * self.w
+
+
+# Callables a loop may make anew per batch, each holding its own tensor.
+_PER_BATCH = {
+    "functools.partial": lambda w: functools.partial(_scale, w),
+    "callable object": _Scaler,
+    "bound method of an object": lambda w: _Scaler(w).apply,
+    "a tensor's own method": lambda w: w.mul,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PER_BATCH))
+def test_callables_made_per_batch_are_freed_with_what_they_hold(kind: str) -> None:
+    # Before, every such callable's site went into the global table of functions,
+    # which kept it (and its tensors: a GPU memory leak over a long run) for good.
+    make = _PER_BATCH[kind]
+    held: list[weakref.ref[torch.Tensor]] = []
+    for step in range(20):
+        w = torch.full((3,), float(step))
+        x = torch.arange(3.0)
+        fn = make(w)
+        with bg.BatchingPolicy():
+            h = bg.batched_func(fn)(x)
+        assert torch.equal(bg.compute(h), fn(x))  # as eagerly
+        held.append(weakref.ref(w))
+        del w, fn, h
+    gc.collect()
+    assert [r for r in held if r() is not None] == []
+
+
+def test_a_callable_object_keeps_its_signatures_while_it_lives() -> None:
+    scaler = _Scaler(torch.ones(3))
+    first = bg.batched_func(scaler)
+    assert bg.batched_func(scaler) is first  # cached on the object itself
+    assert bg.batched_func(scaler.apply) is bg.batched_func(scaler.apply)
