@@ -34,6 +34,7 @@ from batchgraph.hooks import hooks_of
 from batchgraph.inference import infer_spec
 from batchgraph.keys import UnbatchedKey, callable_name
 from batchgraph.lazy_modules import guard_lazy_reads, materialize_lazy
+from batchgraph.lifetimes import keep_signature
 from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key
@@ -110,8 +111,8 @@ class CallSite:
     """
 
     __slots__ = (
-        "__weakref__", "autocast", "by_modes", "cache", "copying", "fn", "last", "last1",
-        "mode_module", "name", "shadows",
+        "__weakref__", "autocast", "by_modes", "cache", "copying", "fn", "held", "last",
+        "last1", "mode_module", "name", "shadows",
     )
 
     def __init__(self, fn: Callable[..., Any], autocast: AutocastState | None = None) -> None:
@@ -121,6 +122,9 @@ class CallSite:
         # off, batch or running statistics), as they would have run eagerly.
         self.mode_module = fn if isinstance(fn, torch.nn.Module) else None
         self.cache: dict[Any, Entry] = {}
+        # The cached signatures holding an object by reference, oldest first (see
+        # batchgraph.lifetimes: the cache keeps those objects alive).
+        self.held: list[Any] = []
         # Its in-place calls on handles run as this (batchgraph.on_copy), made once so
         # that their keys compare equal.
         self.copying: Callable[..., Any] | None = None
@@ -361,6 +365,7 @@ class CallSite:
         """Drop every cached signature (each is replaced whole: sites are shared by
         threads, and one reading the old cache meanwhile still gets a whole entry)."""
         self.cache = {}
+        self.held = []
         self.by_modes = {}
         self.last = (None, None)
         self.last1 = (None, None)
@@ -394,7 +399,7 @@ class CallSite:
             entry = self._resolve(policy, args, kwargs, key_sig)
             if cacheable:
                 entry.sig = key_sig
-                self.cache[key_sig] = entry
+                keep_signature(self, key_sig, entry)
         return entry
 
     def _resolve(

@@ -8,22 +8,14 @@ the signatures a site has resolved serve every later policy (see ``batchgraph.re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from types import (
-    BuiltinFunctionType,
-    ClassMethodDescriptorType,
-    FunctionType,
-    MethodDescriptorType,
-    MethodType,
-    MethodWrapperType,
-    ModuleType,
-    WrapperDescriptorType,
-)
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgraph.handle import ResultHandle
 from batchgraph.held import held_on
+from batchgraph.lifetimes import lives_forever
 from batchgraph.pinning import unpin_stubs
 from batchgraph.recording import _ACTIVE, CallSite
 from batchgraph.signatures import foreign_handle
@@ -110,33 +102,10 @@ _FUNCTION_SITES: dict[Any, CallSite] = {}
 # kept alive by their site.
 _SITE = "_batchgraph_site"
 _METHOD_SITES = "_batchgraph_method_sites"
-# C functions and descriptors: torch functions, operators, tensor methods.
-_BUILTINS = (
-    BuiltinFunctionType, MethodDescriptorType, WrapperDescriptorType, MethodWrapperType,
-    ClassMethodDescriptorType,
-)
-
-
 def module_site(module: torch.nn.Module) -> ModuleStub:
     """The (cached) call site of a module; its signature cache lives as long as the
     module does, and serves every policy."""
     return held_on(module, _SITE, ModuleStub, module)
-
-
-def _lives_forever(fn: Any) -> bool:
-    """Whether ``fn`` lives as long as the program: a function defined at module level,
-    a class, or a C function bound to nothing, a module or a class (``torch.add``,
-    ``operator.mul``, ``torch.Tensor.add``), but not one bound to an object
-    (``w.mul``, a tensor's method), which would keep that object alive."""
-    kind = type(fn)
-    if kind is FunctionType:
-        return "<" not in fn.__qualname__
-    if isinstance(fn, type):
-        return True
-    if kind in _BUILTINS:
-        owner = getattr(fn, "__self__", None)
-        return owner is None or isinstance(owner, (ModuleType, type))
-    return kind is MethodType and isinstance(fn.__self__, type)  # a classmethod
 
 
 def function_site(fn: Callable[..., Any]) -> CallSite:
@@ -156,7 +125,7 @@ def function_site(fn: Callable[..., Any]) -> CallSite:
         return CallSite(fn)
     if site is not None:
         return site
-    if _lives_forever(fn):
+    if lives_forever(fn):
         site = _FUNCTION_SITES[fn] = CallSite(fn)
         return site
     if type(fn) is MethodType:

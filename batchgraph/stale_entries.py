@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgraph.hooks import hooks_of
+from batchgraph.lifetimes import bounded, keep_signature
 
 if TYPE_CHECKING:
     from batchgraph.entries import Entry
@@ -82,7 +83,7 @@ def switch_modes(
     if other is None or other.rules_token != policy.rules_token:
         other = site._resolve(policy, args, kwargs, sig)
         other.sig = sig
-    site.by_modes[(sig, old)] = entry
-    site.cache[sig] = other
+    site.by_modes = bounded(site.by_modes, (sig, old), entry)
+    keep_signature(site, sig, other)
     site.last = (None, None)
     site.last1 = (None, None)

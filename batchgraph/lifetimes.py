@@ -1,0 +1,131 @@
+"""How long cached things live: what lives as long as the program, and the bounds on
+what a call site keeps of the signatures it resolved.
+
+A site's signature cache (``CallSite.cache``) is keyed by the call's input specs and
+static arguments. The sites of torch functions and operators live as long as the
+program, so over a long run with varying static arguments (a temperature annealed per
+step, ``logits / tau``; a NumPy mask; a new config object per batch) it grew by one
+entry per distinct value, for good, and an object given by reference stayed alive in
+it, with its tensors. It is bounded here: past ``SIGNATURES_KEPT`` entries the older
+half is dropped (those signatures are resolved again if they come back, once each),
+and a signature holding an object by reference is kept only among the last
+``OBJECT_SIGNATURES_KEPT`` such ones, so a config object made per batch lives a few
+batches at most, while a long-lived one given to every call stays cached.
+"""
+
+from __future__ import annotations
+
+import enum
+from types import (
+    BuiltinFunctionType,
+    ClassMethodDescriptorType,
+    FunctionType,
+    MethodDescriptorType,
+    MethodType,
+    MethodWrapperType,
+    ModuleType,
+    WrapperDescriptorType,
+)
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from batchgraph.specs import TensorSpec
+
+if TYPE_CHECKING:
+    from batchgraph.entries import Entry
+    from batchgraph.recording import CallSite
+
+__all__ = ["OBJECT_SIGNATURES_KEPT", "SIGNATURES_KEPT", "bounded", "holds_objects", "keep_signature",
+           "lives_forever"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+# Enough for every shape and static argument a model uses over and over; past it the
+# values vary without end, and resolving again costs one run on fake tensors.
+SIGNATURES_KEPT = 1024
+# Enough for the long-lived objects a model passes (a vocabulary, a config) to stay.
+OBJECT_SIGNATURES_KEPT = 16
+
+# C functions and descriptors: torch functions, operators, tensor methods.
+_BUILTINS = (
+    BuiltinFunctionType, MethodDescriptorType, WrapperDescriptorType, MethodWrapperType,
+    ClassMethodDescriptorType,
+)
+# Static arguments that are values (compared by value, holding nothing else).
+_VALUES = (
+    str, bytes, int, float, complex, type(None), type, type(Ellipsis), torch.dtype,
+    torch.device, torch.layout, torch.memory_format, TensorSpec, enum.Enum,
+)
+
+
+def lives_forever(fn: Any) -> bool:
+    """Whether ``fn`` lives as long as the program: a function defined at module level,
+    a class, or a C function bound to nothing, a module or a class (``torch.add``,
+    ``operator.mul``, ``torch.Tensor.add``), but not one bound to an object
+    (``w.mul``, a tensor's method), which would keep that object alive.
+
+    Example:
+        >>> lives_forever(torch.add), lives_forever(torch.ones(2).add)
+        (True, False)
+    """
+    kind = type(fn)
+    if kind is FunctionType:
+        return "<" not in fn.__qualname__
+    if isinstance(fn, type):
+        return True
+    if kind in _BUILTINS:
+        owner = getattr(fn, "__self__", None)
+        return owner is None or isinstance(owner, (ModuleType, type))
+    return kind is MethodType and isinstance(fn.__self__, type)  # a classmethod
+
+
+def holds_objects(sig: Any) -> bool:
+    """Whether a call signature holds an argument by reference (an object of the
+    user's, a local function) rather than values, specs and long-lived functions.
+
+    Example:
+        >>> holds_objects(((float, 0.5), "mean", torch.float32))
+        False
+        >>> holds_objects(((int, 1), object()))
+        True
+    """
+    if isinstance(sig, tuple):
+        return any(holds_objects(s) for s in sig)
+    return not (isinstance(sig, _VALUES) or lives_forever(sig))
+
+
+def bounded(table: dict[K, V], key: K, value: V, limit: int | None = None) -> dict[K, V]:
+    """``table`` with ``key`` set to ``value`` (as its newest entry): itself, or past
+    ``limit`` entries (``SIGNATURES_KEPT`` when None) a new dict holding the newer half
+    and the new entry (the caller replaces its reference: sites are shared by threads,
+    and one reading the old table meanwhile still reads whole entries).
+
+    Example:
+        >>> table = {}
+        >>> for i in range(10):
+        ...     table = bounded(table, i, i, limit=4)
+        >>> sorted(table)
+        [6, 7, 8, 9]
+    """
+    if limit is None:
+        limit = SIGNATURES_KEPT
+    if key in table:
+        del table[key]  # set anew: it moves to the newest end
+    elif len(table) >= limit:
+        table = dict(list(table.items())[len(table) // 2:])
+    table[key] = value
+    return table
+
+
+def keep_signature(site: CallSite, sig: Any, entry: Entry) -> None:
+    """Cache ``entry`` for ``sig`` on ``site``, within the bounds above: the signatures
+    of a long run with varying static arguments do not pile up, nor the objects they
+    hold by reference."""
+    cache = site.cache = bounded(site.cache, sig, entry)
+    if holds_objects(sig):
+        held = site.held = [s for s in site.held if s in cache and s != sig]
+        held.append(sig)
+        if len(held) > OBJECT_SIGNATURES_KEPT:
+            cache.pop(held.pop(0), None)

@@ -1,0 +1,121 @@
+"""A call site's signature cache stays bounded over a long run whose static arguments
+vary, and does not keep the objects passed by reference alive (batchgraph.lifetimes)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import batchgraph as bg
+from batchgraph import lifetimes
+from batchgraph.lifetimes import OBJECT_SIGNATURES_KEPT, bounded, holds_objects
+
+
+class Config:
+    """An object of the user's, passed by reference (hashed by identity)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.table = torch.full((3,), scale)  # what a leak would keep: a tensor
+
+
+def scaled(x: torch.Tensor, config: Config) -> torch.Tensor:
+    return x * config.table
+
+
+def test_objects_passed_per_batch_are_not_kept_alive_by_the_cache() -> None:
+    # Before, the site of a module-level function (which lives for good) cached one
+    # signature per object, holding it: every batch's config stayed alive, and its
+    # tensors (40 of 40 here).
+    f = bg.batched_func(scaled)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    for step in range(40):
+        config = Config(float(step))
+        xs = [torch.arange(3.0) + i for i in range(2)]
+        with bg.BatchingPolicy():
+            hs = [f(x, config) for x in xs]
+        for got, x in zip(bg.compute(hs), xs):
+            assert torch.equal(got, scaled(x, config))  # as eagerly
+        refs.append(weakref.ref(config.table))
+        del config, hs
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= OBJECT_SIGNATURES_KEPT
+    assert len(f.cache) <= OBJECT_SIGNATURES_KEPT  # type: ignore[attr-defined]
+
+
+def scaled_too(x: torch.Tensor, config: Config) -> torch.Tensor:
+    return x * config.table
+
+
+def test_a_long_lived_object_keeps_its_cached_signature() -> None:
+    f = bg.batched_func(scaled_too)  # a site of its own: its cache holds this test's
+    config = Config(2.0)
+    entries = set()
+    for _ in range(5):
+        with bg.BatchingPolicy() as policy:
+            hs = [f(torch.ones(3), config), f(torch.zeros(3), config)]
+        assert [t.tolist() for t in bg.compute(hs)] == [[2.0] * 3, [0.0] * 3]
+        assert policy.stats is not None and policy.stats.launches <= 2
+        entries.update(id(e) for e in f.cache.values())  # type: ignore[attr-defined]
+    assert len(entries) == 1  # resolved once, not per batch
+
+
+def _weight(x: torch.Tensor, s: float) -> torch.Tensor:
+    return x * s + 1
+
+
+def test_varying_float_arguments_keep_a_bounded_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A temperature annealed per step: each value is a signature of its own. Before,
+    # the cache of a function living for good grew by one entry per value, without
+    # end (a bound of 32 here keeps the test short; the default is SIGNATURES_KEPT).
+    monkeypatch.setattr(lifetimes, "SIGNATURES_KEPT", 32)
+    f = bg.batched_func(_weight)
+    for step in range(100):
+        s = 1.0 + step / 8
+        xs = [torch.arange(3.0), torch.ones(3)]
+        with bg.BatchingPolicy():
+            hs = [f(x, s) for x in xs]
+        for got, x in zip(bg.compute(hs), xs):
+            assert torch.equal(got, _weight(x, s))
+        assert len(f.cache) <= 32  # type: ignore[attr-defined]
+    with bg.BatchingPolicy() as policy:  # a value dropped long ago, seen again
+        hs = [f(torch.ones(3), 1.0), f(torch.zeros(3), 1.0)]
+    assert [t.tolist() for t in bg.compute(hs)] == [[2.0] * 3, [1.0] * 3]
+    assert policy.stats is not None and policy.stats.launches == 1  # batched as one
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=200), st.integers(2, 16))
+def test_bounded_keeps_the_newest_entries_within_the_limit(keys: list[int], limit: int) -> None:
+    table: dict[int, int] = {}
+    for i, key in enumerate(keys):
+        table = bounded(table, key, i, limit)
+        assert len(table) <= limit
+        assert table[key] == i  # the entry just set is always there
+    last = {key: i for i, key in enumerate(keys)}
+    for key, value in table.items():
+        assert last[key] == value  # never a stale value
+    # The newest distinct keys are there, about half the limit at the least.
+    newest = sorted(last, key=last.__getitem__)[-(limit // 2):]
+    assert set(newest) <= set(table)
+
+
+@pytest.mark.parametrize(
+    ("sig", "expected"),
+    [
+        (((float, 0.5), "mean", torch.float32, None), False),
+        ((torch.device("cpu"), (int, 3), torch.nn.functional.relu, torch.add), False),
+        (((int, 1), Config(1.0)), True),
+        ((lambda x: x,), True),  # a local function holds what it captured
+        ((torch.ones(2).add,), True),  # bound to a tensor
+    ],
+)
+def test_signatures_holding_objects_are_told_apart(sig: Any, expected: bool) -> None:
+    assert holds_objects(sig) is expected
