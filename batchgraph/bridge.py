@@ -216,16 +216,22 @@ class AsyncBatcher:
         self._count += 1
         self._arrivals.append(call)
         self._poke()
-        while True:
-            try:
-                # Shielded: cancelling the caller must not cancel the future, whose
-                # outcome is the example's (it may swallow the cancellation).
-                return await asyncio.shield(future)
-            except asyncio.CancelledError as err:
-                if future.done():  # the example let it out, or ended just before:
-                    raise  # a cancelled await drops the outcome, as in asyncio
-                call.cancel = err  # the worker raises it in the example; wait for that
-                self._poke()
+        try:
+            while True:
+                try:
+                    # Shielded: cancelling the caller must not cancel the future, whose
+                    # outcome is the example's (it may swallow the cancellation).
+                    return await asyncio.shield(future)
+                except asyncio.CancelledError as err:
+                    if future.done():  # the example let it out, or ended just before:
+                        raise  # a cancelled await drops the outcome, as in asyncio
+                    call.cancel = err  # the worker raises it in the example; wait for that
+                    self._poke()
+        finally:
+            # This frame goes into the traceback of the example's error raised here,
+            # which the call and the future hold: a cycle that kept the lane's graph,
+            # and every value it stored, alive until the collector came by.
+            del call, future
 
     async def aclose(self) -> None:
         """Finish every example already submitted, then stop the worker and its thread."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 from collections.abc import Callable, Coroutine
+from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -104,6 +105,8 @@ def _resume_modes(ex: Example) -> None:
 _STOPS_THE_DRIVER = (KeyboardInterrupt, SystemExit)
 
 _T = TypeVar("_T")
+# This module's frames, which resume examples (see _from_example).
+_DRIVER_GLOBALS = globals()
 
 GradMode = tuple[bool, bool]  # (grad enabled, inference mode): both are thread-local
 
@@ -121,6 +124,16 @@ def _in_context(ex: Example, fn: Callable[..., _T], *args: Any) -> _T:
     if context is None:
         return fn(*args)
     return context.run(_recording_into, _ACTIVE.get(), fn, args)
+
+
+def _from_example(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` without its first entries, the driver's frames resuming the example:
+    those hold the example, which holds the error, which holds them, a cycle that kept
+    the run's graph (and every value it stored) alive past the run, until the cyclic
+    collector came by, made rare while a batch records (batchgraph.gcpause)."""
+    while tb is not None and tb.tb_frame.f_globals is _DRIVER_GLOBALS:
+        tb = tb.tb_next
+    return tb
 
 
 def _recording_into(policy: BatchingPolicy | None, fn: Callable[..., _T],
@@ -175,7 +188,8 @@ class Example:
             except BaseException as err:  # a finally block that raised: its error
                 if isinstance(err, _STOPS_THE_DRIVER):
                     raise
-                self.error = err  # (a BaseException too: it must not stop the driver)
+                # (A BaseException too: it must not stop the driver.)
+                self.error = err.with_traceback(_from_example(err.__traceback__))
             finally:
                 _set_grad_enabled(grad)
 
@@ -346,7 +360,7 @@ class Lane:
                 # Task keeps them: escaping the driver, they ended every example of a
                 # run_all, and left an AsyncBatcher's other callers waiting forever.
                 explain(err, ex.index)
-                ex.done, ex.error = True, err
+                ex.done, ex.error = True, err.with_traceback(_from_example(err.__traceback__))
                 return
             if (_grad_enabled() is not outer or ex.grad is not None
                     or _inference_enabled() is not outer_inference):

@@ -1,0 +1,84 @@
+"""A run whose example raised frees its graph (and every value it stored) as soon as
+the caller drops the results or the error, by reference counting, as a run without
+errors does: the collector runs rarely while batches record (batchgraph.gcpause), so a
+training or serving loop that meets failing examples must not depend on it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import traceback
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import batchgraph as bg
+from batchgraph import gcpause
+
+_cell = bg.batched_func(nn.Linear(4, 4))
+
+
+async def example(i: int, failing: int) -> torch.Tensor:
+    x = torch.tanh(_cell(torch.full((4,), float(i))))
+    value = await bg.value(x)
+    if i == failing:
+        raise ValueError(f"example {i} is bad")
+    return value
+
+
+@pytest.fixture
+def no_collector() -> Iterator[list[weakref.ref[Any]]]:
+    """Only reference counting frees; yields a list to hold the runs' graphs (weakly)."""
+    gc.collect()
+    gc.disable()
+    graphs: list[weakref.ref[Any]] = []
+    try:
+        yield graphs
+    finally:
+        gc.enable()
+
+
+def _policy(graphs: list[weakref.ref[Any]]) -> bg.BatchingPolicy:
+    policy = bg.BatchingPolicy()
+    graphs.append(weakref.ref(policy.graph))
+    return policy
+
+
+@pytest.mark.parametrize("failing", [0, 2])
+def test_results_with_an_error_dropped_free_the_run(
+        no_collector: list[weakref.ref[Any]], failing: int) -> None:
+    active = gcpause._active
+    results = bg.run_all([example(i, failing) for i in range(3)], return_exceptions=True,
+                         make_policy=lambda: _policy(no_collector))
+    assert isinstance(results[failing], ValueError)
+    for i in {0, 1, 2} - {failing}:  # the others as eagerly
+        assert torch.equal(results[i], torch.tanh(_cell(torch.full((4,), float(i)))))
+    # The error's traceback starts in the example, where it was raised.
+    frames = traceback.extract_tb(results[failing].__traceback__)
+    assert frames[0].name == "example"
+    del results
+    assert [g for g in no_collector if g() is not None] == []
+    assert gcpause._active == active  # the collector's thresholds are restored
+
+
+def test_a_raised_run_error_dropped_frees_the_run(no_collector: list[weakref.ref[Any]]) -> None:
+    with pytest.raises(bg.CoroutineExampleError, match="example 1 is bad"):
+        bg.run_all([example(i, 1) for i in range(3)], make_policy=lambda: _policy(no_collector))
+    assert [g for g in no_collector if g() is not None] == []
+
+
+def test_an_async_batcher_request_that_raised_frees_its_lane(
+        no_collector: list[weakref.ref[Any]]) -> None:
+    async def serve() -> list[Any]:
+        async with bg.AsyncBatcher(max_batch=4, make_policy=lambda: _policy(no_collector)) as b:
+            return await asyncio.gather(*[b.run(example(i, 1)) for i in range(3)],
+                                        return_exceptions=True)
+
+    results = asyncio.run(serve())
+    assert isinstance(results[1], ValueError) and isinstance(results[0], torch.Tensor)
+    del results
+    assert no_collector and [g for g in no_collector if g() is not None] == []
