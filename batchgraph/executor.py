@@ -451,7 +451,7 @@ class Executor:
                 # ("out of bounds for dimension 1" for the example's dimension 0).
                 alone = _eager_error(key, inputs, i)
                 failing = (f" Run alone, the call of {where} (row {i}) fails too: "
-                           f"{type(alone).__name__}: {alone}") if alone is not None else (
+                           f"{alone}") if alone is not None else (
                     f" Made as eager code makes it, the call of {where} (row {i}) runs: "
                     f"the rule fails where eager code does not (a batch of one: "
                     f"{type(single).__name__}: {single}). Register bg.UnbatchedKey for "
@@ -467,13 +467,15 @@ class Executor:
         return self._example_of(node) if self._example_of is not None else None
 
 
-def _eager_error(key: BatchKey, inputs: Sequence[Any], i: int) -> Exception | None:
-    """The error of row ``i``'s call made as eager code makes it (its per-example
-    inputs, no batch dimension), or None where that call runs."""
+def _eager_error(key: BatchKey, inputs: Sequence[Any], i: int) -> str | None:
+    """The error (``"Type: message"``) of row ``i``'s call made as eager code makes it
+    (its per-example inputs, no batch dimension), or None where that call runs. Not
+    the exception: it held the batch-of-one error (``__context__``), whose traceback
+    held the diagnosing frame, which held it, a cycle keeping the graph alive."""
     try:
         key.call.apply(key.fn, [x[i] for x in inputs])
     except Exception as err:
-        return err
+        return f"{type(err).__name__}: {err}"
     return None
 
 

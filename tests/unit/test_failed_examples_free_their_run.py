@@ -82,3 +82,24 @@ def test_an_async_batcher_request_that_raised_frees_its_lane(
     assert isinstance(results[1], ValueError) and isinstance(results[0], torch.Tensor)
     del results
     assert no_collector and [g for g in no_collector if g() is not None] == []
+
+
+def _out_of_range(x: torch.Tensor) -> torch.Tensor:
+    return x[int(x.sum()) + 5]  # a value read: fails only when it computes
+
+
+def test_a_compute_that_raised_frees_its_graph(no_collector: list[weakref.ref[Any]]) -> None:
+    # Before, the message's eager error was kept as an exception in the diagnosing
+    # frame, in a cycle with the batch-of-one error: the failed step's inputs and the
+    # graph stayed alive until a cyclic collection.
+    active = gcpause._active
+    f = bg.batched_func(_out_of_range)
+    with bg.BatchingPolicy() as policy:
+        hs = [f(torch.ones(3)), f(torch.zeros(3))]
+    no_collector.append(weakref.ref(policy.graph))
+    with pytest.raises(bg.BatchedCallError, match="IndexError") as caught:
+        bg.compute(hs)
+    assert "Run alone, the call of example 0 (row 0) fails too: IndexError" in str(caught.value)
+    del policy, hs, caught
+    assert [g for g in no_collector if g() is not None] == []
+    assert gcpause._active == active
