@@ -92,6 +92,9 @@ def resolve(call: Call) -> None:
         future.set_exception(ex.error)
     else:
         future.set_result(ex.result)
+    # Handed over: kept here too, the error closed a cycle through the driver's
+    # finished frames in its traceback (see coroutines._results).
+    ex.error = ex.throw = None
 
 
 def cancel_all(state: LaneState) -> None:

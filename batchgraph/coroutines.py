@@ -300,6 +300,11 @@ def _results(examples: list[Example], return_exceptions: bool) -> list[Any]:
     errors: dict[int, BaseException] = {
         ex.index: ex.error for ex in examples if ex.error is not None
     }
+    for ex in examples:
+        # Handed over: an error's traceback holds the driver's finished frames (each
+        # frame holds its caller's), whose locals hold the examples. Kept here too, it
+        # closed a cycle that kept the run's graph alive until a cyclic collection.
+        ex.error = ex.throw = None
     if errors and not return_exceptions:
         first = min(errors)
         err = errors[first]

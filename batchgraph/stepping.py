@@ -128,9 +128,9 @@ def _in_context(ex: Example, fn: Callable[..., _T], *args: Any) -> _T:
 
 def _from_example(tb: TracebackType | None) -> TracebackType | None:
     """``tb`` without its first entries, the driver's frames resuming the example:
-    those hold the example, which holds the error, which holds them, a cycle that kept
-    the run's graph (and every value it stored) alive past the run, until the cyclic
-    collector came by, made rare while a batch records (batchgraph.gcpause)."""
+    those hold the error (``throw``, the error thrown in) and the example, which
+    holds it too, a cycle that kept the run's graph (and every value it stored) alive
+    until a cyclic collection, made rare while batches record (batchgraph.gcpause)."""
     while tb is not None and tb.tb_frame.f_globals is _DRIVER_GLOBALS:
         tb = tb.tb_next
     return tb
@@ -188,8 +188,7 @@ class Example:
             except BaseException as err:  # a finally block that raised: its error
                 if isinstance(err, _STOPS_THE_DRIVER):
                     raise
-                # (A BaseException too: it must not stop the driver.)
-                self.error = err.with_traceback(_from_example(err.__traceback__))
+                self.error = err  # (a BaseException too: it must not stop the driver)
             finally:
                 _set_grad_enabled(grad)
 
