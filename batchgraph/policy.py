@@ -58,16 +58,20 @@ _rules_tokens = itertools.count(1)
 
 
 # The signature-cache token of (rules token, default dtype) for defaults other than
-# float32 (which keeps the rules token itself).
+# float32 (which keeps the rules token itself), for policies without rules: the
+# tokens of a policy with rules are its own (kept on it, else one entry per policy
+# made stayed here for good).
 _DTYPE_TOKENS: dict[tuple[int, torch.dtype], int] = {}
 
 
-def _token_for(rules_token: int, default: torch.dtype) -> int:
+def _token_for(rules_token: int, default: torch.dtype,
+               own: dict[tuple[int, torch.dtype], int]) -> int:
     if default is torch.float32:
         return rules_token
-    token = _DTYPE_TOKENS.get((rules_token, default))
+    tokens = _DTYPE_TOKENS if rules_token == 0 else own
+    token = tokens.get((rules_token, default))
     if token is None:
-        token = _DTYPE_TOKENS.setdefault((rules_token, default), next(_rules_tokens))
+        token = tokens.setdefault((rules_token, default), next(_rules_tokens))
     return token
 
 
@@ -123,6 +127,7 @@ class BatchingPolicy:
         self.rules_token = self._rules_base
         # The default dtype the signatures resolve under (see follow_default_dtype).
         self.default_dtype = torch.get_default_dtype()
+        self._dtype_tokens: dict[tuple[int, torch.dtype], int] = {}
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
@@ -159,7 +164,7 @@ class BatchingPolicy:
         # other caches. Read once per block: changed inside it, compute refuses.
         default = self.default_dtype = torch.get_default_dtype()
         self.graph.default_dtypes.add(default)
-        self.rules_token = _token_for(self._rules_base, default)
+        self.rules_token = _token_for(self._rules_base, default, self._dtype_tokens)
         if not self._quiet:
             # Fewer GC passes until the graph is freed (computing and the backward pass
             # come after the `with` block): its many small objects are not rescanned.
@@ -194,7 +199,7 @@ class BatchingPolicy:
             return False
         self.default_dtype = default
         self.graph.default_dtypes.add(default)
-        self.rules_token = _token_for(self._rules_base, default)
+        self.rules_token = _token_for(self._rules_base, default, self._dtype_tokens)
         return True
 
     def __exit__(self, *exc: object) -> None:

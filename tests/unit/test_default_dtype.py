@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import batchgraph as bg
+from batchgraph import policy as policy_module
 
 # Made once: their call sites keep their caches from one test (and policy) to the next.
 _RANGE_PLUS = bg.batched_func(lambda x: x + torch.arange(3.0))
@@ -142,3 +143,22 @@ def test_a_default_changed_before_a_key_s_first_call_after_a_compute_is_refused(
         torch.set_default_dtype(torch.float32)
     with pytest.raises(bg.DefaultDtypeChangedError, match="float32 and float64"):
         policy.compute(second)
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.float16])
+def test_policies_with_rules_made_per_batch_leave_nothing_behind(default: torch.dtype) -> None:
+    # Before, each policy with rules entered under a default other than float32 left
+    # its (rules, dtype) token in a global table for good: one entry per batch.
+    torch.set_default_dtype(default)
+    rules = {torch.nn.Linear: bg.VmapKey}
+    before = len(policy_module._DTYPE_TOKENS)
+    for _ in range(30):
+        policy = bg.BatchingPolicy(rules=rules)
+        with policy:
+            handles = [_int_times_float(bg.batched_value(x)) for x in _INPUTS]
+        token = policy.rules_token
+        with policy:  # entered again: the same token, its signatures cached still
+            assert policy.rules_token == token
+        for got, x in zip(bg.compute(handles), _INPUTS):
+            assert torch.equal(got, x * 2.5) and got.dtype == default  # as eagerly
+    assert len(policy_module._DTYPE_TOKENS) == before
