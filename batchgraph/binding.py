@@ -42,6 +42,7 @@ from batchgraph.graph import Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
 from batchgraph.held import held_on
 from batchgraph.keys import BatchKey, ConstantKey, UnbatchedKey, callable_name
+from batchgraph.lifetimes import bounded
 from batchgraph.naming import qualified_name, resolve_function
 from batchgraph.on_copy import on_copy
 from batchgraph.portable import OutputRef, PortableBatch, PortableKey
@@ -151,7 +152,10 @@ class Binder:
                 if module is not key.fn:
                     key = None
             if key is None:
-                key = self._checked[pk] = self._check(pk)
+                # Bounded: the model's binder lives as long as the model, and varying
+                # static arguments (a float per batch) made a key each, for good.
+                key = self._check(pk)
+                self._checked = bounded(self._checked, pk, key)
             out.append(key)
         return out
 

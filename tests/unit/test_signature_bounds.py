@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchgraph as bg
-from batchgraph import lifetimes
+from batchgraph import binding, lifetimes
 from batchgraph.lifetimes import OBJECT_SIGNATURES_KEPT, bounded, holds_objects
 
 
@@ -119,3 +119,28 @@ def test_bounded_keeps_the_newest_entries_within_the_limit(keys: list[int], limi
 )
 def test_signatures_holding_objects_are_told_apart(sig: Any, expected: bool) -> None:
     assert holds_objects(sig) is expected
+
+
+class _Scaled(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def f(self, example: tuple[torch.Tensor, float]) -> Any:
+        x, s = example
+        return self.lin(x) * s
+
+
+def test_a_binder_keeps_a_bounded_number_of_checked_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Batches recorded in workers, bound to the model: its binder (kept on the model)
+    # checked a key per new static value and kept each for good.
+    monkeypatch.setattr(lifetimes, "SIGNATURES_KEPT", 16)
+    net = _Scaled()
+    collate = bg.GraphCollate(net, "f")
+    for step in range(50):
+        examples = [(torch.ones(3), 1.0 + step / 4), (torch.zeros(3), 1.0 + step / 4)]
+        got = bg.bind(collate.build(examples), net)
+        for value, example in zip(got, examples):
+            torch.testing.assert_close(value, net.f(example))  # as eagerly
+    binder = net.__dict__[binding._BINDER].value[0]
+    assert len(binder._checked) <= 16
