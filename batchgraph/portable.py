@@ -43,6 +43,7 @@ from batchgraph.gathering import GatherPlan, plan_gather
 from batchgraph.graph import INFERENCE, LEAF_SHIFT, STORE_SHIFT, Graph, RecordedGrad
 from batchgraph.handle import ResultHandle
 from batchgraph.keys import BatchKey, ConstantKey
+from batchgraph.lifetimes import bounded
 from batchgraph.naming import function_name, module_names, qualified_name
 from batchgraph.on_copy import in_place_of
 from batchgraph.passes import prune
@@ -356,7 +357,9 @@ class Exporter:
             kind, target, is_module, module_type, key.call, out_spec,
             key.deterministic, key.batchable, copied is not None,
         )
-        self._described[id(key)] = (key, described)
+        # Bounded: a worker's exporter lives for the whole run, and keys made for
+        # static arguments varying per batch came one each, held for good.
+        self._described = bounded(self._described, id(key), (key, described))
         return described
 
 

@@ -131,9 +131,10 @@ class _Scaled(bg.BatchedModule):
         return self.lin(x) * s
 
 
-def test_a_binder_keeps_a_bounded_number_of_checked_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Batches recorded in workers, bound to the model: its binder (kept on the model)
-    # checked a key per new static value and kept each for good.
+def test_workers_and_binders_keep_a_bounded_number_of_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Batches recorded in workers, bound to the model: the worker's exporter described,
+    # and the model's binder checked, a key per new static value, each kept for good.
     monkeypatch.setattr(lifetimes, "SIGNATURES_KEPT", 16)
     net = _Scaled()
     collate = bg.GraphCollate(net, "f")
@@ -144,3 +145,5 @@ def test_a_binder_keeps_a_bounded_number_of_checked_keys(monkeypatch: pytest.Mon
             torch.testing.assert_close(value, net.f(example))  # as eagerly
     binder = net.__dict__[binding._BINDER].value[0]
     assert len(binder._checked) <= 16
+    exporter = collate._state[2]  # type: ignore[index]  # built in this process
+    assert len(exporter._described) <= 16
