@@ -43,8 +43,9 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 # Enough for every shape and static argument a model uses over and over; past it the
-# values vary without end, and resolving again costs one run on fake tensors.
-SIGNATURES_KEPT = 1024
+# values vary without end, and resolving again costs one run on fake tensors. An entry
+# takes about 6 KB (a float argument's, measured), so a site holds 12 MB at most.
+SIGNATURES_KEPT = 2048
 # Enough for the long-lived objects a model passes (a vocabulary, a config) to stay.
 OBJECT_SIGNATURES_KEPT = 16
 
