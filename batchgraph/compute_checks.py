@@ -11,7 +11,8 @@ nothing and the caller can put things back and compute again. Kept apart from
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -126,7 +127,7 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
     ``self.temperature``: ``batchgraph.attributes``) since its calls were recorded;
     then run the steps, and take attributes they set for state their modules keep
     themselves (a forward noting something only when it really runs), not settings."""
-    done: dict[int, tuple[Sequence[torch.nn.Module], Attributes | None]] = {}
+    done: dict[int, tuple[Any, Attributes | None]] = {}
     for step in schedule.steps:
         kid = step.key
         if kid not in graph.key_attrs or id(fn := graph.keys[kid].fn) in done:
@@ -145,10 +146,10 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
                 "read a value), or set them back and compute then, or record the calls "
                 "again after the change."
             )
-        done[id(fn)] = (graph.watched_modules(fn), graph.key_attrs[kid])
+        done[id(fn)] = (fn, graph.key_attrs[kid])
     yield
-    for modules, before in done.values():
-        note_own_state(modules, before)
+    for fn, before in done.values():
+        note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchgraph.attributes import Attributes, changed_attributes, plain_attributes
+from batchgraph.attributes import Attributes, attribute_cache, changed_attributes
 from batchgraph.buffers import Watch, epochs, watches_of
 from batchgraph.captured import captured_parts
 from batchgraph.hooks import Hooks, hooks_of
@@ -101,7 +101,7 @@ class KeyReads:
                 buffers = (*buffers, id(self._parts_of(fn).buffers))
         hooks = hooks_of(fn) if isinstance(fn, torch.nn.Module) else None
         if attrs is NOT_READ:
-            attrs = plain_attributes(parts.watched) if parts.watched else None
+            attrs = parts.attributes.now() if parts.watched else None
         return versions, submodes, buffers, hooks, attrs
 
     def note_reads(self, kid: int, fn: Any, versions: Versions | None,
@@ -154,8 +154,8 @@ class KeyReads:
     def attributes_now(self, fn: Any) -> Attributes | None:
         """The plain attributes of the modules ``fn`` is or reads
         (``batchgraph.attributes``; None where it reads no module)."""
-        watched = self._parts_of(fn).watched
-        return plain_attributes(watched) if watched else None
+        parts = self._parts_of(fn)
+        return parts.attributes.now() if parts.watched else None
 
     def changed_attributes(self, kid: int) -> list[str]:
         """The plain attributes of the modules key ``kid``'s callable is or reads
@@ -167,9 +167,10 @@ class KeyReads:
         if noted is None:
             return []
         parts = self._parts_of(self.keys[kid].fn)
-        if plain_attributes(parts.watched) == noted:
+        now = parts.attributes.now()
+        if now == noted:
             return []
-        return changed_attributes(parts.watched, parts.watched_names, noted)
+        return changed_attributes(parts.watched, parts.watched_names, noted, now)
 
     def layout_of(self, fn: Any) -> tuple[tuple[torch.dtype, torch.device], ...]:
         """The dtype and device of each tensor ``fn`` reads besides its arguments: a
@@ -317,7 +318,8 @@ class ModuleParts:
     (``captured_parts``)."""
 
     __slots__ = (
-        "buffer_names", "buffers", "names", "params", "submodules", "watched", "watched_names",
+        "attributes", "buffer_names", "buffers", "names", "params", "submodules", "watched",
+        "watched_names",
     )
 
     def __init__(self, module: Any) -> None:
@@ -337,6 +339,7 @@ class ModuleParts:
         if isinstance(module, torch.nn.Module):
             self.watched = (module, *self.submodules)
             self.watched_names = ["", *self.names]
+        self.attributes = attribute_cache(self.watched)
         self.buffer_names, self.buffers = watches_of(named_buffers)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle as _HANDLES
 
 from batchgraph.aliasing import NOT_VIEWED, holds_handed, makes_view, view_of_handed
-from batchgraph.attributes import note_own_state, plain_attributes
+from batchgraph.attributes import note_own_state
 from batchgraph.autocasting import (
     AutocastState,
     autocast_enabled,
@@ -424,7 +424,7 @@ class CallSite:
             with not_recording():
                 materialize_lazy(fn, call)
         graph = policy.graph
-        before = plain_attributes(watched := graph.watched_modules(fn))
+        before = graph.attributes_now(fn)
         with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
         key = choose_key(fn, call, policy.rules)
@@ -433,7 +433,8 @@ class CallSite:
                 batches = probe_vmap(key, spec)
             if not batches:
                 key = UnbatchedKey(fn, call)
-        note_own_state(watched, before)  # what they changed is no setting (a counter)
+        # What they changed is no setting (a counter).
+        note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
         if spec is None and key.batchable:
             key = UnbatchedKey(fn, call)
         entry = Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)

@@ -214,3 +214,66 @@ def test_a_setting_set_through_a_submodule_read_inside_the_block_reaches_the_mod
         second = model.layer(xs[1])
     with pytest.raises(bg.ModuleAttributeChangedError, match=r"temperature: 2\.0 -> 3\.0"):
         bg.compute([first, second])
+
+
+class Noting(nn.Module):
+    """A forward setting a number of its own only when it really runs (not on the
+    fake tensors a new signature's shape inference uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.largest = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch._subclasses.FakeTensor):
+            self.largest = max(self.largest, x.shape[0] + 0.5)
+        return self.lin(x)
+
+
+def test_state_a_forward_sets_only_in_real_runs_is_not_taken_for_a_setting() -> None:
+    model = Model(Noting())
+    xs = _inputs((4,), 3)
+    with bg.BatchingPolicy():
+        first = model.layer(xs[0])
+        later = [model.layer(model.layer(x)) for x in xs[1:]]
+    bg.compute(first)  # sets `largest`, which the pending calls were noted without
+    for x, value in zip(xs[1:], bg.compute(later)):
+        torch.testing.assert_close(value, model.layer(model.layer(x)))
+
+
+class Root(bg.BatchedModule):
+    """A method over the whole model, reading a number of the root's own (whose
+    __dict__ holds recording stubs while a policy records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+                                     for _ in range(3)])
+        self.scale = 2.0
+
+    @bg.batched_func
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("where", ["root", "deep"])
+def test_a_method_over_the_model_sees_settings_set_at_any_depth(where: str) -> None:
+    model = Root()
+    xs = _inputs((4,), 2)
+    for _ in range(2):  # the second batch reads the looks cached by the first
+        with bg.BatchingPolicy():
+            handles = [model.step(x) for x in xs]
+        for x, value in zip(xs, bg.compute(handles)):
+            torch.testing.assert_close(value, model.step(x))
+    with bg.BatchingPolicy():
+        handles = [model.step(x) for x in xs]
+    if where == "root":
+        model.scale = 3.0
+    else:
+        model.blocks[2][1].eps = 1.0
+    name = "scale" if where == "root" else r"blocks\.2\.1\.eps"
+    with pytest.raises(bg.ModuleAttributeChangedError, match=name):
+        bg.compute(handles)
