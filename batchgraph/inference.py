@@ -32,6 +32,7 @@ from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
 from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
+from batchgraph.lifetimes import trim_fake_cache
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
@@ -177,12 +178,15 @@ def on_fake_tensors() -> Iterator[None]:
         torch.Size([3])
     """
     _QUIET.depth += 1
+    before = len(FakeTensorMode.cache)
     try:
         with (without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True),
               _FakeRunGuard()):
             yield
     finally:
         _QUIET.depth -= 1
+        if not _QUIET.depth:  # the outermost run: its entries, nested runs' included
+            trim_fake_cache(before)
 
 
 def infer_spec(

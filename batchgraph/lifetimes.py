@@ -10,12 +10,16 @@ it, with its tensors. It is bounded here: past ``SIGNATURES_KEPT`` entries the o
 half is dropped (those signatures are resolved again if they come back, once each),
 and a signature holding an object by reference is kept only among the last
 ``OBJECT_SIGNATURES_KEPT`` such ones, so a config object made per batch lives a few
-batches at most, while a long-lived one given to every call stays cached.
+batches at most, while a long-lived one given to every call stays cached. The
+entries its runs on fake tensors add to torch's own dispatch cache are bounded too
+(``trim_fake_cache``).
 """
 
 from __future__ import annotations
 
 import enum
+from collections import deque
+from itertools import islice
 from types import (
     BuiltinFunctionType,
     ClassMethodDescriptorType,
@@ -29,6 +33,7 @@ from types import (
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchgraph.specs import TensorSpec
 
@@ -36,8 +41,10 @@ if TYPE_CHECKING:
     from batchgraph.entries import Entry
     from batchgraph.recording import CallSite
 
-__all__ = ["OBJECT_SIGNATURES_KEPT", "SIGNATURES_KEPT", "bounded", "holds_objects", "keep_signature",
-           "lives_forever"]
+__all__ = [
+    "FAKE_ENTRIES_KEPT", "OBJECT_SIGNATURES_KEPT", "SIGNATURES_KEPT", "bounded", "holds_objects",
+    "keep_signature", "lives_forever", "trim_fake_cache",
+]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -48,6 +55,11 @@ V = TypeVar("V")
 SIGNATURES_KEPT = 2048
 # Enough for the long-lived objects a model passes (a vocabulary, a config) to stay.
 OBJECT_SIGNATURES_KEPT = 16
+# Entries batchgraph's fake runs add to torch's dispatch cache of fake tensors (one
+# dict for the whole process, never trimmed: about 1 KB an entry, three for a new
+# float in ``h * s``), of which the newest are kept (see ``trim_fake_cache``).
+FAKE_ENTRIES_KEPT = 8192
+_FAKE_ENTRIES: deque[Any] = deque()
 
 # C functions and descriptors: torch functions, operators, tensor methods.
 _BUILTINS = (
@@ -130,3 +142,32 @@ def keep_signature(site: CallSite, sig: Any, entry: Entry) -> None:
         held.append(sig)
         if len(held) > OBJECT_SIGNATURES_KEPT:
             cache.pop(held.pop(0), None)
+
+
+def trim_fake_cache(before: int) -> None:
+    """After a run on fake tensors that began with torch's fake dispatch cache holding
+    ``before`` entries: note the entries it added, and drop the oldest of those noted
+    past ``FAKE_ENTRIES_KEPT``. The cache is torch's, for the whole process: each new
+    signature's run added entries for good (a float argument is part of their keys),
+    so a long run with varying static arguments or shapes grew it without end. Only
+    entries batchgraph's runs added are dropped; others' (torch.compile's) stay.
+
+    Example:
+        >>> before = len(FakeTensorMode.cache)
+        >>> with FakeTensorMode():
+        ...     _ = torch.empty(2, 5).mul(0.25)
+        >>> trim_fake_cache(before)
+        >>> len(FakeTensorMode.cache) <= before + FAKE_ENTRIES_KEPT
+        True
+    """
+    cache = FakeTensorMode.cache
+    added = len(cache) - before
+    if added <= 0:
+        return
+    try:
+        # Insertion order: the newest entries are last (read from there, not copied).
+        _FAKE_ENTRIES.extend(reversed(list(islice(reversed(cache), added))))
+    except RuntimeError:  # another thread changed it meanwhile: not noted this time
+        return
+    while len(_FAKE_ENTRIES) > FAKE_ENTRIES_KEPT:
+        cache.pop(_FAKE_ENTRIES.popleft(), None)

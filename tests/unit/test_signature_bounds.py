@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import batchgraph as bg
 from batchgraph import binding, lifetimes
@@ -147,3 +148,22 @@ def test_workers_and_binders_keep_a_bounded_number_of_keys(
     assert len(binder._checked) <= 16
     exporter = collate._state[2]  # type: ignore[index]  # built in this process
     assert len(exporter._described) <= 16
+
+
+def test_torchs_fake_dispatch_cache_keeps_a_bounded_number_of_our_entries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each new signature runs once on fake tensors, and torch keeps what its fake ops
+    # dispatched in one dict for the process, never trimmed: a float per step made
+    # three entries for good. Only our entries are trimmed; others' stay.
+    monkeypatch.setattr(lifetimes, "FAKE_ENTRIES_KEPT", 50)
+    with FakeTensorMode():  # someone else's entry (torch.compile's, say)
+        torch.empty(7, 11).mul(0.125)
+    theirs = list(FakeTensorMode.cache)[-1]
+    start = len(FakeTensorMode.cache)
+    f = bg.batched_func(_weight)
+    with bg.BatchingPolicy():
+        hs = [f(torch.ones(3), 1.0 + step / 16) for step in range(100)]
+    got = bg.compute(hs)
+    assert all(torch.equal(g, _weight(torch.ones(3), 1.0 + s / 16)) for s, g in enumerate(got))
+    assert len(FakeTensorMode.cache) <= start + 50
+    assert theirs in FakeTensorMode.cache
