@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import batchgraph as bg
-from batchgraph import binding, lifetimes
+from batchgraph import binding, inference, portable, recording
 from batchgraph.lifetimes import OBJECT_SIGNATURES_KEPT, bounded, holds_objects
 
 
@@ -24,6 +24,15 @@ class Config:
     def __init__(self, scale: float) -> None:
         self.scale = scale
         self.table = torch.full((3,), scale)  # what a leak would keep: a tensor
+
+
+def _bound(monkeypatch: pytest.MonkeyPatch, name: str, value: int) -> None:
+    """Set a bound of batchgraph.lifetimes where the code reads it: in the module the
+    package imported (collecting its doctests, pytest may import the file again as
+    another module object, which the code never reads)."""
+    for fn in (recording.keep_signature, binding.bounded, portable.bounded,
+               inference.trim_fake_cache):
+        monkeypatch.setitem(fn.__globals__, name, value)
 
 
 def scaled(x: torch.Tensor, config: Config) -> torch.Tensor:
@@ -76,7 +85,7 @@ def test_varying_float_arguments_keep_a_bounded_cache(monkeypatch: pytest.Monkey
     # A temperature annealed per step: each value is a signature of its own. Before,
     # the cache of a function living for good grew by one entry per value, without
     # end (a bound of 32 here keeps the test short; the default is SIGNATURES_KEPT).
-    monkeypatch.setattr(lifetimes, "SIGNATURES_KEPT", 32)
+    _bound(monkeypatch, "SIGNATURES_KEPT", 32)
     f = bg.batched_func(_weight)
     for step in range(100):
         s = 1.0 + step / 8
@@ -136,7 +145,7 @@ def test_workers_and_binders_keep_a_bounded_number_of_keys(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Batches recorded in workers, bound to the model: the worker's exporter described,
     # and the model's binder checked, a key per new static value, each kept for good.
-    monkeypatch.setattr(lifetimes, "SIGNATURES_KEPT", 16)
+    _bound(monkeypatch, "SIGNATURES_KEPT", 16)
     net = _Scaled()
     collate = bg.GraphCollate(net, "f")
     for step in range(50):
@@ -155,7 +164,7 @@ def test_torchs_fake_dispatch_cache_keeps_a_bounded_number_of_our_entries(
     # Each new signature runs once on fake tensors, and torch keeps what its fake ops
     # dispatched in one dict for the process, never trimmed: a float per step made
     # three entries for good. Only our entries are trimmed; others' stay.
-    monkeypatch.setattr(lifetimes, "FAKE_ENTRIES_KEPT", 50)
+    _bound(monkeypatch, "FAKE_ENTRIES_KEPT", 50)
     with FakeTensorMode():  # someone else's entry (torch.compile's, say)
         torch.empty(7, 11).mul(0.125)
     theirs = list(FakeTensorMode.cache)[-1]
