@@ -369,7 +369,8 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         scale = 1.0
         if scaler is not None:
             try:
-                scale = agree_on_scale(scaler, self.device, self.groups.control, self.comm.device)
+                scale = agree_on_scale(scaler, self.device, self.groups.control,
+                                       self.comm.device, stepped=bool(self.parameters()))  # fmt: skip
             except PipelineConfigError:
                 raise  # on every rank alike: the pipeline stays usable
             except BaseException as exc:
@@ -394,8 +395,8 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
                 if self.groups.replica is not None:  # over the replicas, then the tied copies
                     allreduce_gradients(params, self.groups.replica, [None] * len(params))
                 self.tied.allreduce()
-                if scaler is not None:  # every rank skips the step if one overflowed
-                    spread_overflow(params, self.groups.control, self.comm.device)
+            if scaler is not None:  # on every rank, with parameters or not (collective)
+                spread_overflow(params, self.groups.control, self.comm.device)
             if train and result is not None and self.groups.replica is not None:
                 dist.all_reduce(result, group=self.groups.replica)
             self._record(events, train)

@@ -24,6 +24,7 @@ compared before each step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,20 +50,28 @@ def grad_scale(scaler: torch.amp.GradScaler, device: torch.device) -> float:
 
 
 def agree_on_scale(
-    scaler: torch.amp.GradScaler, device: torch.device, group: Any, comm_device: torch.device
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    group: Any,
+    comm_device: torch.device,
+    stepped: bool,
 ) -> float:
-    """This rank's :func:`grad_scale`; raises on every rank of ``group`` if the ranks'
-    scales differ. Collective (over ``comm_device`` tensors).
+    """The scale of the ranks of ``group`` whose scalers step (``stepped``: this rank
+    has parameters, so an optimizer and ``scaler.step``); raises on every rank if those
+    differ. A rank without parameters cannot step its scaler, whose scale then stays
+    behind; it seeds the backward with the others' where it holds the last stage.
+    Collective (over ``comm_device`` tensors).
 
     Raises:
         PipelineConfigError: naming the smallest and largest scale.
 
     Example (every rank, before a step)::
 
-        scale = agree_on_scale(scaler, rank_device, control_group, comm_device)
+        scale = agree_on_scale(scaler, rank_device, control_group, comm_device, True)
     """
     scale = grad_scale(scaler, device)
-    both = torch.tensor([scale, -scale], dtype=torch.float64, device=comm_device)
+    mine = [scale, -scale] if stepped else [-math.inf, -math.inf]
+    both = torch.tensor(mine, dtype=torch.float64, device=comm_device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both.tolist()
     if high != -low:
@@ -71,7 +80,7 @@ def agree_on_scale(
             "last rank's scales the gradients and each rank unscales by its own; give "
             "every rank a GradScaler made with the same arguments"
         )
-    return scale
+    return float(high)
 
 
 def spread_overflow(params: Sequence[nn.Parameter], group: Any, device: torch.device) -> bool:

@@ -65,3 +65,33 @@ def job_scaler(rank: int, world: int) -> dict[str, Any]:
         step(mine)  # still usable
         out["usable"] = True
     return out
+
+
+def first_stage() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(W.DIM, 16), nn.Tanh(), nn.Linear(16, W.OUT))
+
+
+def job_rank_without_parameters(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's stage (the last) has no parameters, so no optimizer, and its scaler never
+    steps; rank 0 steps with its scaler. Every rank joins the overflow check, and the last
+    rank seeds the backward with rank 0's scale, not its own stale one."""
+    from batchgraph.pipeline import DistributedPipeline
+
+    x, y = W.batch(12)
+    mine = scaler()
+    scales = []
+    with DistributedPipeline([first_stage(), nn.Tanh()], stages=2, microbatches=1,
+                             loss_fn=nn.MSELoss(), timeout=10) as pipe:  # fmt: skip
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1) if rank == 0 else None
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                pipe.train_step(x.float() if rank == 0 else None,
+                                y.float() if rank == 1 else None, grad_scaler=mine)  # fmt: skip
+            if opt is not None:
+                mine.step(opt)
+                mine.update()
+                opt.zero_grad()
+            scales.append(mine.get_scale())
+        params = [p.tolist() for p in pipe.parameters()]
+    return {"scales": scales, "params": params}

@@ -60,3 +60,25 @@ def test_ranks_that_disagree_are_refused_and_the_pipeline_goes_on(run: W.Launch)
         assert "rank 0 passed grad_scaler= but rank 1 did not" in got["one_rank"], got
         assert "GradScalers have different scales" in got["other_scale"], got
         assert got["usable"]
+
+
+def test_a_last_rank_without_parameters_scales_by_the_stepping_ranks_scale() -> None:
+    launch = W.launch(SW.job_rank_without_parameters, world=2, limit=60)
+    got = launch.ok(0)
+    assert launch.ok(1)["params"] == []
+    model = nn.Sequential(SW.first_stage(), nn.Tanh())
+    x, y = W.batch(12)
+    scaler = SW.scaler()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales = []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.MSELoss()(model(x.float()), y.float())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    assert got["scales"] == scales
+    for p, q in zip(got["params"], model.parameters(), strict=True):
+        assert torch.equal(torch.tensor(p), q.detach())
