@@ -36,6 +36,7 @@ from batchgraph.passes import prune
 from batchgraph.pinning import unpin_stubs
 from batchgraph.recording import _ACTIVE
 from batchgraph.releasing import StoreReleaser
+from batchgraph.rule_tokens import tokens_for
 from batchgraph.rules import KeyFactory, rule_table
 from batchgraph.scheduling import (
     SCHEDULERS,
@@ -54,25 +55,6 @@ from batchgraph.specs import (
 __all__ = ["UNTRAVERSED", "BatchingPolicy", "refuse_hidden_handles"]
 
 _policy_ids = itertools.count()
-_rules_tokens = itertools.count(1)
-
-
-# The signature-cache token of (rules token, default dtype) for defaults other than
-# float32 (which keeps the rules token itself), for policies without rules: the
-# tokens of a policy with rules are its own (kept on it, else one entry per policy
-# made stayed here for good).
-_DTYPE_TOKENS: dict[tuple[int, torch.dtype], int] = {}
-
-
-def _token_for(rules_token: int, default: torch.dtype,
-               own: dict[tuple[int, torch.dtype], int]) -> int:
-    if default is torch.float32:
-        return rules_token
-    tokens = _DTYPE_TOKENS if rules_token == 0 else own
-    token = tokens.get((rules_token, default))
-    if token is None:
-        token = tokens.setdefault((rules_token, default), next(_rules_tokens))
-    return token
 
 
 class BatchingPolicy:
@@ -120,14 +102,13 @@ class BatchingPolicy:
         self.scheduler = scheduler
         self.dedupe = dedupe
         self.rules: dict[Any, KeyFactory] = rule_table(rules)
-        # Signature caches are shared across policies with no custom rules; a policy
-        # with rules gets a fresh token (never reused, unlike id()). Each default
-        # dtype has its own (see __enter__).
-        self._rules_base = 0 if not self.rules else next(_rules_tokens)
-        self.rules_token = self._rules_base
+        # Signature caches are shared across policies with the same rules (none, or
+        # the same table written anew per batch); each default dtype has its own
+        # token (see __enter__ and batchgraph.rule_tokens).
+        self._tokens = tokens_for(self.rules)
+        self.rules_token = self._tokens.base
         # The default dtype the signatures resolve under (see follow_default_dtype).
         self.default_dtype = torch.get_default_dtype()
-        self._dtype_tokens: dict[tuple[int, torch.dtype], int] = {}
         self.name = name or f"policy-{next(_policy_ids)}"
         self.graph = Graph(self.name)
         self.graph.policy = self
@@ -164,7 +145,7 @@ class BatchingPolicy:
         # other caches. Read once per block: changed inside it, compute refuses.
         default = self.default_dtype = torch.get_default_dtype()
         self.graph.default_dtypes.add(default)
-        self.rules_token = _token_for(self._rules_base, default, self._dtype_tokens)
+        self.rules_token = self._tokens.of(default)
         if not self._quiet:
             # Fewer GC passes until the graph is freed (computing and the backward pass
             # come after the `with` block): its many small objects are not rescanned.
@@ -199,7 +180,7 @@ class BatchingPolicy:
             return False
         self.default_dtype = default
         self.graph.default_dtypes.add(default)
-        self.rules_token = _token_for(self._rules_base, default, self._dtype_tokens)
+        self.rules_token = self._tokens.of(default)
         return True
 
     def __exit__(self, *exc: object) -> None:
