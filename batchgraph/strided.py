@@ -82,7 +82,7 @@ def offset_from_start(
     graph = handle._graph
     made_by = view_of(graph, handle.node)
     given = handle._out
-    if made_by is not None and given is None:
+    if made_by is not None:
         call = of_viewed_value(handle, size, stride, offset)
         if call is not None:
             return call
@@ -98,6 +98,10 @@ def offset_from_start(
         or not eager.is_contiguous()
         # Elements past its own are another tensor's, which eagerly it may read.
         or (beyond and eager.untyped_storage().nbytes() > eager.numel() * eager.element_size()))
+    # A view taken of a value handed out (h.t() after y = bg.compute(h)): the recorded
+    # call reads its batched row, laid out in the view's order, not in y's memory.
+    of_view = of_view or (made_by is not None and given is not None
+                          and isinstance(given[0], torch.Tensor) and not given[0].is_contiguous())
     if of_view or (made_by is not None and (offset is not None or beyond)):
         what = f"a view ({made_by})" if made_by else "a bg.batched_value of a view"
         reads = (f"storage_offset={offset}" if offset is not None
@@ -160,10 +164,22 @@ def of_viewed_value(
                 view = out if isinstance(out, torch.Tensor) else tree_leaves(out)[leaf]
             if view.untyped_storage()._cdata != fake.untyped_storage()._cdata:
                 return None
-            start, in_order = view.storage_offset(), view.is_contiguous()
+            start, in_order = int(view.storage_offset()), view.is_contiguous()
             shape, strides = tuple(view.shape), view.stride()
     except Exception:  # views by a value (h[i], i a handle): on the view, as before
         return None
+    given = handle._out
+    if given is not None:
+        # A view taken of a value handed out (view_of_handed): that value is the
+        # tensor the view's own is a view of, where it is laid out as the fakes were.
+        real = given[0]
+        if (not isinstance(real, torch.Tensor) or tuple(real.shape) != shape
+                or real.stride() != strides or real.storage_offset() < start):
+            return None
+        whole = ResultHandle(graph, base, 0, spec)
+        whole.handed(torch.as_strided(real, spec.shape, _contiguous(spec.shape),
+                                      real.storage_offset() - start))
+        return _strided_of(handle, whole, spec, size, stride, offset, start, shape, strides)
     if base in graph.handed_out:
         # Which handle's value (each handed out a tensor of its own) it views is not
         # kept: the call stays on the view, which reads the view's elements in the
@@ -177,8 +193,25 @@ def of_viewed_value(
             "apart from another handle's copy. Take as_strided of the value handed out "
             "(y = bg.compute(h); y.as_strided(...)), or of .contiguous() of the view."
         )
+    return _strided_of(handle, ResultHandle(graph, base, 0, spec), spec, size, stride, offset,
+                       start, shape, strides)
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _strided_of(handle: ResultHandle, whole: Any, spec: TensorSpec, size: Sequence[int],
+                stride: Sequence[int], offset: int | None, start: int,
+                shape: tuple[int, ...], strides: tuple[int, ...],
+                ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """The call of ``as_strided_from_start`` on ``whole``, the value ``handle`` is a view
+    of (of ``shape`` and ``strides`` at ``start`` in it)."""
     at = int(start) if offset is None else offset
-    whole: Any = ResultHandle(graph, base, 0, spec)
     own = math.prod(spec.shape)
     reach = _elements_reached(size, stride, at)
     if reach > own:

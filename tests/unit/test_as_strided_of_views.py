@@ -2,7 +2,8 @@
 value's memory in the value's order, as eagerly: it is made of the value itself, with
 the view's storage offset. Before, it read the view's batched row, whose layout is
 the view's only while that row is a view of its batch: where it was gathered (a
-copy, laid out in the view's order) it read the transposed elements, silently.
+copy, laid out in the view's order) it read the transposed elements, silently (also
+for views taken of a value handed out, whose recorded call read that row).
 
 Each generated program is run eagerly and batched, and values and gradients compared.
 """
@@ -52,10 +53,11 @@ def _strided(v: Any, views: list[int], size: list[int], stride: list[int],
     stride=st.lists(st.integers(0, 4), min_size=2, max_size=2),
     offset=st.one_of(st.none(), st.integers(0, 4)),
     gathered=st.booleans(),
+    handed=st.booleans(),
 )
 def test_as_strided_of_a_view_reads_the_values_memory_as_eagerly(
     views: list[int], size: list[int], stride: list[int], offset: int | None,
-    gathered: bool,
+    gathered: bool, handed: bool,
 ) -> None:
     stride = stride[: len(size)]
     xs = [torch.arange(12.0, dtype=torch.float64).reshape(3, 4) + 100 * i for i in range(2)]
@@ -72,6 +74,8 @@ def test_as_strided_of_a_view_reads_the_values_memory_as_eagerly(
         return
     with bg.BatchingPolicy():
         hs = [neg(x) for x in xs]
+        if handed:  # the views are taken of the values handed out (view_of_handed)
+            bg.compute(hs)
         if gathered:  # the first example's view computed alone: its row is a copy
             bg.compute(_viewed(hs[0], views) * 1)
         got = bg.compute([_strided(h, views, size, stride, offset) * 2 for h in hs])
