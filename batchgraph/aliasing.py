@@ -228,8 +228,7 @@ def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple
         # Another handle has no value yet (h.expand_as(g), g pending): recorded as any
         # call, noted as a view of the handed-out values, checked at compute
         # (batchgraph.handed_views: computing it takes the view of y then).
-        _note_pending_view(args, kwargs)
-        return NOT_VIEWED
+        return _record_pending_view(site, args, kwargs)
     try:
         views = fn(*real_args, **real_kwargs)
     except Exception:
@@ -262,16 +261,28 @@ def holds_handed(args: tuple[Any, ...]) -> bool:
     return any(type(a) is ResultHandle and a._out is not None for a in tree_leaves(args))
 
 
-def _note_pending_view(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Note the handed-out values, as they are, of the handles in a view's arguments
-    recorded next (see ``handed_views.note_handed``)."""
+def _record_pending_view(site: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+    """Record a view of handed-out values that also reads a handle not computed yet,
+    on those values as they are now (``_not_handed``), noting the values themselves
+    (``handed_views.note_handed``): computing the view takes it of them then."""
     from batchgraph.handed_views import note_handed
-    from batchgraph.handle import ResultHandle, unchanged
+    from batchgraph.handle import ResultHandle
 
-    for a in tree_leaves((args, kwargs)):
-        if type(a) is ResultHandle and a._out is not None and unchanged(a._out):
-            graph = a._graph
-            note_handed(graph, a.node, a.leaf, a._out[0], a._out[1], len(graph.node_key) + 1)
+    noted: list[tuple[ResultHandle, torch.Tensor]] = []
+
+    def plain(a: Any) -> Any:
+        out = _not_handed(a)
+        if out is not a and isinstance(a._out[0], torch.Tensor):
+            noted.append((out, a._out[0]))
+        return out
+
+    plain_args, plain_kwargs = tree_map(plain, (args, kwargs))
+    for handle, value in noted:
+        graph = handle._graph
+        version = None if value.is_inference() else value._version
+        note_handed(graph, handle.node, handle.leaf, value, version, len(graph.node_key) + 1)
+    return site(*plain_args, **plain_kwargs)
 
 
 def _not_handed(a: Any) -> Any:

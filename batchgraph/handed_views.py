@@ -95,7 +95,10 @@ def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
             src = ref[0]
             viewed = tracked.get(src)
             if viewed is None:
-                if n < mark and loc[src] >= 0 and (outs := table.get(ref)):
+                # A value as computed, or as it was when a view reading a handle not
+                # computed yet was recorded (a constant: aliasing._record_pending_view).
+                if n < mark and (loc[src] >= 0 or src in graph.constants) and (
+                        outs := table.get(ref)):
                     before = tuple(o for o in outs if n < o[2])  # recorded before it
                     key = keys[node_key[n]]
                     if before and makes_view(key.fn, key):
@@ -148,9 +151,16 @@ def _view(graph: Graph, node: int, tracked: dict[int, _Tracked], base: Ref,
         elif ref[0] in tracked:
             args.append(_leaf(_view(graph, ref[0], tracked, base, value), ref[1]))
         else:
-            loc = graph.node_loc[ref[0]]
-            args.append(graph.stores[loc >> STORE_SHIFT][ref[1]][loc & ROW_MASK])
+            args.append(_stored(graph, ref))
     return key.call.apply(key.fn, args)
+
+
+def _stored(graph: Graph, ref: Ref) -> Any:
+    """The per-example value of ``ref``, computed (or a constant)."""
+    loc = graph.node_loc[ref[0]]
+    if loc < 0:
+        return graph.constants[ref[0]]
+    return graph.stores[loc >> STORE_SHIFT][ref[1]][loc & ROW_MASK]
 
 
 def _leaf(out: Any, leaf: int) -> Any:
@@ -176,9 +186,7 @@ def _changed(graph: Graph, handout: Handout, base: Ref) -> bool:
     value = ref()
     if value is None or (version is not None and value._version == version):
         return False
-    loc = graph.node_loc[base[0]]
-    stored = graph.stores[loc >> STORE_SHIFT][base[1]][loc & ROW_MASK]
-    return not torch.equal(value, stored)
+    return not torch.equal(value, _stored(graph, base))
 
 
 def _forget_settled(graph: Graph) -> None:

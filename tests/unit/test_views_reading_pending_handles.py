@@ -35,14 +35,17 @@ VIEWS = {
 }
 
 
-def _program(view: str, by: float, read: bool, batched: bool) -> tuple[list[torch.Tensor], Any]:
-    """``h`` handed out as ``y``, a view taken of ``h`` (and ``g``), ``y`` changed in
-    place by ``by`` (0: not changed), and the views computed (``read``: doubled, by
-    a call recorded after the change)."""
+def _program(view: str, first: float, by: float, read: bool,
+             batched: bool) -> tuple[list[torch.Tensor], Any]:
+    """``h`` handed out as ``y``, ``y`` increased by ``first`` in place, a view taken of
+    ``h`` (and ``g``), ``y`` multiplied in place by ``by`` (0: not changed), and the
+    views computed (``read``: doubled, by a call recorded after the change)."""
     x = torch.arange(3.0, dtype=torch.float64).requires_grad_()
     with bg.BatchingPolicy() if batched else contextlib.nullcontext():
         h = neg(x) if batched else -x
         y = bg.compute(h) if batched else h
+        if first:
+            y.add_(first)
         ones = torch.ones(2, 3, dtype=torch.float64)
         g = neg(ones) if batched else -ones
         views = VIEWS[view](h, g)
@@ -54,18 +57,19 @@ def _program(view: str, by: float, read: bool, batched: bool) -> tuple[list[torc
     return [o.detach().clone() for o in out], grad
 
 
-@given(view=st.sampled_from(sorted(VIEWS)), by=st.sampled_from([0.0, 3.0]), read=st.booleans())
+@given(view=st.sampled_from(sorted(VIEWS)), first=st.sampled_from([0.0, 1.0]),
+       by=st.sampled_from([0.0, 3.0]), read=st.booleans())
 def test_views_of_a_handed_out_value_with_pending_or_listed_inputs_are_as_eager(
-    view: str, by: float, read: bool,
+    view: str, first: float, by: float, read: bool,
 ) -> None:
     if read and by and view in PENDING:
         # Recorded after the change, on a view not taken of y (g was pending): eagerly
         # it sees the change, which recording does not. The others are views of y.
         with pytest.raises(TypeError, match="cannot tell"):
-            _program(view, by, read, batched=True)
+            _program(view, first, by, read, batched=True)
         return
-    eager, eager_grad = _program(view, by, read, batched=False)
-    got, got_grad = _program(view, by, read, batched=True)
+    eager, eager_grad = _program(view, first, by, read, batched=False)
+    got, got_grad = _program(view, first, by, read, batched=True)
     assert_as_eager(got, got_grad, eager, eager_grad)
 
 
