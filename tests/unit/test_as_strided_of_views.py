@@ -64,7 +64,7 @@ def test_as_strided_of_a_view_reads_the_values_memory_as_eagerly(
     xs = [x.requires_grad_() for x in xs]
     try:
         _viewed(xs[0], views)
-    except RuntimeError:  # t() of a 3-d view
+    except (RuntimeError, IndexError):  # t() of a 3-d view, narrow of an empty one
         assume(False)
     try:
         eager = [_strided(-x, views, size, stride, offset) * 2 for x in xs]
