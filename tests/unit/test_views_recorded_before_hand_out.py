@@ -127,7 +127,7 @@ def test_a_change_that_leaves_the_contents_is_no_change() -> None:
         assert torch.equal(bg.compute(last * 2), torch.full((2, 4), -2.0))
 
 
-def test_a_coroutine_view_recorded_before_its_await_is_refused_after_a_change() -> None:
+def test_coroutine_views_recorded_before_their_await_follow_or_are_refused() -> None:
     async def example(x: torch.Tensor) -> torch.Tensor:
         h = bg.batched_func(torch.neg)(x)
         last = h[0:2]
@@ -141,10 +141,19 @@ def test_a_coroutine_view_recorded_before_its_await_is_refused_after_a_change() 
         await bg.value(h)
         return await bg.value(last * 2)
 
-    results = bg.run_all([example(torch.zeros(3)), unchanged(torch.ones(3))],
+    async def view_itself(x: torch.Tensor) -> torch.Tensor:
+        h = bg.batched_func(torch.neg)(x)
+        first = h.t()[0]
+        y = await bg.value(h)
+        y.mul_(3)
+        return await bg.value(first)  # eagerly y.t()[0], changed
+
+    xs = torch.arange(6.0).reshape(2, 3)
+    results = bg.run_all([example(torch.zeros(3)), unchanged(torch.ones(3)), view_itself(xs)],
                          return_exceptions=True)
     assert isinstance(results[0], TypeError) and "cannot tell" in str(results[0])
     assert torch.equal(results[1], torch.full((2,), -2.0))
+    assert torch.equal(results[2], -3 * xs.t()[0])
 
 
 @pytest.mark.parametrize("dedupe", [True, False])
