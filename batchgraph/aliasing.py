@@ -17,7 +17,9 @@ running it once on fake tensors, and kept on its key.
 
 A view of a value already handed out (``y = bg.compute(h)``, then ``h[0]``) is taken
 eagerly of ``y`` itself (``view_of_handed``): eagerly it is a view of ``y``, and it
-must follow ``y``'s later in-place changes, which happen outside recording.
+must follow ``y``'s later in-place changes, which happen outside recording. Views
+that could not be taken so (recorded before the hand-out, or reading a handle not
+computed yet) are settled at compute: ``batchgraph.handed_views``.
 """
 
 from __future__ import annotations
@@ -191,7 +193,9 @@ def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple
                    kwargs: dict[str, Any]) -> Any:
     """Record ``fn(*args, **kwargs)`` through ``site``, a view of a handed-out value
     (``makes_view``), with the view taken eagerly too, of the values the handles stand
-    for, as the value of its handles; ``NOT_VIEWED`` where a handle has no value yet.
+    for, as the value of its handles; where another handle has no value yet, recorded
+    on the values as they are and noted for the next compute (``_record_pending_view``);
+    ``NOT_VIEWED`` where the call fails eagerly.
 
     Eagerly the view shares memory with the value: an in-place change of the value
     (outside recording, where batchgraph does not see it) reaches the view. So the
