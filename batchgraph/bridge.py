@@ -69,6 +69,11 @@ Rules that keep it correct:
   cancelled (``CancelledError`` at their await, then closed if they go on: nothing
   is left to resume them); a later loop's first ``run`` starts the batcher
   afresh there. A loop still running elsewhere keeps it: another loop is refused.
+  Between bursts the worker stops (the next ``run`` starts one), so a loop run with
+  ``loop.run_until_complete(batcher.run(...))`` and then closed leaves no task
+  pending, and another loop may use the batcher once that one stopped. Its thread
+  is kept for the next burst: ``aclose()`` (or ``async with``) stops it, as does
+  dropping the batcher.
 * Memory stays bounded: each step releases the values nothing can read any more
   (``batchgraph.releasing``); an empty lane is dropped, and a lane whose graph (its
   per-node bookkeeping) grows past ``max_graph_nodes`` takes no new examples and is
@@ -82,24 +87,23 @@ import contextlib
 import contextvars
 import inspect
 import time
+import weakref
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from batchgraph.autocasting import in_autocast_state
 from batchgraph.awaiting import DRIVING, UnsupportedAwaitError
 from batchgraph.bridge_calls import (
     Call,
     LaneState,
     cancel_all,
     check_settings,
+    driving,
     resolve,
     take_cancels,
 )
-from batchgraph.inference import warm_up
+from batchgraph.inference import warm_up, warmed_up
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
 from batchgraph.threads import compute_pool
@@ -161,6 +165,9 @@ class AsyncBatcher:
         self._lanes: list[LaneState] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
+        # The loop it last served: an idle batcher has no worker, yet it is that
+        # loop's until the loop stops (weakly: a closed loop is not kept).
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._closing = False
         self._count = 0
@@ -236,11 +243,10 @@ class AsyncBatcher:
     async def aclose(self) -> None:
         """Finish every example already submitted, then stop the worker and its thread."""
         self._forget_closed_loop()
+        # Before closing: an aclose refused here must not close the batcher under
+        # the loop that owns it (its next run would be refused).
+        self._check_loop()
         worker = self._worker
-        if worker is not None and not worker.done():
-            # Before closing: an aclose refused here must not close the batcher
-            # under the loop that owns it (its next run would be refused).
-            self._check_loop(worker)
         self._closing = True
         if worker is not None and not worker.done():
             self._poke()
@@ -269,21 +275,30 @@ class AsyncBatcher:
 
     def _ensure_worker(self) -> None:
         self._forget_closed_loop()
+        self._check_loop()
         worker = self._worker
-        if worker is not None and not worker.done():
-            self._check_loop(worker)
-        else:  # never started, or stopped with its event loop: start one in this loop
+        if worker is None or worker.done():  # never started, or stopped with its event loop: start one in this loop
             self._wakeup = asyncio.Event()
-            self._pool = compute_pool("batchgraph-async")
+            if self._pool is None:  # kept while idle: a thread per burst cost ~1 ms
+                self._pool = compute_pool("batchgraph-async")
             # In a context of its own: a task copies its creator's, and the worker
             # kept the ContextVars of whichever request started it (its request
             # object, a tracing span) alive for as long as it ran.
             loop = asyncio.get_running_loop()
             self._worker = contextvars.Context().run(loop.create_task, self._work())
+            self._loop = weakref.ref(loop)
 
-    @staticmethod
-    def _check_loop(worker: asyncio.Task[None]) -> None:
-        if worker.get_loop() is not asyncio.get_running_loop():
+    def _check_loop(self) -> None:
+        """Refuse a call from another loop while the batcher's worker lives in one, or
+        while the loop it last served (idle now) still runs."""
+        worker = self._worker
+        if worker is not None and not worker.done():
+            owner: asyncio.AbstractEventLoop | None = worker.get_loop()
+        else:
+            owner = self._loop() if self._loop is not None else None
+            if owner is not None and not owner.is_running():
+                owner = None  # stopped (run_until_complete returned): it may move
+        if owner is not None and owner is not asyncio.get_running_loop():
             raise RuntimeError(
                 "this AsyncBatcher is running in another event loop, which has not "
                 "finished; its examples and steps belong to that loop. Create one "
@@ -301,14 +316,20 @@ class AsyncBatcher:
             # torch's first run on fake tensors (a new call's shape inference) sets
             # fake mode up: 1.3 s that blocked the loop in the first recorded call.
             assert self._pool is not None
-            await asyncio.get_running_loop().run_in_executor(self._pool, warm_up)
+            if not warmed_up():  # a hop to the thread and back: ~0.2 ms
+                await asyncio.get_running_loop().run_in_executor(self._pool, warm_up)
             while True:
                 wakeup.clear()
-                with _driving(self._mode[0]):  # examples record here (start, close)
+                with driving(self._mode[0]):  # examples record here (start, close)
                     self._reap()
                     self._admit()
                     delay = self._launch()
-                if self._closing and not self._arrivals and not self._lanes:
+                if not self._arrivals and not self._lanes:
+                    # Idle: stop, with the thread; the next run starts a worker anew.
+                    # Kept waiting, a loop run with run_until_complete and closed left
+                    # it pending ("Task was destroyed but it is pending!") and its
+                    # thread running until the next loop's first call.
+                    self._stop_idle(wakeup)
                     return
                 with contextlib.suppress(asyncio.TimeoutError):  # a deadline passed
                     await asyncio.wait_for(wakeup.wait(), delay)
@@ -327,6 +348,13 @@ class AsyncBatcher:
                 await asyncio.wait(steps)
             raise
 
+    def _stop_idle(self, wakeup: asyncio.Event) -> None:
+        """Forget the worker about to return. Its thread is kept for the next burst
+        (starting one per burst cost ~1 ms a request); ``aclose`` stops it, and so
+        does dropping the batcher (the pool's threads end with it)."""
+        if self._wakeup is wakeup and not self._closing:  # else a later worker's state
+            self._worker = None
+
     def _abandon(self, err: BaseException) -> None:
         """The worker stops (its event loop shuts down, or a bug): fail every caller,
         close their examples and forget the lanes and the thread, so that a later
@@ -340,7 +368,7 @@ class AsyncBatcher:
         calls = [*arrivals, *(c for s in lanes for c in s.calls.values())]
         for call in arrivals:
             call.example.close()  # never started: close it quietly
-        with _driving(self._mode[0]):  # except and finally blocks may record
+        with driving(self._mode[0]):  # except and finally blocks may record
             for state in lanes:
                 state.abandoned = True
                 if not state.computing:  # else the step's end cancels them (finish)
@@ -454,7 +482,7 @@ class AsyncBatcher:
         )
 
         def done(step: asyncio.Future[None]) -> None:
-            with _driving(self._mode[0]):  # examples resume and record here
+            with driving(self._mode[0]):  # examples resume and record here
                 finish(step)
 
         def finish(step: asyncio.Future[None]) -> None:
@@ -476,19 +504,3 @@ class AsyncBatcher:
             self._poke()
 
         step.add_done_callback(done)
-
-
-@contextlib.contextmanager
-def _driving(grad: bool) -> Iterator[None]:
-    """The batcher's mode around code that runs its examples (see the module docstring).
-
-    Held only between awaits of the worker: a mode set across one would reach every
-    other task on the loop thread.
-    """
-    # inference_mode(False) first: it turns grad on, and it leaves a loop thread's
-    # inference mode (which would make every call give inference tensors) outside.
-    # Autocast is per thread too: a task awaiting inside torch.autocast(...) left it
-    # on, and the examples recorded their calls in its low precision.
-    with (torch.inference_mode(False), torch.set_grad_enabled(grad),
-          in_autocast_state(None)):
-        yield

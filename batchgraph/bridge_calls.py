@@ -25,16 +25,22 @@ sets it to raise one when it resumes); the outcome then goes to the caller
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import numbers
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+
+from batchgraph.autocasting import in_autocast_state
 from batchgraph.awaiting import check_max_steps
 from batchgraph.policy import BatchingPolicy
 from batchgraph.stepping import Example, Lane
 
-__all__ = ["Call", "LaneState", "cancel_all", "check_settings", "resolve", "take_cancels"]
+__all__ = [
+    "Call", "LaneState", "cancel_all", "check_settings", "driving", "resolve", "take_cancels",
+]
 
 
 class Call:
@@ -140,3 +146,20 @@ def check_settings(max_batch: int, max_latency: float, groups: int, grad: bool,
 def _is_int(value: object) -> bool:
     # Integral takes numpy's integers too; a bool is an int, but not a count.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@contextlib.contextmanager
+def driving(grad: bool) -> Iterator[None]:
+    """An ``AsyncBatcher``'s mode around code that runs its examples (see
+    ``batchgraph.bridge``).
+
+    Held only between awaits of the worker: a mode set across one would reach every
+    other task on the loop thread.
+    """
+    # inference_mode(False) first: it turns grad on, and it leaves a loop thread's
+    # inference mode (which would make every call give inference tensors) outside.
+    # Autocast is per thread too: a task awaiting inside torch.autocast(...) left it
+    # on, and the examples recorded their calls in its low precision.
+    with (torch.inference_mode(False), torch.set_grad_enabled(grad),
+          in_autocast_state(None)):
+        yield

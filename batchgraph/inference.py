@@ -44,7 +44,7 @@ from batchgraph.specs import (
     tuple_parts,
 )
 
-__all__ = ["fake_apply", "infer_spec", "on_fake_tensors", "warm_up"]
+__all__ = ["fake_apply", "infer_spec", "on_fake_tensors", "warm_up", "warmed_up"]
 
 
 class _HostRead(RuntimeError):
@@ -293,6 +293,17 @@ def warm_up() -> bool:
     infer_spec(torch.tanh, "tanh", CallSignature((InputSlot(0),), (), (spec,), None))
     _warm = True
     return True
+
+
+def warmed_up() -> bool:
+    """Whether ``warm_up`` has run in this process.
+
+    Example:
+        >>> _ = warm_up()
+        >>> warmed_up()
+        True
+    """
+    return _warm
 
 
 def _culprit(out: Any, where: str = "") -> str:

@@ -186,6 +186,9 @@ def test_an_aclose_refused_in_another_loop_leaves_the_batcher_open() -> None:
     thread.start()
     try:
         assert started.wait(10)
+        time.sleep(0.05)  # idle now (its worker stopped), its loop still running
+        with pytest.raises(RuntimeError, match="running in another event loop"):
+            asyncio.run(_run(batcher, 5.0))
         with pytest.raises(RuntimeError, match="running in another event loop"):
             asyncio.run(batcher.aclose())
     finally:
