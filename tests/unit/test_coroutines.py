@@ -228,7 +228,10 @@ def test_auto_stays_inline_when_python_dominates() -> None:
 
     async def example(x: torch.Tensor) -> torch.Tensor:
         for _ in range(4):
-            for _ in range(100):  # much Python per step, one tiny batched call
+            # Much Python per step, one tiny batched call: ~5 ms a lane's step, so that
+            # another process's time slice, taken during a measured call, cannot
+            # outweigh it (with 100, 2 of 100 runs went parallel on a loaded host).
+            for _ in range(1000):
                 x = x + 0
             x = await bg.value(f(x))
         return x
