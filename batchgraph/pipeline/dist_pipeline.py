@@ -369,8 +369,10 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         scale = 1.0
         if scaler is not None:
             try:
+                # A rank whose parameters are all frozen has no optimizer either.
+                trains = any(p.requires_grad for p in self.parameters())
                 scale = agree_on_scale(scaler, self.device, self.groups.control,
-                                       self.comm.device, stepped=bool(self.parameters()))  # fmt: skip
+                                       self.comm.device, stepped=trains)  # fmt: skip
             except PipelineConfigError:
                 raise  # on every rank alike: the pipeline stays usable
             except BaseException as exc:

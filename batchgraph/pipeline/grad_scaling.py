@@ -57,9 +57,10 @@ def agree_on_scale(
     stepped: bool,
 ) -> float:
     """The scale of the ranks of ``group`` whose scalers step (``stepped``: this rank
-    has parameters, so an optimizer and ``scaler.step``); raises on every rank if those
-    differ. A rank without parameters cannot step its scaler, whose scale then stays
-    behind; it seeds the backward with the others' where it holds the last stage.
+    has parameters that train, so an optimizer and ``scaler.step``); raises on every rank
+    if those differ. A rank without any (none, or all frozen) cannot step its scaler,
+    whose scale then stays behind; it seeds the backward with the others' where it holds
+    the last stage.
     Collective (over ``comm_device`` tensors).
 
     Raises:

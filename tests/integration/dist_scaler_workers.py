@@ -72,18 +72,35 @@ def first_stage() -> nn.Sequential:
     return nn.Sequential(nn.Linear(W.DIM, 16), nn.Tanh(), nn.Linear(16, W.OUT))
 
 
+def frozen_last_stage() -> nn.Linear:
+    """A last stage whose parameters are all frozen (fine-tuning the first stage only)."""
+    torch.manual_seed(5)
+    return nn.Linear(W.OUT, W.OUT).requires_grad_(False)
+
+
 def job_rank_without_parameters(rank: int, world: int) -> dict[str, Any]:
     """Rank 1's stage (the last) has no parameters, so no optimizer, and its scaler never
     steps; rank 0 steps with its scaler. Every rank joins the overflow check, and the last
     rank seeds the backward with rank 0's scale, not its own stale one."""
+    return _only_rank_0_trains(rank, nn.Tanh())
+
+
+def job_rank_with_frozen_parameters(rank: int, world: int) -> dict[str, Any]:
+    """As ``job_rank_without_parameters``, rank 1's parameters all frozen: nothing for an
+    optimizer there either (torch.optim refuses an empty list), so its scaler never steps."""
+    return _only_rank_0_trains(rank, frozen_last_stage())
+
+
+def _only_rank_0_trains(rank: int, last: nn.Module) -> dict[str, Any]:
     from batchgraph.pipeline import DistributedPipeline
 
     x, y = W.batch(12)
     mine = scaler()
     scales = []
-    with DistributedPipeline([first_stage(), nn.Tanh()], stages=2, microbatches=1,
+    with DistributedPipeline([first_stage(), last], stages=2, microbatches=1,
                              loss_fn=nn.MSELoss(), timeout=10) as pipe:  # fmt: skip
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1) if rank == 0 else None
+        trained = [p for p in pipe.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(trained, lr=0.1) if trained else None
         for _ in range(3):
             with torch.autocast("cpu", dtype=torch.float16):
                 pipe.train_step(x.float() if rank == 0 else None,
@@ -93,5 +110,5 @@ def job_rank_without_parameters(rank: int, world: int) -> dict[str, Any]:
                 mine.update()
                 opt.zero_grad()
             scales.append(mine.get_scale())
-        params = [p.tolist() for p in pipe.parameters()]
+        params = [p.tolist() for p in trained]
     return {"scales": scales, "params": params}

@@ -62,14 +62,21 @@ def test_ranks_that_disagree_are_refused_and_the_pipeline_goes_on(run: W.Launch)
         assert got["usable"]
 
 
-def test_a_last_rank_without_parameters_scales_by_the_stepping_ranks_scale() -> None:
-    launch = W.launch(SW.job_rank_without_parameters, world=2, limit=60)
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_last_rank_without_trained_parameters_scales_by_the_stepping_ranks_scale(
+    frozen: bool,
+) -> None:
+    # Frozen: its stale scale was compared with rank 0's, and the second step was refused
+    # on both ranks ("GradScalers have different scales", 1048576 vs 524288).
+    job = SW.job_rank_with_frozen_parameters if frozen else SW.job_rank_without_parameters
+    launch = W.launch(job, world=2, limit=60)
     got = launch.ok(0)
     assert launch.ok(1)["params"] == []
-    model = nn.Sequential(SW.first_stage(), nn.Tanh())
+    last = SW.frozen_last_stage() if frozen else nn.Tanh()
+    model = nn.Sequential(SW.first_stage(), last)
     x, y = W.batch(12)
     scaler = SW.scaler()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     scales = []
     for _ in range(3):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -80,5 +87,5 @@ def test_a_last_rank_without_parameters_scales_by_the_stepping_ranks_scale() -> 
         opt.zero_grad()
         scales.append(scaler.get_scale())
     assert got["scales"] == scales
-    for p, q in zip(got["params"], model.parameters(), strict=True):
+    for p, q in zip(got["params"], model[0].parameters(), strict=True):
         assert torch.equal(torch.tensor(p), q.detach())
