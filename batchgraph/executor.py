@@ -458,9 +458,10 @@ class Executor:
                     "the callable to run its calls one at a time (and report our rules).")
                 break
         shown = ", ".join(map(str, examples[:10])) + (" ..." if len(examples) > 10 else "")
+        said = str(err).rstrip(". ")  # its own full stop would end the sentence twice
         return BatchedCallError(
             f"{key.label} raised in a batched call of {size} calls "
-            f"(examples {shown or 'unknown'}): {type(err).__name__}: {err}.{failing}"
+            f"(examples {shown or 'unknown'}): {type(err).__name__}: {said}.{failing}"
         )
 
     def _example(self, node: int) -> int | None:

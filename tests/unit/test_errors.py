@@ -377,3 +377,18 @@ def test_a_call_run_alone_against_a_wrong_inference_blames_the_inference() -> No
     assert "gave (3, 4) float32 on cpu when it was recorded" in message
     assert "x.nansum()" in message
     assert "batching rule" not in message and "VmapKey" not in message
+
+
+def test_a_batched_call_s_error_ending_in_a_full_stop_is_not_followed_by_another() -> None:
+    def checked(x: torch.Tensor) -> torch.Tensor:
+        if float(x.sum()) > 10:
+            raise ValueError("too big.")
+        return x * 2
+
+    site = bg.batched_func(checked)
+    with bg.BatchingPolicy(rules={checked: bg.UnbatchedKey}):
+        hs = [site(bg.batched_value(torch.full((2,), v))) for v in (1.0, 20.0)]
+    with pytest.raises(bg.BatchedCallError) as caught:
+        bg.compute(hs)
+    assert "too big.. " not in str(caught.value)  # before: "ValueError: too big.. Run alone"
+    assert "ValueError: too big. Run alone, the call of example 1" in str(caught.value)
