@@ -273,7 +273,12 @@ class Coordinator:
         with self._guard.step("train_step"):
             # Earlier steps' gradients are kept apart (see step_gradients): a step that
             # fails after some microbatches' backwards must not leave theirs behind.
-            params = list(dict.fromkeys(p for s in self.stages for p in s.module.parameters()))
+            # A loss module's parameters too (a learned weight): its backwards add to
+            # them per microbatch as the stages' do.
+            fn = getattr(self.loss, "fn", None)
+            extra = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+            params = list(dict.fromkeys(
+                [p for s in self.stages for p in s.module.parameters()] + extra))
             saved = stash_gradients(params)
             try:
                 scale = 1.0

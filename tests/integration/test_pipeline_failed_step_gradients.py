@@ -84,3 +84,41 @@ def test_a_failed_step_keeps_the_gradients_of_earlier_steps(
     # As a backward into an existing .grad: the same tensors, summed in place.
     params = [p for m in stages for p in m.parameters()]
     assert all(p.grad is h for p, h in zip(params, held))
+
+
+class _WeightedLoss(nn.Module):
+    """A loss with a parameter of its own (a learned weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, output: Tensor, target: Tensor) -> Tensor:
+        return ((output - target) ** 2).mean() * self.weight
+
+
+def test_a_failed_step_keeps_the_gradients_of_the_loss_module_s_parameters() -> None:
+    # The loss's backwards add to its parameters per microbatch too: before, the
+    # microbatches that finished before the failure left theirs in loss.weight.grad.
+    stages = _stages(0, 2, 1, 2)
+    fails = stages[1][0]
+    assert isinstance(fails, RaiseOnMicrobatch)
+    loss, twin_loss = _WeightedLoss(), _WeightedLoss()
+    twins = _stages(0, 2, 1, 2)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=gen, dtype=torch.float64),
+                torch.randn(8, 4, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    with Pipeline(stages, microbatches=4, schedule="1f1b", loss_fn=loss) as pipe:
+        pipe.train_step(*batches[0])
+        assert loss.weight.grad is not None
+        before = loss.weight.grad.clone()
+        fails.armed, fails.calls = True, 0
+        with pytest.raises(StageError, match="boom on purpose"):
+            pipe.train_step(*batches[1])
+        assert torch.equal(loss.weight.grad, before)
+        fails.armed = False
+        pipe.train_step(*batches[2])
+    for x, y in (batches[0], batches[2]):
+        twin_loss(nn.Sequential(*twins)(x), y).backward()
+    assert twin_loss.weight.grad is not None
+    torch.testing.assert_close(loss.weight.grad, twin_loss.weight.grad, rtol=0, atol=1e-12)
