@@ -11,7 +11,7 @@ so calls recorded before and after a change never batch together, and ``compute`
 refuses calls whose attributes changed since (``ModuleAttributeChangedError``).
 
 Watched: each entry of the module's (and its submodules') ``__dict__`` whose value is
-a number, bool, string, None, dtype, device or enum, or a tuple of such (not tensors:
+a number (NumPy's scalars too), bool, string, None, dtype, device or enum, or a tuple of such (not tensors:
 parameters and buffers are watched apart), except ``nn.Module``'s own bookkeeping (its
 mode and hook dicts). Not watched: attributes a module's ``forward`` changes itself (a
 call counter, a cached length: found where its run on fake tensors, when a signature
@@ -25,6 +25,7 @@ calls are computed.
 from __future__ import annotations
 
 import enum
+import numbers
 import weakref
 from collections.abc import Iterable, Sequence
 from itertools import chain
@@ -179,7 +180,17 @@ def _tag(value: Any, depth: int) -> Any:
         return _NOT_PLAIN if _NOT_PLAIN in items else (kind, items)
     if isinstance(value, enum.Enum):
         return (kind, value)
+    if isinstance(value, numbers.Number) or _numpy_bool(kind):
+        # NumPy scalars (self.scale = np.sqrt(d), a temperature from np.linspace) and
+        # other numbers: settings as floats are, compared by value; NaN as float's.
+        return (kind, "nan") if isinstance(value, numbers.Complex) and value != value else (
+            kind, value)
     return _NOT_PLAIN
+
+
+def _numpy_bool(kind: type) -> bool:
+    # numpy.bool_ is registered with no number ABC (numpy is not imported here).
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
 
 
 def note_own_state(
@@ -229,4 +240,5 @@ def _show(tagged: Any) -> str:
         # Tuples of ints are kept as they are (_tag), other items tagged.
         inner = ", ".join(repr(v) if type(v) is int else _show(v) for v in value)
         return f"({inner}{',' if len(value) == 1 else ''})"
-    return "nan" if kind is float and value == "nan" else repr(value)
+    # A NaN is tagged "nan" (_tag), for a number of any kind.
+    return "nan" if kind is not str and isinstance(value, str) else repr(value)

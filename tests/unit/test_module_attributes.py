@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -277,3 +278,46 @@ def test_a_method_over_the_model_sees_settings_set_at_any_depth(where: str) -> N
     name = "scale" if where == "root" else r"blocks\.2\.1\.eps"
     with pytest.raises(bg.ModuleAttributeChangedError, match=name):
         bg.compute(handles)
+
+
+# NumPy's scalars are numbers as settings (self.scale = np.sqrt(d), a temperature from
+# np.linspace): np.float64 is a float subclass, np.float32 and np.int64 are not floats
+# at all; none was watched, so every call computed with the new value, silently.
+NUMPY_SCALARS: list[Callable[[float], Any]] = [
+    np.float64, np.float32, np.float16, np.int64, np.int32, lambda v: np.bool_(v > 1.5),
+]
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(range(len(NUMPY_SCALARS))), then=st.floats(0.5, 4.0),
+       now=st.floats(0.5, 4.0))
+def test_a_numpy_scalar_setting_set_after_recording_is_refused_unless_equal(
+    kind: int, then: float, now: float,
+) -> None:
+    make = NUMPY_SCALARS[kind]
+    model = Model(Scaled())
+    model.layer.temperature = make(then) + 1  # a bool_ + 1 is an int: never zero
+    xs = _inputs((4,), 2)
+    eager = [model.layer(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [model.layer(x) for x in xs]
+    old = model.layer.temperature
+    model.layer.temperature = make(now) + 1
+    if model.layer.temperature == old:
+        for e, o in zip(eager, bg.compute(handles)):
+            torch.testing.assert_close(o, e)
+    else:
+        with pytest.raises(bg.ModuleAttributeChangedError, match="temperature"):
+            bg.compute(handles)
+
+
+def test_a_numpy_nan_setting_is_not_taken_for_a_change() -> None:
+    # NaN equals nothing, itself included: tagged apart, as a float's is.
+    model = Model(Scaled())
+    model.layer.nan_setting = np.float32("nan")
+    xs = _inputs((4,), 2)
+    with bg.BatchingPolicy():
+        handles = [model.layer(x) for x in xs]
+    model.layer.nan_setting = np.float32("nan")
+    for x, value in zip(xs, bg.compute(handles)):
+        torch.testing.assert_close(value, model.layer(x))
