@@ -7,6 +7,7 @@ the signatures a site has resolved serve every later policy (see ``batchgraph.re
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import TYPE_CHECKING, Any
@@ -73,9 +74,12 @@ class ModuleStub(CallSite):
     def __setattr__(self, name: str, value: Any) -> None:
         # Per-example code setting a submodule's setting (`self.layer.temperature = t`,
         # `self.drop.p = 0.2`) sets it on the module, as eagerly; it failed with
-        # "'ModuleStub' object has no attribute". Only the site's own slots are the
-        # stub's (written where a cached signature misses, not per call).
-        if name in _SITE_SLOTS:
+        # "'ModuleStub' object has no attribute". Only batchgraph's own writes of the
+        # site's slots are the stub's (where a cached signature misses, not per call):
+        # a module's own `name`, `cache` or `held` set by per-example code went to the
+        # stub's slot, the module kept its value, silently, and the site's cache broke.
+        if name in _SITE_SLOTS and sys._getframe(1).f_globals.get("__name__", "").startswith(
+                "batchgraph."):
             object.__setattr__(self, name, value)
         else:
             setattr(self.fn, name, value)

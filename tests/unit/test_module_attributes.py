@@ -321,3 +321,40 @@ def test_a_numpy_nan_setting_is_not_taken_for_a_change() -> None:
     model.layer.nan_setting = np.float32("nan")
     for x, value in zip(xs, bg.compute(handles)):
         torch.testing.assert_close(value, model.layer(x))
+
+
+class Named(nn.Module):
+    """A module of the user's whose settings are named as a call site's own slots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.name, self.held, self.cache, self.last = "enc", 1.0, 0.0, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * self.held + self.cache
+        return out if self.name == "enc" else out * self.last
+
+
+@pytest.mark.parametrize("name, value", [
+    ("held", 2.0), ("cache", 0.5), ("name", "enc"), ("last", 3),
+])
+def test_a_setting_named_as_a_site_slot_set_through_the_stub_reaches_the_module(
+    name: str, value: Any,
+) -> None:
+    # Set through the stub, these went to its own slots: the module kept its value
+    # (the calls computed with the old one, silently) and the site's cache broke.
+    model = Model(Named())
+    model.layer.name = "dec"  # so that `last` is read
+    xs = _inputs((4,), 2)
+    with bg.BatchingPolicy():
+        setattr(model.layer, name, value)
+        handles = [model.layer(x) for x in xs]
+    assert getattr(model.layer, name) == value
+    eager = [model.layer(x) for x in xs]
+    for e, o in zip(eager, bg.compute(handles)):
+        torch.testing.assert_close(o, e)
+    with bg.BatchingPolicy():  # the site still records (a second signature too)
+        again = [model.layer(x) for x in xs] + [model.layer(torch.ones(2, 4))]
+    for e, o in zip(eager, bg.compute(again)):
+        torch.testing.assert_close(o, e)
