@@ -11,9 +11,10 @@ so calls recorded before and after a change never batch together, and ``compute`
 refuses calls whose attributes changed since (``ModuleAttributeChangedError``).
 
 Watched: each entry of the module's (and its submodules') ``__dict__`` whose value is
-a number (NumPy's scalars too), bool, string, None, dtype, device or enum, or a tuple of such (not tensors:
-parameters and buffers are watched apart), except ``nn.Module``'s own bookkeeping (its
-mode and hook dicts). Not watched: attributes a module's ``forward`` changes itself (a
+a number (NumPy's scalars too), bool, string, None, dtype, device or enum, or a tuple
+of such, and which tensor a plain tensor attribute is (not a parameter or buffer, which
+are watched apart: ``self.mask = other``), except ``nn.Module``'s own bookkeeping (its
+mode and hook dicts). Not watched: changes inside a plain tensor attribute, attributes a module's ``forward`` changes itself (a
 call counter, a cached length: found where its run on fake tensors, when a signature
 is resolved, or a compute changed them), mutable containers (a list or dict, which a
 forward may fill as it goes), values inside other objects (``self.cfg.scale`` of a
@@ -180,12 +181,36 @@ def _tag(value: Any, depth: int) -> Any:
         return _NOT_PLAIN if _NOT_PLAIN in items else (kind, items)
     if isinstance(value, enum.Enum):
         return (kind, value)
+    if isinstance(value, torch.Tensor):
+        # A tensor kept as a plain attribute, not a buffer (self.mask = torch.tril(..),
+        # a temperature as a 0-d tensor): rebinding it (self.mask = other) is a change;
+        # its contents are the tensor's own (not compared: it may be large).
+        return (torch.Tensor, _Same(value))
     if isinstance(value, numbers.Number) or _numpy_bool(kind):
         # NumPy scalars (self.scale = np.sqrt(d), a temperature from np.linspace) and
         # other numbers: settings as floats are, compared by value; NaN as float's.
         return (kind, "nan") if isinstance(value, numbers.Complex) and value != value else (
             kind, value)
     return _NOT_PLAIN
+
+
+class _Same:
+    """A tensor attribute's tag: equal to the tag of the very same tensor only."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # held: its id cannot pass to another tensor meanwhile
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.tensor is self.tensor
+
+    def __hash__(self) -> int:
+        return id(self.tensor)
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        return f"tensor{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} at {id(t):#x}"
 
 
 def _numpy_bool(kind: type) -> bool:

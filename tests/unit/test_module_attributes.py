@@ -358,3 +358,37 @@ def test_a_setting_named_as_a_site_slot_set_through_the_stub_reaches_the_module(
         again = [model.layer(x) for x in xs] + [model.layer(torch.ones(2, 4))]
     for e, o in zip(eager, bg.compute(again)):
         torch.testing.assert_close(o, e)
+
+
+class Masked(nn.Module):
+    """A tensor kept as a plain attribute (not a buffer), and a forward keeping its
+    output (state of its own, not a setting)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mask = torch.ones(4)
+        self.last_out: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * self.mask
+        self.last_out = out
+        return out
+
+
+def test_a_plain_tensor_attribute_rebound_after_recording_is_refused() -> None:
+    # Rebinding it was not seen: every call computed with the new mask, silently.
+    model = Model(Masked())
+    xs = _inputs((4,), 3)
+    eager = [model.layer(x) for x in xs]
+    mask = model.layer.mask
+    with bg.BatchingPolicy():
+        first = model.layer(xs[0])
+        later = [model.layer(x) for x in xs[1:]]
+    torch.testing.assert_close(bg.compute(first), eager[0])  # sets last_out: no setting
+    model.layer.mask = torch.zeros(4)
+    with pytest.raises(bg.ModuleAttributeChangedError, match=r"mask: tensor\(4,\) float32"):
+        bg.compute(later)
+    model.layer.mask = mask  # the very tensor again
+    for e, o in zip(eager[1:], bg.compute(later)):
+        torch.testing.assert_close(o, e)
