@@ -163,16 +163,58 @@ def own_renorms(graph: Graph, schedule: Schedule) -> Iterator[None]:
     renormalized row stays as it is: which lookup renormalized a row first does not
     change what any of them reads. Calls of other callables reading the weight (a
     tied output projection) read the rows as they were at their time, so theirs
-    stay refused."""
+    stay refused, and so are theirs in the same compute (``_refuse_tied_readers``)."""
     embeddings = {id(fn): fn for step in schedule.steps
                   if isinstance(fn := graph.keys[step.key].fn, torch.nn.Embedding)
                   and fn.max_norm is not None}
+    if embeddings:
+        _refuse_tied_readers(graph, schedule, embeddings)
     before = {i: fn.weight._version for i, fn in embeddings.items()}
     yield
     for kid, noted in list(graph.key_versions.items()):
         i = id(graph.keys[kid].fn)
         if i in before and noted[0] == before[i] and graph.key_params[kid][0] is embeddings[i].weight:
             graph.key_versions[kid] = (embeddings[i].weight._version, *noted[1:])
+
+
+def _refuse_tied_readers(graph: Graph, schedule: Schedule,
+                         embeddings: dict[int, torch.nn.Embedding]) -> None:
+    """Refuse a compute holding both ``nn.Embedding(max_norm=...)`` lookups that will
+    renormalize rows of the weight in place and calls of other callables reading that
+    weight (a tied output projection) where the schedule runs them out of the order
+    they were recorded in: eagerly each such call read the rows as the lookups
+    recorded before it left them, batched it reads them as the lookups run before its
+    step left them (silently otherwise)."""
+    steps = schedule.steps
+    for embedding in embeddings.values():
+        weight = embedding.weight
+        lookups = [(at, min(step.nodes), max(step.nodes)) for at, step in enumerate(steps)
+                   if graph.keys[step.key].fn is embedding]
+        for at, step in enumerate(steps):
+            if graph.keys[step.key].fn is embedding or not any(
+                    p is weight for p in graph.key_params.get(step.key, ())):
+                continue
+            first, last = min(step.nodes), max(step.nodes)
+            # In order: every lookup run before its step recorded before its calls,
+            # every lookup run after it recorded after them.
+            if all(high < first if where < at else low > last
+                   for where, low, high in lookups):
+                continue
+            with torch.no_grad():
+                norms = weight.norm(p=embedding.norm_type, dim=-1)
+            if bool((norms > embedding.max_norm).any()):  # else the renorm changes nothing
+                raise ParameterChangedError(
+                    f"calls of {graph.keys[step.key].label} in {graph.name!r} read the "
+                    f"weight of {embedding} and are computed together with its lookups, "
+                    "which renormalize rows of that weight in place (max_norm) as they "
+                    "run: eagerly each call read the rows as the lookups recorded before "
+                    "it left them, batched it would read them as the lookups the "
+                    "schedule runs before it left them. Compute the lookups first "
+                    "(bg.compute on them, or read a value) and record the calls reading "
+                    "the weight after that, or renormalize the weight beforehand "
+                    "(torch.embedding_renorm_ under torch.no_grad()) so that no row "
+                    "exceeds max_norm."
+                )
 
 
 def check_parameters(graph: Graph, schedule: Schedule) -> None:

@@ -9,6 +9,8 @@ recorded after the change neither batch nor merge with those recorded before it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -213,3 +215,72 @@ def test_a_tied_projection_pending_across_a_renormalizing_lookup_is_still_refuse
     policy.compute(looked_up)
     with pytest.raises(bg.ParameterChangedError, match="changed in place"):
         policy.compute(projected)
+
+
+@pytest.mark.parametrize("lookups_first", [True, False])
+@pytest.mark.parametrize("deeper", ["lookups", "projections", "neither"])
+def test_a_tied_projection_computed_with_renormalizing_lookups_as_eagerly_or_refused(
+    lookups_first: bool, deeper: str,
+) -> None:
+    # Eagerly each projection read the rows as the lookups recorded before it left
+    # them. The schedule runs the shallower calls first: in the recorded order where
+    # the later ones are deeper, out of it where the earlier ones are, which computed
+    # every projection as if recorded before every lookup, or after, silently (0.4+
+    # off eager).
+    embed, eager = _long_rows(1)
+    site = bg.batched_func(embed)
+    project = bg.batched_func(lambda h: embed.weight @ h)
+    ids, hs = [torch.tensor([i, i + 1]) for i in range(3)], [torch.ones(4) * i for i in range(3)]
+    if lookups_first:  # eagerly, in the recorded order
+        want = [eager(i) for i in ids] + [eager.weight @ h for h in hs]
+    else:
+        want = [eager.weight @ h for h in hs] + [eager(i) for i in ids]
+    with bg.BatchingPolicy() as policy:
+        def lookups() -> list[Any]:
+            return [site(bg.batched_value(i) * 1 if deeper == "lookups" else i) for i in ids]
+
+        def projections() -> list[Any]:
+            return [project(bg.batched_value(h) * 1 if deeper == "projections" else h)
+                    for h in hs]
+
+        handles = lookups() + projections() if lookups_first else projections() + lookups()
+    later = "projections" if lookups_first else "lookups"
+    try:
+        got = policy.compute(handles)
+    except bg.ParameterChangedError as e:
+        assert "renormalize rows of that weight" in str(e)
+        assert deeper != later  # in the recorded order: computed, not refused
+        return
+    for value, w in zip(got, want, strict=True):
+        torch.testing.assert_close(value, w)
+    assert deeper in (later, "neither")  # out of it: refused
+
+
+def test_a_tied_projection_recorded_after_computed_lookups_computes_as_eagerly() -> None:
+    # What the refusal says to do: the lookups first, then the projections recorded.
+    embed, eager = _long_rows(1)
+    site = bg.batched_func(embed)
+    project = bg.batched_func(lambda h: embed.weight @ h)
+    ids, hs = [torch.tensor([i, i + 1]) for i in range(3)], [torch.ones(4) * i for i in range(3)]
+    want = [eager(i) for i in ids] + [eager.weight @ h for h in hs]
+    with bg.BatchingPolicy() as policy:
+        got = policy.compute([site(i) for i in ids])
+        got += policy.compute([project(h) for h in hs])
+    for value, w in zip(got, want, strict=True):
+        torch.testing.assert_close(value, w)
+
+
+def test_lookups_renormalizing_nothing_compute_with_a_tied_projection() -> None:
+    # Rows within max_norm: the lookups change nothing, so nothing is refused.
+    embed, eager = _long_rows(2)
+    for e in (embed, eager):
+        with torch.no_grad():
+            torch.embedding_renorm_(e.weight, torch.arange(10), 1.0, 2.0)
+    site = bg.batched_func(embed)
+    project = bg.batched_func(lambda h: embed.weight @ h)
+    ids, h = [torch.tensor([0, 5]), torch.tensor([9])], torch.ones(4)
+    with bg.BatchingPolicy() as policy:
+        handles = [site(i) for i in ids] + [project(h)]
+    want = [eager(i) for i in ids] + [eager.weight @ h]
+    for value, w in zip(policy.compute(handles), want, strict=True):
+        torch.testing.assert_close(value, w)
