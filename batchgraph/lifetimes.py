@@ -96,17 +96,23 @@ def lives_forever(fn: Any) -> bool:
 
 def holds_objects(sig: Any) -> bool:
     """Whether a call signature holds an argument by reference (an object of the
-    user's, a local function) rather than values, specs and long-lived functions.
+    user's, a local function) rather than values, specs, long-lived functions and
+    modules (a model's layers, or their recording stubs, which pass for them).
+
+    A module passed to a recorded function (``block(layer, h)`` for each of a model's
+    layers) is a part of the model, living as long as it: counted among the objects,
+    a model of more layers than ``OBJECT_SIGNATURES_KEPT`` resolved every call anew,
+    every batch (24 layers: 96 runs on fake tensors a batch, 1.3 s instead of 6 ms).
 
     Example:
-        >>> holds_objects(((float, 0.5), "mean", torch.float32))
+        >>> holds_objects(((float, 0.5), "mean", torch.float32, torch.nn.Linear(2, 2)))
         False
         >>> holds_objects(((int, 1), object()))
         True
     """
     if isinstance(sig, tuple):
         return any(holds_objects(s) for s in sig)
-    return not (isinstance(sig, _VALUES) or lives_forever(sig))
+    return not (isinstance(sig, _VALUES) or lives_forever(sig) or isinstance(sig, torch.nn.Module))
 
 
 def bounded(table: dict[K, V], key: K, value: V, limit: int | None = None) -> dict[K, V]:

@@ -176,3 +176,50 @@ def test_torchs_fake_dispatch_cache_keeps_a_bounded_number_of_our_entries(
     assert all(torch.equal(g, _weight(torch.ones(3), 1.0 + s / 16)) for s, g in enumerate(got))
     assert len(FakeTensorMode.cache) <= start + 50
     assert theirs in FakeTensorMode.cache
+
+
+def _block(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(layer(x))
+
+
+class _Deep(bg.BatchedModule):
+    """More layers than OBJECT_SIGNATURES_KEPT, each passed to one recorded function."""
+
+    def __init__(self, block: Any) -> None:
+        super().__init__()
+        self.block = block
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Linear(3, 3) for _ in range(OBJECT_SIGNATURES_KEPT + 8)])
+
+    def run(self, x: torch.Tensor) -> Any:
+        for layer in self.layers:  # recording stubs inside the block
+            x = self.block(layer, x)
+        return x
+
+
+@pytest.mark.parametrize("through", ["stubs", "modules"])
+def test_a_models_layers_passed_to_a_function_keep_their_signatures(through: str) -> None:
+    # Counted among objects of the user's, each layer's signature pushed out an older
+    # one: every call resolved anew (a run on fake tensors each), every batch.
+    block = bg.batched_func(lambda layer, x: _block(layer, x))  # a site of its own
+    model = _Deep(block)
+    xs = [torch.randn(3) for _ in range(2)]
+    entries: list[set[int]] = []
+    for _ in range(3):
+        with bg.BatchingPolicy():
+            if through == "stubs":
+                hs = [model.run(x) for x in xs]
+            else:
+                hs = []
+                for x in xs:
+                    for layer in model.layers._modules.values():  # the modules themselves
+                        x = block(layer, x)
+                    hs.append(x)
+        for got, x in zip(bg.compute(hs), xs):
+            want = x
+            for layer in model.layers:
+                want = _block(layer, want)
+            torch.testing.assert_close(got, want)
+        entries.append({id(e) for e in block.cache.values()})  # type: ignore[attr-defined]
+    assert len(entries[0]) == len(model.layers)
+    assert entries[0] == entries[1] == entries[2]  # resolved once, not per batch
