@@ -39,7 +39,7 @@ from batchgraph.held import held_on
 
 __all__ = [
     "AttributeCache", "Attributes", "attribute_cache", "changed_attributes", "note_own_state",
-    "plain_attributes",
+    "plain_attributes", "spec_attributes",
 ]
 
 # (index of the module in the list given, attribute name, tagged value), for each
@@ -211,6 +211,34 @@ class _Same:
     def __repr__(self) -> str:
         t = self.tensor
         return f"tensor{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} at {id(t):#x}"
+
+
+def spec_attributes(attrs: Attributes | None) -> Attributes | None:
+    """``attrs`` as far as a call's output spec may depend on them: a plain tensor
+    attribute by its shape, dtype, device and whether it requires grad, not by which
+    tensor it is. A signature resolved under other attributes is resolved anew (a
+    run on fake tensors); a mask rebound per batch (self.mask = make_mask()) to a
+    tensor like the last is not another (it cost ~15 ms per signature per batch).
+
+    Example:
+        >>> drop = torch.nn.Dropout(0.1)
+        >>> drop.mask = torch.ones(3)
+        >>> then = spec_attributes(plain_attributes([(0, drop)]))
+        >>> drop.mask = torch.zeros(3)
+        >>> spec_attributes(plain_attributes([(0, drop)])) == then
+        True
+    """
+    if attrs is None or not any([type(tagged[1]) is _Same for _, _, tagged in attrs]):
+        return attrs
+    return tuple([(i, name, _layout(tagged)) for i, name, tagged in attrs])
+
+
+def _layout(tagged: Any) -> Any:
+    kind, value = tagged
+    if type(value) is _Same:
+        t = value.tensor
+        return (kind, (tuple(t.shape), t.dtype, t.device, t.requires_grad))
+    return tagged
 
 
 def _numpy_bool(kind: type) -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle as _HANDLES
 
 from batchgraph.aliasing import NOT_VIEWED, holds_handed, makes_view, view_of_handed
-from batchgraph.attributes import note_own_state
+from batchgraph.attributes import note_own_state, spec_attributes
 from batchgraph.autocasting import (
     AutocastState,
     autocast_enabled,
@@ -441,7 +441,8 @@ class CallSite:
         # Of the site's own callable, as CallSite.__call__ compares them.
         entry.layout = graph.layout_of(self.fn)
         entry.modes = graph.modes_of(self.fn)
-        entry.attrs = graph.attributes_now(key.fn)  # as CallSite.__call__ compares them
+        # As CallSite.__call__ compares them (stale_entries), holding no tensor.
+        entry.attrs = spec_attributes(graph.attributes_now(key.fn))
         if isinstance(self.fn, torch.nn.Module):
             entry.hooks = hooks_of(self.fn)
         entry.on_copy = fn is not self.fn

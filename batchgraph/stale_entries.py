@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchgraph.attributes import spec_attributes
 from batchgraph.hooks import hooks_of
 from batchgraph.lifetimes import bounded, keep_signature
 
@@ -57,7 +58,7 @@ def recheck(
         site._forget()
         return STALE
     attrs = graph.attributes_now(entry.key.fn)
-    if entry.attrs != attrs:
+    if entry.attrs != attrs and entry.attrs != spec_attributes(attrs):
         # A plain attribute of a module it reads was set since this signature
         # was resolved (conv.padding, drop.p): the spec may not hold. Its calls
         # get a key id of their own, and compute refuses those recorded before.

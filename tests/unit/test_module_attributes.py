@@ -392,3 +392,23 @@ def test_a_plain_tensor_attribute_rebound_after_recording_is_refused() -> None:
     model.layer.mask = mask  # the very tensor again
     for e, o in zip(eager[1:], bg.compute(later)):
         torch.testing.assert_close(o, e)
+
+
+def test_a_mask_rebound_per_batch_to_a_like_tensor_keeps_the_cached_signatures() -> None:
+    # Which tensor it is counts for the calls pending (above), not for the signatures
+    # cached: resolved anew per batch, each cost a run on fake tensors (~15 ms).
+    model = Model(Masked())
+    site = model.layer  # outside the block: the module, whose site is its stub
+    xs = [torch.randn(n, 4) for n in range(1, 4)]
+    entries = []
+    for step in range(3):
+        model.layer.mask = torch.rand(4, generator=torch.Generator().manual_seed(step))
+        with bg.BatchingPolicy():
+            handles = [model.layer(x) for x in xs]
+        for x, value in zip(xs, bg.compute(handles)):
+            torch.testing.assert_close(value, site(x))
+        entries.append({id(e) for e in bg.sites.module_site(site).cache.values()})
+    assert entries[0] == entries[1] == entries[2]
+    model.layer.mask = torch.ones(5)  # another shape: resolved anew (a shape error here)
+    with bg.BatchingPolicy(), pytest.raises(bg.ShapeMismatchError):
+        model.layer(xs[0])
