@@ -128,10 +128,15 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
     then run the steps, and take attributes they set for state their modules keep
     themselves (a forward noting something only when it really runs), not settings."""
     done: dict[int, tuple[Any, Attributes | None]] = {}
+    checked: set[int] = set()
     for step in schedule.steps:
         kid = step.key
-        if kid not in graph.key_attrs or id(fn := graph.keys[kid].fn) in done:
+        # Every key id, not once per callable: one recorded after a change (another
+        # signature, or noted after a compute) does not vouch for one recorded before.
+        if kid not in graph.key_attrs or kid in checked:
             continue
+        checked.add(kid)
+        fn = graph.keys[kid].fn
         changed = graph.changed_attributes(kid)
         if changed:
             whose = "of" if isinstance(fn, torch.nn.Module) else "of modules read by"
@@ -146,7 +151,7 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
                 "read a value), or set them back and compute then, or record the calls "
                 "again after the change."
             )
-        done[id(fn)] = (fn, graph.key_attrs[kid])
+        done.setdefault(id(fn), (fn, graph.key_attrs[kid]))
     yield
     for fn, before in done.values():
         note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))

@@ -412,3 +412,22 @@ def test_a_mask_rebound_per_batch_to_a_like_tensor_keeps_the_cached_signatures()
     model.layer.mask = torch.ones(5)  # another shape: resolved anew (a shape error here)
     with bg.BatchingPolicy(), pytest.raises(bg.ShapeMismatchError):
         model.layer(xs[0])
+
+
+@pytest.mark.parametrize("deeper_first", [True, False])
+def test_calls_of_two_signatures_around_a_change_are_refused_whichever_runs_first(
+    deeper_first: bool,
+) -> None:
+    # The check ran once per module, at its first step: where the schedule ran the
+    # calls of a signature recorded after the change first (shallower), those recorded
+    # before were not checked and computed with the new value, silently.
+    model = Model(Scaled())
+    a, b = torch.randn(4), torch.randn(2, 4)
+    policy = bg.BatchingPolicy()
+    with policy:
+        before = model.layer(bg.batched_value(a) * 1 if deeper_first else a)
+    model.layer.temperature = 2.0
+    with policy:
+        after = model.layer(b)
+    with pytest.raises(bg.ModuleAttributeChangedError, match=r"temperature: 1\.0 -> 2\.0"):
+        policy.compute([before, after])
