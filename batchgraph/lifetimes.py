@@ -97,7 +97,8 @@ def lives_forever(fn: Any) -> bool:
 def holds_objects(sig: Any) -> bool:
     """Whether a call signature holds an argument by reference (an object of the
     user's, a local function) rather than values, specs, long-lived functions and
-    modules (a model's layers, or their recording stubs, which pass for them).
+    modules (a model's layers, or their recording stubs, which pass for them) and
+    their bound methods (``layer.forward``).
 
     A module passed to a recorded function (``block(layer, h)`` for each of a model's
     layers) is a part of the model, living as long as it: counted among the objects,
@@ -112,7 +113,8 @@ def holds_objects(sig: Any) -> bool:
     """
     if isinstance(sig, tuple):
         return any(holds_objects(s) for s in sig)
-    return not (isinstance(sig, _VALUES) or lives_forever(sig) or isinstance(sig, torch.nn.Module))
+    return not (isinstance(sig, _VALUES) or lives_forever(sig) or isinstance(
+        sig.__self__ if type(sig) is MethodType else sig, torch.nn.Module))
 
 
 def bounded(table: dict[K, V], key: K, value: V, limit: int | None = None) -> dict[K, V]:

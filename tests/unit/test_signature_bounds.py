@@ -125,6 +125,8 @@ def test_bounded_keeps_the_newest_entries_within_the_limit(keys: list[int], limi
         (((int, 1), Config(1.0)), True),
         ((lambda x: x,), True),  # a local function holds what it captured
         ((torch.ones(2).add,), True),  # bound to a tensor
+        ((torch.nn.Linear(2, 2), (int, 1)), False),  # a model's part: lives as the model
+        ((torch.nn.Linear(2, 2).forward,), False),
     ],
 )
 def test_signatures_holding_objects_are_told_apart(sig: Any, expected: bool) -> None:
