@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchgraph.attributes import spec_attributes
+from batchgraph.attributes import Attributes, note_own_state, spec_attributes
+from batchgraph.buffers import buffers_kept
 from batchgraph.hooks import hooks_of
+from batchgraph.lazy_modules import guard_lazy_reads
 from batchgraph.lifetimes import bounded, keep_signature
+from batchgraph.rules import may_be_random
+from batchgraph.specs import intern_spec
 
 if TYPE_CHECKING:
     from batchgraph.entries import Entry
@@ -58,13 +62,55 @@ def recheck(
         site._forget()
         return STALE
     attrs = graph.attributes_now(entry.key.fn)
-    if entry.attrs != attrs and entry.attrs != spec_attributes(attrs):
+    if entry.attrs != attrs and (now := spec_attributes(attrs)) != entry.attrs:
         # A plain attribute of a module it reads was set since this signature
         # was resolved (conv.padding, drop.p): the spec may not hold. Its calls
         # get a key id of their own, and compute refuses those recorded before.
+        if _only_numbers_changed(entry.attrs, now) and _spec_holds(site, policy, entry):
+            entry.attrs = now  # an annealed temperature: the same spec
+            return attrs
         site._forget()
         return STALE
     return attrs
+
+
+def _only_numbers_changed(then: Attributes | None, now: Attributes | None) -> bool:
+    """Whether ``then`` and ``now`` name the same attributes and differ only in
+    float values (a temperature or dropout rate annealed per batch), not in
+    structural settings (a padding, a flag), which resolve the signature anew."""
+    if then is None or now is None or len(then) != len(now):
+        return False
+    for (i, name, old), (j, other, new) in zip(then, now):
+        if i != j or name != other:
+            return False
+        if old != new and not (old[0] is float and new[0] is float):
+            return False
+    return True
+
+
+def _spec_holds(site: CallSite, policy: BatchingPolicy, entry: Entry) -> bool:
+    """Whether ``entry``'s call run on fake tensors under the settings of now gives
+    the spec, randomness and result type it was resolved with (``Upsample``'s
+    ``scale_factor`` changes the shape; a dropout rate from 0 draws random numbers):
+    then its key and vmap check stand (a run on fake tensors costs about a third of
+    resolving anew, where the vmap check is most of it)."""
+    from batchgraph.recording import not_recording  # which imports this module
+
+    call = getattr(entry.key, "call", None)
+    if call is None or entry.on_copy:
+        return False
+    fn = site.fn
+    graph = policy.graph
+    before = graph.attributes_now(fn)
+    try:
+        with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
+            spec, draws_random, kind = site._infer_spec(call)
+    except Exception:  # resolving anew reports it where it belongs
+        return False
+    note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
+    key = entry.key
+    dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
+    return intern_spec(spec) is entry.spec and kind is entry.kind and dedupe == entry.dedupe
 
 
 def switch_modes(

@@ -431,3 +431,52 @@ def test_calls_of_two_signatures_around_a_change_are_refused_whichever_runs_firs
         after = model.layer(b)
     with pytest.raises(bg.ModuleAttributeChangedError, match=r"temperature: 1\.0 -> 2\.0"):
         policy.compute([before, after])
+
+
+def test_a_temperature_annealed_per_batch_keeps_the_cached_signatures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A float setting changed between batches (annealed) is checked with a run on
+    # fake tensors, not resolved anew with every signature of the module (the vmap
+    # check each: about 10x the batch's time with 20 shapes).
+    resolved: list[str] = []
+    original = bg.recording.CallSite._resolve
+
+    def counting(self: bg.recording.CallSite, *args: Any) -> Any:
+        resolved.append(self.name)
+        return original(self, *args)
+
+    monkeypatch.setattr(bg.recording.CallSite, "_resolve", counting)
+    model = Model(Scaled())
+    eager = model.layer
+    xs = [torch.randn(n, 4) for n in range(1, 4)]
+    for step in range(4):
+        model.layer.temperature = 1.0 / (1 + step)
+        with bg.BatchingPolicy():
+            handles = [model.layer(x) for x in xs]
+        for x, value in zip(xs, bg.compute(handles)):
+            torch.testing.assert_close(value, eager(x), rtol=0, atol=0)
+    assert len(resolved) == len(xs)  # once per shape, not per shape per batch
+
+
+class _Keep(nn.Module):
+    """Keeps a fraction of the last dimension: a float setting that shapes the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., : int(x.shape[-1] * self.keep)] * 2
+
+
+def test_a_float_setting_that_changes_the_shape_resolves_anew() -> None:
+    model = Model(_Keep())
+    eager = model.layer
+    x = torch.randn(8)
+    for keep in (0.5, 0.75, 0.5):
+        model.layer.keep = keep
+        with bg.BatchingPolicy():
+            h = model.layer(x)
+            assert h.shape == (int(8 * keep),)  # as eagerly
+        torch.testing.assert_close(bg.compute(h), eager(x), rtol=0, atol=0)
