@@ -25,7 +25,7 @@ class Entry:
         >>> site = bg.batched_func(torch.nn.Linear(2, 2))  # a site of its own
         >>> with bg.BatchingPolicy():
         ...     _ = site(torch.zeros(2))
-        >>> [type(e).__name__ for e in site.cache.values()]
+        >>> [type(e).__name__ for e in site._bg_cache.values()]
         ['Entry']
     """
 

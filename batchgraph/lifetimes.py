@@ -1,7 +1,7 @@
 """How long cached things live: what lives as long as the program, and the bounds on
 what a call site keeps of the signatures it resolved.
 
-A site's signature cache (``CallSite.cache``) is keyed by the call's input specs and
+A site's signature cache (``CallSite._bg_cache``) is keyed by the call's input specs and
 static arguments. The sites of torch functions and operators live as long as the
 program, so over a long run with varying static arguments (a temperature annealed per
 step, ``logits / tau``; a NumPy mask; a new config object per batch) it grew by one
@@ -144,9 +144,9 @@ def keep_signature(site: CallSite, sig: Any, entry: Entry) -> None:
     """Cache ``entry`` for ``sig`` on ``site``, within the bounds above: the signatures
     of a long run with varying static arguments do not pile up, nor the objects they
     hold by reference."""
-    cache = site.cache = bounded(site.cache, sig, entry)
+    cache = site._bg_cache = bounded(site._bg_cache, sig, entry)
     if holds_objects(sig):
-        held = site.held = [s for s in site.held if s in cache and s != sig]
+        held = site._bg_held = [s for s in site._bg_held if s in cache and s != sig]
         held.append(sig)
         if len(held) > OBJECT_SIGNATURES_KEPT:
             cache.pop(held.pop(0), None)

@@ -110,50 +110,59 @@ class CallSite:
         tensor([0., 0.])
     """
 
+    # Prefixed: a ModuleStub forwards every other attribute to its module, and a
+    # module's own `self.name`, `self.fn` or `self.cache` read or set through the stub
+    # in per-example code got the site's slot instead, silently.
     __slots__ = (
-        "__weakref__", "autocast", "by_modes", "cache", "copying", "fn", "held", "last",
-        "last1", "mode_module", "name", "shadows",
+        "__weakref__", "_bg_autocast", "_bg_by_modes", "_bg_cache", "_bg_copying", "_bg_fn",
+        "_bg_held", "_bg_last", "_bg_last1", "_bg_mode_module", "_bg_name", "_bg_shadows",
     )
 
     def __init__(self, fn: Callable[..., Any], autocast: AutocastState | None = None) -> None:
-        self.fn = fn
-        self.name = callable_name(fn)
+        self._bg_fn = fn
+        self._bg_name = callable_name(fn)
         # A module's calls note its train/eval mode: they must run in it (dropout on or
         # off, batch or running statistics), as they would have run eagerly.
-        self.mode_module = fn if isinstance(fn, torch.nn.Module) else None
-        self.cache: dict[Any, Entry] = {}
+        self._bg_mode_module = fn if isinstance(fn, torch.nn.Module) else None
+        self._bg_cache: dict[Any, Entry] = {}
         # The cached signatures holding an object by reference, oldest first (see
         # batchgraph.lifetimes: the cache keeps those objects alive).
-        self.held: list[Any] = []
+        self._bg_held: list[Any] = []
         # Its in-place calls on handles run as this (batchgraph.on_copy), made once so
         # that their keys compare equal.
-        self.copying: Callable[..., Any] | None = None
+        self._bg_copying: Callable[..., Any] | None = None
         # Entries resolved in other train/eval modes than the cached ones, by
         # (signature, modes): switching back and forth resolves each signature once.
-        self.by_modes: dict[tuple[Any, tuple[bool, ...]], Entry] = {}
+        self._bg_by_modes: dict[tuple[Any, tuple[bool, ...]], Entry] = {}
         # Calls made under autocast record through a shadow site per autocast state,
         # with its own caches: their specs (and keys) are that state's.
-        self.autocast = autocast
-        self.shadows: dict[AutocastState, CallSite] = {}
+        self._bg_autocast = autocast
+        self._bg_shadows: dict[AutocastState, CallSite] = {}
         # The last signature of handle and number arguments and its entry: one tuple,
         # so it is replaced atomically (sites are shared by threads).
-        self.last: tuple[list[Any] | None, Any] = (None, None)
+        self._bg_last: tuple[list[Any] | None, Any] = (None, None)
         # The same for calls of one handle: its spec and the entry.
-        self.last1: tuple[TensorSpec | None, Any] = (None, None)
+        self._bg_last1: tuple[TensorSpec | None, Any] = (None, None)
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        """The callable this site records (``bg.batched_func(f).fn is f``); a
+        ``ModuleStub`` forwards ``fn`` to its module instead, as any attribute."""
+        return self._bg_fn
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} of {self.name}>"
+        return f"<{type(self).__name__} of {self._bg_name}>"
 
     # What functools.wraps gives a decorated function, so that inspect.signature,
     # help() and tools that name functions see the callable the site records
     # (``@bg.batched_func def step(x, h)`` is still "step", with its parameters).
     @property
     def __wrapped__(self) -> Callable[..., Any]:
-        return self.fn
+        return self._bg_fn
 
     @property
     def __name__(self) -> str:  # type: ignore[override]
-        name: str = self.fn.__name__  # none for a module, as on the module
+        name: str = self._bg_fn.__name__  # none for a module, as on the module
         return name
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
@@ -161,11 +170,11 @@ class CallSite:
         # stands for the method bound to it, as the function's own __get__ would bind
         # it (eagerly obj.helper(x) calls helper(obj, x)). Without this, self was not
         # passed: "helper() missing 1 required positional argument".
-        if obj is None or type(self.fn) is not FunctionType:
+        if obj is None or type(self._bg_fn) is not FunctionType:
             return self
         from batchgraph.sites import method_site  # sites imports this module
 
-        return method_site(self.fn, obj)
+        return method_site(self._bg_fn, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Record the call into the active policy's graph (and return its handle), or
@@ -175,8 +184,8 @@ class CallSite:
         """
         policy = _ACTIVE.get()
         if policy is None:
-            return self.fn(*args, **kwargs)
-        if _autocast_enabled() and self.autocast is None:
+            return self._bg_fn(*args, **kwargs)
+        if _autocast_enabled() and self._bg_autocast is None:
             return self._shadow()(*args, **kwargs)
         graph = policy.graph
         if (
@@ -191,11 +200,11 @@ class CallSite:
             # a linear layer, an activation), without the general path's lists. A handle
             # whose handed-out value changed in place takes the general path, which
             # passes a copy of that value instead (signatures.encode_argument).
-            last1 = self.last1
+            last1 = self._bg_last1
             entry = last1[1]
             if last1[0] is not spec or entry.rules_token != policy.rules_token:
                 entry = self._entry(policy, args, kwargs, (spec,))
-                _set_last1(self, (spec, entry))  # self.last1 = ..., see _set_last1
+                _set_last1(self, (spec, entry))  # self._bg_last1 = ..., see _set_last1
             source = a.node
             refs: tuple[Ref, ...] = ((source, a.leaf),)
             deepest = graph.node_depth[source]
@@ -253,7 +262,7 @@ class CallSite:
                 # A site is mostly called with one signature over and over: compare with the
                 # last one (specs are interned, so this is identity checks, and numbers are
                 # tagged with their type) before hashing.
-                last = self.last
+                last = self._bg_last
                 if simple and last[0] == sig and last[1].rules_token == policy.rules_token:
                     entry = last[1]
                 else:
@@ -263,7 +272,7 @@ class CallSite:
             if entry.on_copy and type(args[0]) is not ResultHandle:
                 # Resolved for a handle changed in place (h.add_(g)); a tensor of the
                 # same spec (t.add_(g)) has its signature, but it may not change so.
-                raise cast(Exception, in_place_error(self.fn, self.name, args, kwargs))
+                raise cast(Exception, in_place_error(self._bg_fn, self._bg_name, args, kwargs))
             refs = tuple(inputs)
             if nested and not handed and (
                     entry.view if entry.view is not None else self._note_view(entry)):
@@ -273,14 +282,14 @@ class CallSite:
         if handed and (entry.view if entry.view is not None else self._note_view(entry)):
             # A view of a value handed out: eagerly it shares the value's memory, and
             # follows its in-place changes, made outside recording (aliasing module).
-            viewed = view_of_handed(self, self.fn, args, kwargs)
+            viewed = view_of_handed(self, self._bg_fn, args, kwargs)
             if viewed is not NOT_VIEWED:
                 return viewed
         memo = entry.memo
         # Inference mode first: inside it even torch.enable_grad() builds no autograd
         # graph (eager calls give inference tensors that do not require grad).
         grad: RecordedGrad = INFERENCE if _inference_enabled() else _grad_enabled()
-        module = self.mode_module
+        module = self._bg_mode_module
         if module is None:
             training = hooked = None
         else:
@@ -297,7 +306,7 @@ class CallSite:
             attrs = recheck(self, policy, entry, args, kwargs)
             if attrs is STALE:  # resolved anew
                 return self(*args, **kwargs)
-            kid = graph.key_id(entry.key, grad, self.autocast, training, attrs)
+            kid = graph.key_id(entry.key, grad, self._bg_autocast, training, attrs)
             entry.memo = (graph.stamp, kid, grad, training, hooked)
             if not entry.dedupe:  # never merged: it may draw random numbers
                 graph.draws_random = True
@@ -332,7 +341,7 @@ class CallSite:
             h.spec = spec
             h._out = None
             if entry.on_copy:  # `nn.ReLU(inplace=True)(h)`: h stands for the result
-                return rebind_to_copy(args[0], h, self.name)
+                return rebind_to_copy(args[0], h, self._bg_name)
             return h
         children = entry.children
         if children is None:
@@ -358,25 +367,25 @@ class CallSite:
 
     def _note_view(self, entry: Entry) -> bool:
         """Work out, once per entry, whether its calls make a view of an input."""
-        view = entry.view = not entry.on_copy and makes_view(self.fn, entry.key)
+        view = entry.view = not entry.on_copy and makes_view(self._bg_fn, entry.key)
         return view
 
     def _forget(self) -> None:
         """Drop every cached signature (each is replaced whole: sites are shared by
         threads, and one reading the old cache meanwhile still gets a whole entry)."""
-        self.cache = {}
-        self.held = []
-        self.by_modes = {}
-        self.last = (None, None)
-        self.last1 = (None, None)
+        self._bg_cache = {}
+        self._bg_held = []
+        self._bg_by_modes = {}
+        self._bg_last = (None, None)
+        self._bg_last1 = (None, None)
 
     def _shadow(self) -> CallSite:
         """The site recording this callable's calls in the current autocast state."""
         state = autocast_state()
         assert state is not None
-        shadow = self.shadows.get(state)
+        shadow = self._bg_shadows.get(state)
         if shadow is None:
-            shadow = self.shadows[state] = CallSite(self.fn, autocast=state)
+            shadow = self._bg_shadows[state] = CallSite(self._bg_fn, autocast=state)
         return shadow
 
     def _entry(
@@ -384,10 +393,10 @@ class CallSite:
     ) -> Entry:
         """The cached entry for ``key_sig``, resolved (and cached) when new."""
         try:
-            entry = self.cache.get(key_sig)
+            entry = self._bg_cache.get(key_sig)
             if entry is None and (canonical := without_nan(key_sig)) is not key_sig:
                 key_sig = canonical
-                entry = self.cache.get(key_sig)
+                entry = self._bg_cache.get(key_sig)
             cacheable = True
         except TypeError:
             # An unhashable static argument: key on its identity, and do not cache
@@ -408,13 +417,13 @@ class CallSite:
         # Slow path, once per signature: build the template, infer the output spec
         # on fake tensors, choose the key, and check that vmap can run it.
         policy.follow_default_dtype()  # the entry's token is of the default it is resolved in
-        fn = self.fn
+        fn = self._bg_fn
         if changes_handle_in_place(fn, args, kwargs):
             # Recorded on a copy, which the input handle then stands for.
-            if self.copying is None:
-                self.copying = on_copy(fn, self.name)
-            fn = self.copying
-        elif (error := in_place_error(fn, self.name, args, kwargs)) is not None:
+            if self._bg_copying is None:
+                self._bg_copying = on_copy(fn, self._bg_name)
+            fn = self._bg_copying
+        elif (error := in_place_error(fn, self._bg_name, args, kwargs)) is not None:
             raise error
         specs: list[TensorSpec | None] = []
         template_args = tuple(template_argument(a, specs) for a in args)
@@ -439,25 +448,25 @@ class CallSite:
             key = UnbatchedKey(fn, call)
         entry = Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
         # Of the site's own callable, as CallSite.__call__ compares them.
-        entry.layout = graph.layout_of(self.fn)
-        entry.modes = graph.modes_of(self.fn)
+        entry.layout = graph.layout_of(self._bg_fn)
+        entry.modes = graph.modes_of(self._bg_fn)
         # As CallSite.__call__ compares them (stale_entries), holding no tensor.
         entry.attrs = spec_attributes(graph.attributes_now(key.fn))
-        if isinstance(self.fn, torch.nn.Module):
-            entry.hooks = hooks_of(self.fn)
-        entry.on_copy = fn is not self.fn
+        if isinstance(self._bg_fn, torch.nn.Module):
+            entry.hooks = hooks_of(self._bg_fn)
+        entry.on_copy = fn is not self._bg_fn
         return entry
 
     def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
         """See ``batchgraph.inference.infer_spec``."""
-        return infer_spec(self.fn, self.name, call)
+        return infer_spec(self._bg_fn, self._bg_name, call)
 
 
 # The hot path writes these slots through their descriptors: a ModuleStub (a module's
 # site) forwards other attribute writes to its module (``self.layer.p = 0.2`` in
 # per-example code), and its __setattr__ in Python would cost five times as much.
-_set_last1: Callable[[CallSite, Any], None] = vars(CallSite)["last1"].__set__
-_set_last: Callable[[CallSite, Any], None] = vars(CallSite)["last"].__set__
+_set_last1: Callable[[CallSite, Any], None] = vars(CallSite)["_bg_last1"].__set__
+_set_last: Callable[[CallSite, Any], None] = vars(CallSite)["_bg_last"].__set__
 
 
 def handles_for(graph: Graph, node: int, leaf: int, spec: OutSpec) -> Any:

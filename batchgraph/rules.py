@@ -359,4 +359,4 @@ def rule_table(rules: Mapping[Any, KeyFactory] | None) -> dict[Any, KeyFactory]:
                 "(bg.StackKey, bg.UnbatchedKey, a subclass of bg.BatchKey), not an "
                 "instance or a name"
             )
-    return {(k.fn if isinstance(k, CallSite) else k): v for k, v in rules.items()}
+    return {(k._bg_fn if isinstance(k, CallSite) else k): v for k, v in rules.items()}

@@ -7,7 +7,6 @@ the signatures a site has resolved serve every later policy (see ``batchgraph.re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import TYPE_CHECKING, Any
@@ -31,8 +30,9 @@ __all__ = ["ModuleStub", "function_site", "method_site", "module_site", "record_
 class ModuleStub(CallSite):
     """The call site of a module, standing in for it while a policy records.
 
-    Calls record; every other attribute is read from the module
-    (``stub.hidden_size``, ``stub.weight``).
+    Calls record; every other attribute is read from and set on the module
+    (``stub.hidden_size``, ``stub.weight``, the module's own ``stub.fn`` or
+    ``stub.name``: the site's own fields are all named ``_bg_*``).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -50,8 +50,13 @@ class ModuleStub(CallSite):
 
     @property
     def module(self) -> torch.nn.Module:
-        module: torch.nn.Module = self.fn  # type: ignore[assignment]
+        module: torch.nn.Module = self._bg_fn  # type: ignore[assignment]
         return module
+
+    @property
+    def fn(self) -> Any:
+        # The module's own `fn` (`self.act.fn(x)`, as eagerly), not the site's callable.
+        return self.__getattr__("fn")
 
     def __getattr__(self, name: str) -> Any:
         if name in _SWAPPED_STATE and _ACTIVE.get() is not None:
@@ -60,7 +65,7 @@ class ModuleStub(CallSite):
             # stub records that call, which runs when the batch computes, with the
             # module's own parameters: the given ones were silently ignored.
             raise TypeError(
-                f"{self.name} is a recording stub here (a BatchedModule's submodule read "
+                f"{self._bg_name} is a recording stub here (a BatchedModule's submodule read "
                 f"while a policy records), and its {name} were read to swap its tensors "
                 "(torch.func.functional_call, torch.nn.utils.stateless): the call it "
                 "records runs when the batch computes, with the module's own tensors. "
@@ -69,20 +74,18 @@ class ModuleStub(CallSite):
                 "the module: bg.batched_func(torch.func.functional_call)(model.cell_module"
                 ", params, (h,)) with the module read outside the policy."
             )
-        return getattr(self.fn, name)
+        return getattr(self._bg_fn, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Per-example code setting a submodule's setting (`self.layer.temperature = t`,
         # `self.drop.p = 0.2`) sets it on the module, as eagerly; it failed with
-        # "'ModuleStub' object has no attribute". Only batchgraph's own writes of the
-        # site's slots are the stub's (where a cached signature misses, not per call):
-        # a module's own `name`, `cache` or `held` set by per-example code went to the
-        # stub's slot, the module kept its value, silently, and the site's cache broke.
-        if name in _SITE_SLOTS and sys._getframe(1).f_globals.get("__name__", "").startswith(
-                "batchgraph."):
+        # "'ModuleStub' object has no attribute". Only the site's own slots, all named
+        # _bg_* so that no module's setting is taken for one, are the stub's
+        # (batchgraph writes them where a cached signature misses, not per call).
+        if name in _SITE_SLOTS:
             object.__setattr__(self, name, value)
         else:
-            setattr(self.fn, name, value)
+            setattr(self._bg_fn, name, value)
 
     # Per-example code may ask what a submodule is (`if isinstance(layer, nn.Dropout):
     # continue`): the stub passes for its module's class, so the recorded code takes
@@ -90,10 +93,10 @@ class ModuleStub(CallSite):
     # type() still tells a stub from a module.
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # type: ignore[override]
-        return type(self.fn)
+        return type(self._bg_fn)
 
 
-_SITE_SLOTS: frozenset[str] = frozenset(vars(CallSite)["__slots__"])
+_SITE_SLOTS: frozenset[str] = frozenset(vars(CallSite)["__slots__"]) - {"__weakref__"}
 # The dicts of a module's tensors that torch's functional calls swap entries of.
 _SWAPPED_STATE = frozenset({"_parameters", "_buffers"})
 

@@ -34,12 +34,12 @@ def recheck(
     """At a key's first call after each compute (not per call): whether what
     ``entry`` was resolved under still holds. ``STALE`` where not (the caller
     calls again, which resolves anew), else the plain attributes for key_id."""
-    graph, module = policy.graph, site.mode_module
+    graph, module = policy.graph, site._bg_mode_module
     if _default_dtype() is not policy.default_dtype and policy.follow_default_dtype():
         # torch.set_default_dtype inside the block: noted (compute refuses), and
         # the signature resolved under the new default (int_h * 2.5 is float64).
         return STALE
-    if entry.layout and entry.layout != graph.layout_of(site.fn):
+    if entry.layout and entry.layout != graph.layout_of(site._bg_fn):
         # The module was converted (model.double(), .to(device)), or a tensor
         # the function reads was rebound to another dtype, since this
         # signature was resolved: its cached output spec is stale (an
@@ -49,9 +49,9 @@ def recheck(
         site._forget()
         # A conversion keeps the parameters' objects but replaces the buffers:
         # the graph lists them anew, so the new ones are watched.
-        graph.forget_parts(site.fn)
+        graph.forget_parts(site._bg_fn)
         return STALE
-    if entry.modes is not None and entry.modes != graph.modes_of(site.fn):
+    if entry.modes is not None and entry.modes != graph.modes_of(site._bg_fn):
         # The module or a submodule was switched (train/eval) since this
         # signature was resolved: see switch_modes. Checked as the layout is.
         switch_modes(site, policy, entry, args, kwargs)
@@ -99,7 +99,7 @@ def _spec_holds(site: CallSite, policy: BatchingPolicy, entry: Entry) -> bool:
     call = getattr(entry.key, "call", None)
     if call is None or entry.on_copy:
         return False
-    fn = site.fn
+    fn = site._bg_fn
     graph = policy.graph
     before = graph.attributes_now(fn)
     try:
@@ -124,13 +124,13 @@ def switch_modes(
     noise only in training, found deterministic, had identical calls merged into
     one draw. (An uncached entry, of an unhashable static argument, is resolved
     at each call, so only cached ones get here.)"""
-    sig, old, modes = entry.sig, entry.modes, policy.graph.modes_of(site.fn)
+    sig, old, modes = entry.sig, entry.modes, policy.graph.modes_of(site._bg_fn)
     assert sig is not None and old is not None and modes is not None
-    other = site.by_modes.get((sig, modes))
+    other = site._bg_by_modes.get((sig, modes))
     if other is None or other.rules_token != policy.rules_token:
         other = site._resolve(policy, args, kwargs, sig)
         other.sig = sig
-    site.by_modes = bounded(site.by_modes, (sig, old), entry)
+    site._bg_by_modes = bounded(site._bg_by_modes, (sig, old), entry)
     keep_signature(site, sig, other)
-    site.last = (None, None)
-    site.last1 = (None, None)
+    site._bg_last = (None, None)
+    site._bg_last1 = (None, None)

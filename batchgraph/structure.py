@@ -67,7 +67,7 @@ class _StructurePickler(pickle.Pickler):
             # A batched_func result kept as a model attribute is a call site whose
             # signature cache holds keys and closures; wrapping the same callable again
             # in the worker gives an equivalent, empty one.
-            return batched_func, (obj.fn,)
+            return batched_func, (obj._bg_fn,)
         return NotImplemented
 
 

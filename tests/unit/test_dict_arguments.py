@@ -72,4 +72,4 @@ def test_equal_dicts_share_one_cached_signature() -> None:
                    for i in range(3)]
     assert [v.tolist() for v in bg.compute(handles)] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
     assert policy.stats is not None and policy.stats.launches == 1
-    assert len(add.cache) == 1
+    assert len(add._bg_cache) == 1

@@ -407,7 +407,7 @@ def test_a_mask_rebound_per_batch_to_a_like_tensor_keeps_the_cached_signatures()
             handles = [model.layer(x) for x in xs]
         for x, value in zip(xs, bg.compute(handles)):
             torch.testing.assert_close(value, site(x))
-        entries.append({id(e) for e in bg.sites.module_site(site).cache.values()})
+        entries.append({id(e) for e in bg.sites.module_site(site)._bg_cache.values()})
     assert entries[0] == entries[1] == entries[2]
     model.layer.mask = torch.ones(5)  # another shape: resolved anew (a shape error here)
     with bg.BatchingPolicy(), pytest.raises(bg.ShapeMismatchError):
@@ -443,7 +443,7 @@ def test_a_temperature_annealed_per_batch_keeps_the_cached_signatures(
     original = bg.recording.CallSite._resolve
 
     def counting(self: bg.recording.CallSite, *args: Any) -> Any:
-        resolved.append(self.name)
+        resolved.append(self._bg_name)
         return original(self, *args)
 
     monkeypatch.setattr(bg.recording.CallSite, "_resolve", counting)

@@ -24,7 +24,7 @@ def resolves(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     original = CallSite._resolve
 
     def counting(self: CallSite, *args: Any) -> Any:
-        seen.append(self.name)
+        seen.append(self._bg_name)
         return original(self, *args)
 
     monkeypatch.setattr(CallSite, "_resolve", counting)

@@ -57,7 +57,7 @@ def test_objects_passed_per_batch_are_not_kept_alive_by_the_cache() -> None:
     gc.collect()
     alive = sum(r() is not None for r in refs)
     assert alive <= OBJECT_SIGNATURES_KEPT
-    assert len(f.cache) <= OBJECT_SIGNATURES_KEPT  # type: ignore[attr-defined]
+    assert len(f._bg_cache) <= OBJECT_SIGNATURES_KEPT  # type: ignore[attr-defined]
 
 
 def scaled_too(x: torch.Tensor, config: Config) -> torch.Tensor:
@@ -73,7 +73,7 @@ def test_a_long_lived_object_keeps_its_cached_signature() -> None:
             hs = [f(torch.ones(3), config), f(torch.zeros(3), config)]
         assert [t.tolist() for t in bg.compute(hs)] == [[2.0] * 3, [0.0] * 3]
         assert policy.stats is not None and policy.stats.launches <= 2
-        entries.update(id(e) for e in f.cache.values())  # type: ignore[attr-defined]
+        entries.update(id(e) for e in f._bg_cache.values())  # type: ignore[attr-defined]
     assert len(entries) == 1  # resolved once, not per batch
 
 
@@ -94,7 +94,7 @@ def test_varying_float_arguments_keep_a_bounded_cache(monkeypatch: pytest.Monkey
             hs = [f(x, s) for x in xs]
         for got, x in zip(bg.compute(hs), xs):
             assert torch.equal(got, _weight(x, s))
-        assert len(f.cache) <= 32  # type: ignore[attr-defined]
+        assert len(f._bg_cache) <= 32  # type: ignore[attr-defined]
     with bg.BatchingPolicy() as policy:  # a value dropped long ago, seen again
         hs = [f(torch.ones(3), 1.0), f(torch.zeros(3), 1.0)]
     assert [t.tolist() for t in bg.compute(hs)] == [[2.0] * 3, [1.0] * 3]
@@ -222,6 +222,6 @@ def test_a_models_layers_passed_to_a_function_keep_their_signatures(through: str
             for layer in model.layers:
                 want = _block(layer, want)
             torch.testing.assert_close(got, want)
-        entries.append({id(e) for e in block.cache.values()})  # type: ignore[attr-defined]
+        entries.append({id(e) for e in block._bg_cache.values()})  # type: ignore[attr-defined]
     assert len(entries[0]) == len(model.layers)
     assert entries[0] == entries[1] == entries[2]  # resolved once, not per batch
