@@ -172,7 +172,7 @@ class BatchedModule(nn.Module):
         # eagerly the module itself is registered (a stub registered as a submodule
         # would outlive the recording).
         if type(value) is ModuleStub:
-            value = value.module
+            value = value.__wrapped__
         elif type(value) is _ContainerStub:
             value = value.container
         super().__setattr__(name, value)

@@ -32,7 +32,8 @@ class ModuleStub(CallSite):
 
     Calls record; every other attribute is read from and set on the module
     (``stub.hidden_size``, ``stub.weight``, the module's own ``stub.fn`` or
-    ``stub.name``: the site's own fields are all named ``_bg_*``).
+    ``stub.name``, a wrapper's ``stub.module``: the site's own fields are all named
+    ``_bg_*``). The module itself is ``stub.__wrapped__`` (``inspect.unwrap``).
 
     Example:
         >>> import batchgraph as bg, torch
@@ -42,16 +43,11 @@ class ModuleStub(CallSite):
         ...         self.lin = torch.nn.Linear(2, 2)
         >>> m = M()
         >>> with bg.BatchingPolicy():
-        ...     isinstance(m.lin, ModuleStub), m.lin.out_features
-        (True, 2)
+        ...     isinstance(m.lin, ModuleStub), m.lin.out_features, m.lin.__wrapped__ is m._modules["lin"]
+        (True, 2, True)
     """
 
     __slots__ = ()
-
-    @property
-    def module(self) -> torch.nn.Module:
-        module: torch.nn.Module = self._bg_fn  # type: ignore[assignment]
-        return module
 
     @property
     def fn(self) -> Any:

@@ -61,7 +61,7 @@ class _Model(TokenModel):
 
 def _loss_and_grads(model: _Model, results: list[Any]) -> tuple[torch.Tensor, list[Any]]:
     # The wrapped modules' parameters (a BatchedFunc is not a submodule).
-    params = [*model.embed.module.parameters(), *model.lin.module.parameters()]
+    params = [*model.embed.__wrapped__.parameters(), *model.lin.__wrapped__.parameters()]
     for p in params:
         p.grad = None
     loss = torch.stack(results).sum()

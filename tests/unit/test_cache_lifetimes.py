@@ -88,12 +88,12 @@ def test_copies_of_a_module_get_sites_of_their_own() -> None:
     with bg.BatchingPolicy():
         h = net.f(torch.ones(3))
     for other in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
-        assert module_site(other.lin).module is other.lin
+        assert module_site(other.lin).__wrapped__ is other.lin
         with bg.BatchingPolicy():
             g = other.f(torch.ones(3))
         assert torch.equal(bg.compute(g), other.f(torch.ones(3)))
     shallow = copy.copy(net.lin)  # shares the original's __dict__ entries
-    assert module_site(shallow).module is shallow and module_site(net.lin).module is net.lin
+    assert module_site(shallow).__wrapped__ is shallow and module_site(net.lin).__wrapped__ is net.lin
     assert torch.equal(bg.compute(h), net.f(torch.ones(3)))
 
 

@@ -416,7 +416,7 @@ def test_examples_sharing_handles_work_in_one_group_and_say_why_not_across_group
             cache[i % 2] = lin(torch.full((2,), float(i % 2)))
         return await bg.value(lin(cache[i % 2]))
 
-    eager = [lin.module(lin.module(torch.full((2,), float(i % 2)))) for i in range(4)]
+    eager = [lin.__wrapped__(lin.__wrapped__(torch.full((2,), float(i % 2)))) for i in range(4)]
     if groups == 1:
         got = bg.run_all([example(i) for i in range(4)])
         for g, e in zip(got, eager):

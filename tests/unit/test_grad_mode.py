@@ -29,12 +29,12 @@ def test_a_call_recorded_under_no_grad_gets_no_gradient() -> None:
         value = bg.compute(loss)
     assert not baseline.value.requires_grad
     value.backward()
-    batched = lin.module.weight.grad.clone()
-    lin.module.weight.grad = None
+    batched = lin.__wrapped__.weight.grad.clone()
+    lin.__wrapped__.weight.grad = None
     with torch.no_grad():
         eager_baseline = lin(x)
     (lin(x * 2.0) - eager_baseline).pow(2).sum().backward()
-    torch.testing.assert_close(batched, lin.module.weight.grad)
+    torch.testing.assert_close(batched, lin.__wrapped__.weight.grad)
 
 
 def test_a_call_recorded_with_grad_keeps_it_when_computed_under_no_grad() -> None:
@@ -86,10 +86,10 @@ def test_a_chain_recorded_with_grad_backpropagates_when_computed_under_no_grad()
         with torch.no_grad():
             value = bg.compute(second)
     value.sum().backward()
-    batched = lin.module.weight.grad.clone()
-    lin.module.weight.grad = None
+    batched = lin.__wrapped__.weight.grad.clone()
+    lin.__wrapped__.weight.grad = None
     lin(lin(x)).sum().backward()
-    torch.testing.assert_close(batched, lin.module.weight.grad)
+    torch.testing.assert_close(batched, lin.__wrapped__.weight.grad)
 
 
 def test_an_example_awaiting_inside_inference_mode_keeps_it_to_itself() -> None:
@@ -184,10 +184,10 @@ def test_calls_recorded_with_grad_keep_it_when_computed_and_read_in_inference_mo
         read = handles[0].value
     assert all(v.grad_fn is not None and not v.is_inference() for v in [*values, read])
     (torch.stack(values).sum() + read.sum()).backward()
-    batched = lin.module.weight.grad.clone()
-    lin.module.weight.grad = None
+    batched = lin.__wrapped__.weight.grad.clone()
+    lin.__wrapped__.weight.grad = None
     (torch.stack([lin(x) for x in xs]).sum() + lin(xs[0]).sum()).backward()
-    torch.testing.assert_close(batched, lin.module.weight.grad)
+    torch.testing.assert_close(batched, lin.__wrapped__.weight.grad)
 
 
 def test_calls_recorded_in_inference_mode_and_computed_there_give_inference_tensors() -> None:
@@ -214,7 +214,7 @@ def test_a_constant_that_requires_grad_keeps_its_gradient_when_stacked_under_no_
                 policy.compute(h)
             out = policy.compute(lin(h).sum())
         (grad,) = torch.autograd.grad(out, [x])
-        torch.testing.assert_close(grad, lin.module.weight.sum(0).detach())
+        torch.testing.assert_close(grad, lin.__wrapped__.weight.sum(0).detach())
 
 
 def test_calls_recorded_in_inference_mode_run_without_grad_wherever_computed() -> None:

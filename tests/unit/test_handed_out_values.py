@@ -107,7 +107,7 @@ def test_calls_before_and_after_a_change_see_what_eager_calls_see(grad: bool) ->
     with torch.set_grad_enabled(grad):
         eager, got = _eager_and_batched(lin, log_softmax, 4)
     if grad:
-        weights = lin.module.weight
+        weights = lin.__wrapped__.weight
         total = sum(sum(t.sum() for t in row) for row in got)
         (batched,) = torch.autograd.grad(total, weights)
         (expected,) = torch.autograd.grad(sum(sum(t.sum() for t in row) for row in eager), weights)
@@ -150,10 +150,10 @@ def test_copies_of_merged_values_keep_their_gradients() -> None:
         a, b = lin(bg.batched_value(x)), lin(bg.batched_value(x))
         policy.compute([a, b])
         (a.value * 2.0 + b.value).sum().backward()
-    batched = lin.module.weight.grad.clone()
-    lin.module.weight.grad = None
+    batched = lin.__wrapped__.weight.grad.clone()
+    lin.__wrapped__.weight.grad = None
     (lin(x) * 2.0 + lin(x)).sum().backward()
-    torch.testing.assert_close(batched, lin.module.weight.grad)
+    torch.testing.assert_close(batched, lin.__wrapped__.weight.grad)
 
 
 def test_a_coroutine_changing_its_value_leaves_the_others_alone() -> None:

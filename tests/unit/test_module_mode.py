@@ -272,11 +272,11 @@ def test_a_layer_drawing_only_in_training_draws_per_example_after_a_switch() -> 
     x = torch.zeros(5)
     with bg.BatchingPolicy() as policy:
         policy.compute([site(x), site(x)])
-    site.module.train()
+    site.__wrapped__.train()
     with bg.BatchingPolicy() as policy:
         a, b = policy.compute([site(x), site(x)])
     assert not torch.equal(a, b)
-    site.module.eval()  # and back: no draw, the calls merge again
+    site.__wrapped__.eval()  # and back: no draw, the calls merge again
     with bg.BatchingPolicy() as policy:
         a, b = policy.compute([site(x), site(x)])
     assert torch.equal(a, x) and torch.equal(b, x)

@@ -23,11 +23,11 @@ import batchgraph as bg
 def _model() -> tuple[bg.BatchedFunc, torch.optim.Optimizer]:
     torch.manual_seed(0)
     lin = bg.batched_func(nn.Linear(3, 3).double())
-    return lin, torch.optim.SGD(lin.module.parameters(), lr=0.5)
+    return lin, torch.optim.SGD(lin.__wrapped__.parameters(), lr=0.5)
 
 
 def _step(opt: torch.optim.Optimizer, lin: bg.BatchedFunc) -> None:
-    lin.module(torch.ones(3, dtype=torch.float64)).sum().backward()
+    lin.__wrapped__(torch.ones(3, dtype=torch.float64)).sum().backward()
     opt.step()
     opt.zero_grad()
 
@@ -47,7 +47,7 @@ def test_an_in_place_update_is_refused_too() -> None:
     with bg.BatchingPolicy() as policy:
         h = lin(torch.ones(3, dtype=torch.float64))
     with torch.no_grad():
-        lin.module.weight.mul_(0.5)
+        lin.__wrapped__.weight.mul_(0.5)
     with pytest.raises(bg.ParameterChangedError):
         policy.compute(h)
 
@@ -60,7 +60,7 @@ def test_a_training_loop_on_one_policy_computes_before_each_step() -> None:
         with policy:
             h = lin(x)  # identical call each time: merges only while weights stay
         value = policy.compute(h)
-        torch.testing.assert_close(value, lin.module(x))
+        torch.testing.assert_close(value, lin.__wrapped__(x))
         _step(opt, lin)
 
 
@@ -73,7 +73,7 @@ def test_calls_recorded_after_a_step_compute_while_older_ones_wait() -> None:
     with policy:
         after = lin(x)  # the same call, new weights: not merged with `before`
     assert after.node != before.node
-    torch.testing.assert_close(policy.compute(after), lin.module(x))
+    torch.testing.assert_close(policy.compute(after), lin.__wrapped__(x))
     with pytest.raises(bg.ParameterChangedError):
         policy.compute(before)
 
@@ -85,7 +85,7 @@ def test_a_change_between_two_calls_without_a_compute_counts_for_both() -> None:
     with bg.BatchingPolicy() as policy:
         lin(torch.ones(3, dtype=torch.float64))
         with torch.no_grad():
-            lin.module.bias.add_(1.0)
+            lin.__wrapped__.bias.add_(1.0)
         later = lin(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(bg.ParameterChangedError):
         policy.compute(later)

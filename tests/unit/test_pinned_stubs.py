@@ -41,7 +41,7 @@ def test_a_submodule_replaced_or_removed_while_recording() -> None:
         _ = net.lin
         other = nn.Linear(3, 3)
         net.lin = other
-        assert net.lin.module is other
+        assert net.lin.__wrapped__ is other
         net.lin = None  # type: ignore[assignment]
         assert net.lin is None
         net.lin = other

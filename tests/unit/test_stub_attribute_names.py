@@ -1,7 +1,7 @@
 """A module's own attributes named as a call site's fields (``self.name``, ``self.fn``,
-``self.cache``, ...) read and set through its recording stub reach the module, as
-eagerly: the stub's fields were named so, and per-example code got the stub's value,
-silently (``self.layer.fn(x)`` called the layer itself)."""
+``self.cache``, ..., a wrapper's ``self.module``) read and set through its recording
+stub reach the module, as eagerly: the stub's fields were named so, and per-example
+code got the stub's value, silently (``self.layer.fn(x)`` called the layer itself)."""
 
 from __future__ import annotations
 
@@ -94,26 +94,31 @@ class Gated(nn.Module):
         return self.lin(x)
 
 
+class Residual(nn.Module):
+    """A wrapper keeping what it wraps as ``self.module``, as DataParallel does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.module(x)
+
+
 class GatedNet(bg.BatchedModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = Gated()
+        self.block = Residual()
 
     def forward(self, x: torch.Tensor) -> Any:
         h = self.layer.fn(self.layer(x))  # through the stub: was layer(layer(x))
-        return h * 2 if self.layer.name == "encoder" else h
+        h = h * 2 if self.layer.name == "encoder" else h
+        return self.block.module(h)  # through the stub: was the Residual itself
 
 
-def test_a_layers_own_fn_and_name_read_through_the_stub_are_the_modules() -> None:
-    eager_net, net, xs = GatedNet(), GatedNet(), _inputs()
-    with bg.BatchingPolicy():
-        handles = [net(x) for x in xs]
-    for x, got in zip(xs, bg.compute(handles)):
-        torch.testing.assert_close(got, eager_net(x))
-
-
-@pytest.mark.parametrize("attr", NAMES)
+@pytest.mark.parametrize("attr", (*NAMES, "module"))  # the stub's `module` too, until 21008eb
 def test_a_module_without_the_attribute_lacks_it_through_the_stub_too(attr: str) -> None:
     # Per-example code asking `hasattr(layer, "cache")` takes the branch eager code takes.
     class Holder(bg.BatchedModule):
@@ -131,9 +136,20 @@ def test_a_module_without_the_attribute_lacks_it_through_the_stub_too(attr: str)
             getattr(stub, attr)
 
 
-def test_a_batched_func_of_a_function_still_gives_its_callable() -> None:
-    # Rules are keyed by `site.fn` (BatchingPolicy(rules={double.fn: ...})).
+def test_a_modules_own_fn_name_or_module_read_through_the_stub_is_the_modules() -> None:
+    eager_net, net, xs = GatedNet(), GatedNet(), _inputs()
+    with bg.BatchingPolicy():
+        handles = [net(x) for x in xs]
+    for x, got in zip(xs, bg.compute(handles)):
+        torch.testing.assert_close(got, eager_net(x))
+
+
+def test_a_batched_func_still_gives_its_callable() -> None:
+    # Rules are keyed by `site.fn` (BatchingPolicy(rules={double.fn: ...})); a module's
+    # site gives its module as functools.wraps would, not as `fn` (the module's own).
     double = bg.batched_func(torch.tanh)
     assert double.fn is torch.tanh
     lin = nn.Linear(2, 2)
-    assert bg.batched_func(lin).module is lin
+    assert bg.batched_func(lin).__wrapped__ is lin
+    with pytest.raises(AttributeError, match="fn"):
+        bg.batched_func(lin).fn  # noqa: B018
