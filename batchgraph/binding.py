@@ -347,7 +347,7 @@ class Binder:
         # The recording path's own inference: the call on fake tensors, no real compute.
         site = CallSite(fn)
         try:
-            spec, _, _ = site._infer_spec(pk.call)
+            spec, _, _ = site._bg_infer_spec(pk.call)
         except (ShapeMismatchError, TypeError, RuntimeError) as err:
             raise ScheduleMismatchError(
                 f"{pk.describe()} does not accept the recorded per-example inputs in the live "

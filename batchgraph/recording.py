@@ -186,7 +186,7 @@ class CallSite:
         if policy is None:
             return self._bg_fn(*args, **kwargs)
         if _autocast_enabled() and self._bg_autocast is None:
-            return self._shadow()(*args, **kwargs)
+            return self._bg_shadow()(*args, **kwargs)
         graph = policy.graph
         if (
             len(args) == 1
@@ -203,7 +203,7 @@ class CallSite:
             last1 = self._bg_last1
             entry = last1[1]
             if last1[0] is not spec or entry.rules_token != policy.rules_token:
-                entry = self._entry(policy, args, kwargs, (spec,))
+                entry = self._bg_entry(policy, args, kwargs, (spec,))
                 _set_last1(self, (spec, entry))  # self._bg_last1 = ..., see _set_last1
             source = a.node
             refs: tuple[Ref, ...] = ((source, a.leaf),)
@@ -257,7 +257,7 @@ class CallSite:
                 box = [deepest]
                 key_sig: Any = (tuple(sig), tuple((k, encode_argument(v, graph, inputs, box)) for k, v in kwargs.items()))
                 deepest = box[0]
-                entry = self._entry(policy, args, kwargs, key_sig)
+                entry = self._bg_entry(policy, args, kwargs, key_sig)
             else:
                 # A site is mostly called with one signature over and over: compare with the
                 # last one (specs are interned, so this is identity checks, and numbers are
@@ -266,7 +266,7 @@ class CallSite:
                 if simple and last[0] == sig and last[1].rules_token == policy.rules_token:
                     entry = last[1]
                 else:
-                    entry = self._entry(policy, args, kwargs, tuple(sig))
+                    entry = self._bg_entry(policy, args, kwargs, tuple(sig))
                     if simple:
                         _set_last(self, (sig, entry))
             if entry.on_copy and type(args[0]) is not ResultHandle:
@@ -275,11 +275,11 @@ class CallSite:
                 raise cast(Exception, in_place_error(self._bg_fn, self._bg_name, args, kwargs))
             refs = tuple(inputs)
             if nested and not handed and (
-                    entry.view if entry.view is not None else self._note_view(entry)):
+                    entry.view if entry.view is not None else self._bg_note_view(entry)):
                 # A view of handles in a list (torch.meshgrid([h, g])): looked into only
                 # for calls that make views, so a cell's (h, c) costs no scan.
                 handed = holds_handed(args)
-        if handed and (entry.view if entry.view is not None else self._note_view(entry)):
+        if handed and (entry.view if entry.view is not None else self._bg_note_view(entry)):
             # A view of a value handed out: eagerly it shares the value's memory, and
             # follows its in-place changes, made outside recording (aliasing module).
             viewed = view_of_handed(self, self._bg_fn, args, kwargs)
@@ -365,12 +365,12 @@ class CallSite:
             return (h, c)
         return tuple([ResultHandle(graph, node, i, s) for i, s in children])
 
-    def _note_view(self, entry: Entry) -> bool:
+    def _bg_note_view(self, entry: Entry) -> bool:
         """Work out, once per entry, whether its calls make a view of an input."""
         view = entry.view = not entry.on_copy and makes_view(self._bg_fn, entry.key)
         return view
 
-    def _forget(self) -> None:
+    def _bg_forget(self) -> None:
         """Drop every cached signature (each is replaced whole: sites are shared by
         threads, and one reading the old cache meanwhile still gets a whole entry)."""
         self._bg_cache = {}
@@ -379,7 +379,7 @@ class CallSite:
         self._bg_last = (None, None)
         self._bg_last1 = (None, None)
 
-    def _shadow(self) -> CallSite:
+    def _bg_shadow(self) -> CallSite:
         """The site recording this callable's calls in the current autocast state."""
         state = autocast_state()
         assert state is not None
@@ -388,7 +388,7 @@ class CallSite:
             shadow = self._bg_shadows[state] = CallSite(self._bg_fn, autocast=state)
         return shadow
 
-    def _entry(
+    def _bg_entry(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
     ) -> Entry:
         """The cached entry for ``key_sig``, resolved (and cached) when new."""
@@ -405,13 +405,13 @@ class CallSite:
             entry = None
             cacheable = False
         if entry is None or entry.rules_token != policy.rules_token:
-            entry = self._resolve(policy, args, kwargs, key_sig)
+            entry = self._bg_resolve(policy, args, kwargs, key_sig)
             if cacheable:
                 entry.sig = key_sig
                 keep_signature(self, key_sig, entry)
         return entry
 
-    def _resolve(
+    def _bg_resolve(
         self, policy: BatchingPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], key_sig: Any
     ) -> Entry:
         # Slow path, once per signature: build the template, infer the output spec
@@ -457,7 +457,7 @@ class CallSite:
         entry.on_copy = fn is not self._bg_fn
         return entry
 
-    def _infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
+    def _bg_infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
         """See ``batchgraph.inference.infer_spec``."""
         return infer_spec(self._bg_fn, self._bg_name, call)
 

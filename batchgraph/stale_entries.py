@@ -46,7 +46,7 @@ def recheck(
         # embedding's dtype is its weight's). Checked here, once per key and
         # compute, not per call, and not for callables that read no tensors
         # (operators, most functions); the signatures are resolved anew.
-        site._forget()
+        site._bg_forget()
         # A conversion keeps the parameters' objects but replaces the buffers:
         # the graph lists them anew, so the new ones are watched.
         graph.forget_parts(site._bg_fn)
@@ -59,7 +59,7 @@ def recheck(
     if entry.hooks is not None and module is not None and entry.hooks != hooks_of(module):
         # Hooks changed since this signature was resolved: its spec may not
         # hold (a hook may reshape), and resolving warns of batched hooks.
-        site._forget()
+        site._bg_forget()
         return STALE
     attrs = graph.attributes_now(entry.key.fn)
     if entry.attrs != attrs and (now := spec_attributes(attrs)) != entry.attrs:
@@ -69,7 +69,7 @@ def recheck(
         if _only_numbers_changed(entry.attrs, now) and _spec_holds(site, policy, entry):
             entry.attrs = now  # an annealed temperature: the same spec
             return attrs
-        site._forget()
+        site._bg_forget()
         return STALE
     return attrs
 
@@ -104,7 +104,7 @@ def _spec_holds(site: CallSite, policy: BatchingPolicy, entry: Entry) -> bool:
     before = graph.attributes_now(fn)
     try:
         with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
-            spec, draws_random, kind = site._infer_spec(call)
+            spec, draws_random, kind = site._bg_infer_spec(call)
     except Exception:  # resolving anew reports it where it belongs
         return False
     note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
@@ -128,7 +128,7 @@ def switch_modes(
     assert sig is not None and old is not None and modes is not None
     other = site._bg_by_modes.get((sig, modes))
     if other is None or other.rules_token != policy.rules_token:
-        other = site._resolve(policy, args, kwargs, sig)
+        other = site._bg_resolve(policy, args, kwargs, sig)
         other.sig = sig
     site._bg_by_modes = bounded(site._bg_by_modes, (sig, old), entry)
     keep_signature(site, sig, other)

@@ -1,7 +1,7 @@
 """Whether ``torch.func.vmap`` runs a ``VmapKey`` call as its eager run does.
 
 Checked once per call signature, on fake tensors, when the call is recorded
-(``CallSite._resolve``): a call that vmap refuses, that loses an example's shape, that
+(``CallSite._bg_resolve``): a call that vmap refuses, that loses an example's shape, that
 computes in other dtypes (``batchgraph.dtype_trace``) or that does what vmap runs
 without error but wrongly (``_WrongUnderVmap``) runs one example at a time.
 """

@@ -440,13 +440,13 @@ def test_a_temperature_annealed_per_batch_keeps_the_cached_signatures(
     # fake tensors, not resolved anew with every signature of the module (the vmap
     # check each: about 10x the batch's time with 20 shapes).
     resolved: list[str] = []
-    original = bg.recording.CallSite._resolve
+    original = bg.recording.CallSite._bg_resolve
 
     def counting(self: bg.recording.CallSite, *args: Any) -> Any:
         resolved.append(self._bg_name)
         return original(self, *args)
 
-    monkeypatch.setattr(bg.recording.CallSite, "_resolve", counting)
+    monkeypatch.setattr(bg.recording.CallSite, "_bg_resolve", counting)
     model = Model(Scaled())
     eager = model.layer
     xs = [torch.randn(n, 4) for n in range(1, 4)]

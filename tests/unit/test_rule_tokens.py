@@ -21,13 +21,13 @@ from batchgraph.recording import CallSite
 def resolves(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Each signature a call site resolves (the slow path, with its fake-tensor run)."""
     seen: list[Any] = []
-    original = CallSite._resolve
+    original = CallSite._bg_resolve
 
     def counting(self: CallSite, *args: Any) -> Any:
         seen.append(self._bg_name)
         return original(self, *args)
 
-    monkeypatch.setattr(CallSite, "_resolve", counting)
+    monkeypatch.setattr(CallSite, "_bg_resolve", counting)
     return seen
 
 

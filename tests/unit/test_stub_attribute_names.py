@@ -17,6 +17,8 @@ from batchgraph.sites import ModuleStub
 # The fields a call site had under these names (base 6da41d3): any module may have them.
 NAMES = ("autocast", "by_modes", "cache", "copying", "fn", "held", "last", "last1",
          "mode_module", "name", "shadows")
+# And its methods of its own (until 3dd885a), which a module's settings shadowed as well.
+METHODS = ("_entry", "_forget", "_infer_spec", "_note_view", "_resolve", "_shadow")
 
 
 class Layer(nn.Module):
@@ -55,7 +57,7 @@ def _inputs() -> list[torch.Tensor]:
             for i in range(3)]
 
 
-@pytest.mark.parametrize("attr", NAMES)
+@pytest.mark.parametrize("attr", (*NAMES, *METHODS))
 def test_a_setting_read_and_set_through_the_stub_in_a_policy_equals_eager(attr: str) -> None:
     eager_net, net, xs = _net(attr), _net(attr), _inputs()
     eager = [eager_net(x) for x in xs]
@@ -66,7 +68,7 @@ def test_a_setting_read_and_set_through_the_stub_in_a_policy_equals_eager(attr: 
     assert getattr(net.layer, attr) == getattr(eager_net.layer, attr) == 2.5
 
 
-@pytest.mark.parametrize("attr", NAMES)
+@pytest.mark.parametrize("attr", (*NAMES, *METHODS))
 def test_a_setting_read_and_set_through_the_stub_in_coroutines_equals_eager(attr: str) -> None:
     eager_net, net, xs = _net(attr), _net(attr), _inputs()
     eager = [eager_net(x) for x in xs]
@@ -118,7 +120,7 @@ class GatedNet(bg.BatchedModule):
         return self.block.module(h)  # through the stub: was the Residual itself
 
 
-@pytest.mark.parametrize("attr", (*NAMES, "module"))  # the stub's `module` too, until 21008eb
+@pytest.mark.parametrize("attr", (*NAMES, *METHODS, "module"))  # `module`: until 21008eb
 def test_a_module_without_the_attribute_lacks_it_through_the_stub_too(attr: str) -> None:
     # Per-example code asking `hasattr(layer, "cache")` takes the branch eager code takes.
     class Holder(bg.BatchedModule):
