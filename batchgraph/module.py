@@ -27,36 +27,42 @@ __all__ = ["BatchedModule", "ModuleStub"]
 class _ContainerStub:
     """``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` whose items are stubbed."""
 
-    __slots__ = ("container",)
+    # Named so that no container's own attribute is taken for it (see ModuleStub).
+    __slots__ = ("_bg_container",)
 
     def __init__(self, container: Any) -> None:
         # Any: ModuleList, ModuleDict and Sequential share indexing but no base type.
-        self.container = container
+        object.__setattr__(self, "_bg_container", container)
 
     def __getitem__(self, index: Any) -> Any:
-        return _stub(self.container[index])
+        return _stub(self._bg_container[index])
 
     def __iter__(self) -> Iterator[Any]:
-        if isinstance(self.container, nn.ModuleDict):
-            return iter(self.container)
-        return (_stub(m) for m in self.container)
+        if isinstance(self._bg_container, nn.ModuleDict):
+            return iter(self._bg_container)
+        return (_stub(m) for m in self._bg_container)
 
     def __len__(self) -> int:
-        return len(self.container)
+        return len(self._bg_container)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _stub_module(self.container)(*args, **kwargs)
+        return _stub_module(self._bg_container)(*args, **kwargs)
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # type: ignore[override]
         # isinstance(self.layers, nn.ModuleList) answers as eagerly (see ModuleStub).
-        return type(self.container)
+        return type(self._bg_container)
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self.container, name)
-        if name in ("keys", "values", "items") and isinstance(self.container, nn.ModuleDict):
-            return _dict_view(self.container, name)
+        value = getattr(self._bg_container, name)
+        if name in ("keys", "values", "items") and isinstance(self._bg_container, nn.ModuleDict):
+            return _dict_view(self._bg_container, name)
         return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Per-example code setting a container's attribute (a Sequential subclass's
+        # own setting) sets it on the container, as eagerly.
+        setattr(self._bg_container, name, value)
 
 
 def _dict_view(container: nn.ModuleDict, name: str) -> Any:
@@ -174,7 +180,7 @@ class BatchedModule(nn.Module):
         if type(value) is ModuleStub:
             value = value.__wrapped__
         elif type(value) is _ContainerStub:
-            value = value.container
+            value = value._bg_container
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:

@@ -155,3 +155,38 @@ def test_a_batched_func_still_gives_its_callable() -> None:
     assert bg.batched_func(lin).__wrapped__ is lin
     with pytest.raises(AttributeError, match="fn"):
         bg.batched_func(lin).fn  # noqa: B018
+
+
+class _ScaledStack(nn.Sequential):
+    """A container of the user's with settings of its own, one named ``container``."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(3, 3), nn.Tanh())
+        self.container = 2.0
+        self.scale = 1.0
+
+
+class _StackNet(bg.BatchedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = _ScaledStack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stack.scale = 3.0  # set through the container's stub
+        return self.stack(x) * self.stack.container * self.stack.scale
+
+
+def test_a_containers_own_settings_read_and_set_through_its_stub_equal_eager() -> None:
+    # Before: the stub's slot `container` was read instead of the container's 2.0
+    # (the Sequential itself: TypeError), and setting `scale` raised AttributeError.
+    model, eager_model = _StackNet(), _StackNet()
+    eager_model.load_state_dict(model.state_dict())
+    xs = [torch.randn(3) for _ in range(3)]
+    want = [eager_model(x) for x in xs]
+    with bg.BatchingPolicy():
+        handles = [model(x) for x in xs]
+    got = bg.compute(handles)
+    assert model.stack.scale == eager_model.stack.scale == 3.0
+    assert model.stack.container == 2.0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
