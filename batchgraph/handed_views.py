@@ -105,7 +105,9 @@ def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
                         tracked[n] = (before, ref)
                 continue
             key = keys[node_key[n]]
-            if makes_view(key.fn, key):  # a view of the view: a view of the value too
+            # A view of the view is a view of the value too; an operation that copies
+            # the view as it is laid out (reshape of a transpose) reads it.
+            if makes_view(key.fn, key) and _views_as_laid_out(graph, n, tracked, viewed):
                 tracked[n] = viewed
                 continue
             handouts, base = viewed
@@ -153,6 +155,42 @@ def _view(graph: Graph, node: int, tracked: dict[int, _Tracked], base: Ref,
         else:
             args.append(_stored(graph, ref))
     return key.call.apply(key.fn, args)
+
+
+def _views_as_laid_out(graph: Graph, node: int, tracked: dict[int, _Tracked],
+                       viewed: _Tracked) -> bool:
+    """Whether ``node``, a call on a tracked view that ``makes_view`` names (which runs
+    it on contiguous fakes), makes a view of it as the view is laid out: ``reshape``,
+    ``flatten`` or ``contiguous`` of a transpose copy it, eagerly at the time of the
+    call. Run once on the value handed out (a call whose other inputs are not computed
+    yet gets zeros of their shape: the layout is what counts); a view where that value
+    is gone (it can no longer change, so either way reads the same)."""
+    handouts, base = viewed
+    value = next((v for h in handouts if (v := h[0]()) is not None), None)
+    key = graph.keys[graph.node_key[node]]
+    specs = key.call.input_specs
+    if value is None or any(s is None for s in specs):
+        return True
+    args: list[Any] = []
+    try:
+        with torch.no_grad():
+            for ref, spec in zip(graph.node_inputs[node], specs, strict=True):
+                if ref == base:
+                    args.append(value)
+                elif ref[0] in tracked:
+                    args.append(_leaf(_view(graph, ref[0], tracked, base, value), ref[1]))
+                elif graph.node_loc[ref[0]] >= 0 or ref[0] in graph.constants:
+                    args.append(_stored(graph, ref))
+                else:
+                    assert spec is not None  # checked above
+                    args.append(torch.zeros((), dtype=spec.dtype, device=spec.device)
+                                .expand(spec.shape))
+            out = key.call.apply(key.fn, args)
+    except Exception:  # not runnable so (the value reshaped in place): as recorded
+        return True
+    storage = value.untyped_storage()._cdata
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == storage
+               for t in tree_leaves(out))
 
 
 def _stored(graph: Graph, ref: Ref) -> Any:
