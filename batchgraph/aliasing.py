@@ -240,11 +240,31 @@ def view_of_handed(site: Callable[..., Any], fn: Callable[..., Any], args: tuple
         # compute with the eager error (BatchedCallError), as calls do.
         return NOT_VIEWED
     plain_args, plain_kwargs = tree_map(_not_handed, (args, kwargs))
-    recorded = site(*plain_args, **plain_kwargs)
+    recorded = _apart_from_early_views(site, args, plain_args, plain_kwargs)
     for handle, view in zip(tree_leaves(recorded), tree_leaves(views), strict=True):
         if type(handle) is ResultHandle and isinstance(view, torch.Tensor):
             handle.handed(view)
     return recorded
+
+
+def _apart_from_early_views(site: Callable[..., Any], args: tuple[Any, ...],
+                            plain_args: Any, plain_kwargs: Any) -> Any:
+    """Record the view through ``site``, kept apart from an identical view recorded
+    before its value was handed out (``last = h[0]``, ``y = bg.compute(h)``, ``h[0]``):
+    merged, the calls on this one, read as eagerly, could not be told from those on
+    the early one, which ``handed_views.check`` refuses where the value changed."""
+    from batchgraph.handle import ResultHandle
+
+    handles = [a for a in tree_leaves(args) if type(a) is ResultHandle]
+    graph = handles[0]._graph if handles else None
+    if graph is None or not graph.handed_views or not graph.dedupe or not any(
+            (h.node, h.leaf) in graph.handed_views for h in handles):
+        return site(*plain_args, **plain_kwargs)
+    graph.dedupe = False
+    try:
+        return site(*plain_args, **plain_kwargs)
+    finally:
+        graph.dedupe = True
 
 
 def holds_handed(args: tuple[Any, ...]) -> bool:

@@ -101,7 +101,8 @@ def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
                         outs := table.get(ref)):
                     before = tuple(o for o in outs if n < o[2])  # recorded before it
                     key = keys[node_key[n]]
-                    if before and makes_view(key.fn, key):
+                    if before and makes_view(key.fn, key) and _views_as_laid_out(
+                            graph, n, tracked, (before, ref)):
                         tracked[n] = (before, ref)
                 continue
             key = keys[node_key[n]]
@@ -159,13 +160,16 @@ def _view(graph: Graph, node: int, tracked: dict[int, _Tracked], base: Ref,
 
 def _views_as_laid_out(graph: Graph, node: int, tracked: dict[int, _Tracked],
                        viewed: _Tracked) -> bool:
-    """Whether ``node``, a call on a tracked view that ``makes_view`` names (which runs
-    it on contiguous fakes), makes a view of it as the view is laid out: ``reshape``,
-    ``flatten`` or ``contiguous`` of a transpose copy it, eagerly at the time of the
-    call. Run once on the value handed out (a call whose other inputs are not computed
-    yet gets zeros of their shape: the layout is what counts); a view where that value
-    is gone (it can no longer change, so either way reads the same)."""
+    """Whether ``node``, a call that ``makes_view`` names (it runs it on contiguous
+    fakes) on a value handed out or a tracked view of one, makes a view as its input
+    is laid out: ``reshape``, ``flatten`` or ``contiguous`` of a transpose copy it,
+    eagerly at the time of the call. Run once on the value handed out (a call whose
+    other inputs are not computed yet gets zeros of their shape: the layout is what
+    counts) where that value changed since; a view otherwise, which reads the same
+    (``rederive`` copies as eagerly, of the value as it was)."""
     handouts, base = viewed
+    if not any(_changed(graph, h, base) for h in handouts):
+        return True
     value = next((v for h in handouts if (v := h[0]()) is not None), None)
     key = graph.keys[graph.node_key[node]]
     specs = key.call.input_specs
