@@ -295,6 +295,9 @@ OPS: dict[str, Op] = {
 # Values made by these are views of their input (a changed view would change it):
 # no in-place change is made to either afterwards.
 _VIEWS = frozenset({"view"})
+# Indexing's kinds that index by a 0-d integer tensor where one is drawn (a[flat[0]],
+# a[index] with a 0-d index): eagerly a select, a view of its input too.
+_INDEX_VIEWS = frozenset({0, 2})
 # Values these make are their own (no view of another): changed in place as they are.
 _OWN = frozenset({"add", "sub", "mul", "div", "where", "unary", "in_place"})
 
@@ -345,7 +348,7 @@ class Run:
                 # which later steps may change in place with recorded values (a plain
                 # tensor may not change so: see the README).
                 value = bg.batched_value(value).clone()
-        if name in _VIEWS:
+        if name in _VIEWS or (name == "index" and c % 6 in _INDEX_VIEWS):
             self.own[pick_a % len(self.values)] = False
         self.values.append(value)
         self.own.append(name in _OWN)
