@@ -16,7 +16,9 @@ of such, and which tensor a plain tensor attribute is (not a parameter or buffer
 are watched apart: ``self.mask = other``), except ``nn.Module``'s own bookkeeping (its
 mode and hook dicts). Not watched: changes inside a plain tensor attribute, attributes a module's ``forward`` changes itself (a
 call counter, a cached length: found where its run on fake tensors, when a signature
-is resolved, or a compute changed them), mutable containers (a list or dict, which a
+is resolved, or a compute on the recording thread changed them; a compute on an
+executor thread, a lane's of ``run_all`` or an ``AsyncBatcher``'s, finds none, as the
+user's code may set a setting meanwhile), mutable containers (a list or dict, which a
 forward may fill as it goes), values inside other objects (``self.cfg.scale`` of a
 config object), and a recorded function's plain globals and closure cells
 (``SCALE = 2.0`` read by a ``bg.batched_func``): keep those as they were until the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import numbers
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from itertools import chain
@@ -60,6 +63,9 @@ _OWN_STATE: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = (
     weakref.WeakKeyDictionary()
 )
 _own_generation = 0  # moves when _OWN_STATE does: snapshots cached before are stale
+# Both are changed by the recording thread and by computes (on an executor thread in
+# run_all's lanes and AsyncBatcher's): one change at a time, none lost.
+_own_lock = threading.Lock()
 _HELD = "_batchgraph_attributes"  # where attribute_cache keeps its caches on a module
 
 
@@ -255,14 +261,17 @@ def note_own_state(
     global _own_generation
     if after == before:
         return
-    _own_generation += 1
     changed: dict[int, set[str]] = {}
     then, now = set(before or ()), set(after or ())
     for i, name, _ in then ^ now:
         changed.setdefault(i, set()).add(name)
-    for i, names in changed.items():
-        module = modules[i]
-        _OWN_STATE[module] = _OWN_STATE.get(module, frozenset()) | names
+    with _own_lock:
+        for i, names in changed.items():
+            module = modules[i]
+            _OWN_STATE[module] = _OWN_STATE.get(module, frozenset()) | names
+        # After the table: a look in between, under the old table, must not be kept
+        # as one under the new generation (it listed the forward's state as settings).
+        _own_generation += 1
 
 
 def changed_attributes(

@@ -11,6 +11,7 @@ nothing and the caller can put things back and compute again. Kept apart from
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,6 +154,14 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
             )
         done.setdefault(id(fn), (fn, graph.key_attrs[kid]))
     yield
+    if graph.attrs_thread != threading.get_ident():
+        # Computed on another thread than the one recording (a lane's step on run_all's
+        # or an AsyncBatcher's executor): the user's code there may have set an
+        # attribute meanwhile, which is no state of the forward's. Taken for one, it
+        # was no longer watched, and calls recorded before the change computed with
+        # the new value, silently. Own state is found on the recording thread only
+        # (runs on fake tensors, computes there).
+        return
     for fn, before in done.values():
         note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
 

@@ -138,6 +138,8 @@ class Graph(KeyReads):
         self.key_hooks: dict[int, tuple[tuple[int, ...], ...]] = {}
         # And the plain attributes of the modules a key reads (batchgraph.attributes).
         self.key_attrs: dict[int, Attributes] = {}
+        # The thread that noted them (the one recording, which runs the user's code).
+        self.attrs_thread = 0
         self._module_parts: dict[int, ModuleParts] = {}
         self.node_key: list[int] = []
         self.node_inputs: list[tuple[Ref, ...]] = []

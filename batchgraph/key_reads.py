@@ -13,6 +13,7 @@ attributes, ``batchgraph.attributes``, ``ModuleAttributeChangedError``). Kept ap
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ class KeyReads:
     key_submodes: dict[int, tuple[bool, ...]]
     key_hooks: dict[int, Hooks]
     key_attrs: dict[int, Attributes]
+    attrs_thread: int
     _module_parts: dict[int, ModuleParts]
 
     if TYPE_CHECKING:
@@ -123,6 +125,7 @@ class KeyReads:
             self.key_hooks[kid] = hooks
         if attrs is not None:
             self.key_attrs[kid] = attrs
+            self.attrs_thread = threading.get_ident()
 
     def _parts_of(self, module: Any) -> ModuleParts:
         found = self._module_parts.get(id(module))  # the key holds the module: id stays
