@@ -127,7 +127,9 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
     had a plain attribute set (``drop.p``, ``norm.eps``, ``conv.padding``, a
     ``self.temperature``: ``batchgraph.attributes``) since its calls were recorded;
     then run the steps, and take attributes they set for state their modules keep
-    themselves (a forward noting something only when it really runs), not settings."""
+    themselves (a forward noting something only when it really runs), not settings.
+    On another thread than the one recording, attributes set while the steps ran
+    refuse them (the recording thread's code may have set them)."""
     done: dict[int, tuple[Any, Attributes | None]] = {}
     checked: set[int] = set()
     for step in schedule.steps:
@@ -138,20 +140,7 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
             continue
         checked.add(kid)
         fn = graph.keys[kid].fn
-        changed = graph.changed_attributes(kid)
-        if changed:
-            whose = "of" if isinstance(fn, torch.nn.Module) else "of modules read by"
-            raise ModuleAttributeChangedError(
-                f"attribute(s) {'; '.join(changed[:5])} {whose} {graph.keys[kid].label} "
-                f"in {graph.name!r} were set after its calls in "
-                f"this batch ({len(step.nodes)}) were recorded and before they were "
-                "computed. A batched call reads them when it runs, so those calls would "
-                "use the new values where eager calls used the old ones (a value set "
-                "between two calls recorded with no compute in between counts for "
-                "both). Compute what you recorded before setting them (bg.compute, or "
-                "read a value), or set them back and compute then, or record the calls "
-                "again after the change."
-            )
+        _refuse_changed_attributes(graph, kid, len(step.nodes), "")
         done.setdefault(id(fn), (fn, graph.key_attrs[kid]))
     yield
     if graph.attrs_thread != threading.get_ident():
@@ -160,10 +149,40 @@ def watching_attributes(graph: Graph, schedule: Schedule) -> Iterator[None]:
         # attribute meanwhile, which is no state of the forward's. Taken for one, it
         # was no longer watched, and calls recorded before the change computed with
         # the new value, silently. Own state is found on the recording thread only
-        # (runs on fake tensors, computes there).
+        # (runs on fake tensors, computes there). And the steps may have read the new
+        # value: refused (the executor drops what they stored), not handed out.
+        for kid in checked:
+            _refuse_changed_attributes(graph, kid, 0, _MEANWHILE)
         return
     for fn, before in done.values():
         note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
+
+
+_MEANWHILE = (
+    " The change came while they computed on another thread than the one recording "
+    "(a lane of bg.run_all with overlap='thread' or 'parallel', or an AsyncBatcher's), "
+    "so they may have read the new values: set such attributes between runs, or with "
+    "overlap='inline'."
+)
+
+
+def _refuse_changed_attributes(graph: Graph, kid: int, count: int, why: str) -> None:
+    changed = graph.changed_attributes(kid)
+    if not changed:
+        return
+    fn = graph.keys[kid].fn
+    whose = "of" if isinstance(fn, torch.nn.Module) else "of modules read by"
+    calls = f" ({count})" if count else ""
+    raise ModuleAttributeChangedError(
+        f"attribute(s) {'; '.join(changed[:5])} {whose} {graph.keys[kid].label} "
+        f"in {graph.name!r} were set after its calls in this batch{calls} were "
+        "recorded and before they were computed. A batched call reads them when it "
+        "runs, so those calls would use the new values where eager calls used the old "
+        "ones (a value set between two calls recorded with no compute in between counts "
+        "for both). Compute what you recorded before setting them (bg.compute, or read a "
+        f"value), or set them back and compute then, or record the calls again after the "
+        f"change.{why}"
+    )
 
 
 @contextlib.contextmanager
