@@ -351,6 +351,10 @@ class ModuleParts:
 # ids of their own, apart from those recorded before it.
 _WATCHED: weakref.WeakSet[KeyReads] = weakref.WeakSet()
 _hook_registered = False
+# Graphs are added by the threads recording, and listed by the one stepping an
+# optimizer (an actor-learner's learner beside its actors): listed while another
+# thread added one, the step raised "Set changed size during iteration".
+_watched_lock = threading.Lock()
 # Per optimizer stepping now: its parameters that have a gradient (those a step
 # updates), with their versions before the step.
 _BEFORE: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tensor, int]]] = (
@@ -360,9 +364,10 @@ _BEFORE: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tenso
 
 def _watch_optimizer_steps(graph: KeyReads) -> None:
     global _hook_registered
-    _WATCHED.add(graph)
-    if not _hook_registered:
-        _hook_registered = True
+    with _watched_lock:
+        _WATCHED.add(graph)
+        registered, _hook_registered = _hook_registered, True
+    if not registered:
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
@@ -386,5 +391,7 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     unseen = [p for p, version in _BEFORE.pop(optimizer, ()) if p._version == version]
     if unseen:
         torch.autograd.graph.increment_version(unseen)
-    for graph in list(_WATCHED):
+    with _watched_lock:
+        graphs = list(_WATCHED)
+    for graph in graphs:
         graph.new_stamp()
