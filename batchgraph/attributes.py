@@ -158,7 +158,9 @@ def plain_attributes(modules: Iterable[tuple[int, torch.nn.Module]]) -> Attribut
     append = found.append
     for i, module in modules:
         own = _OWN_STATE.get(module, ()) if _OWN_STATE else ()
-        for name, value in vars(module).items():
+        # A copy, taken at once: the loop may run Python (a proxy's __class__), while
+        # another thread sets a new attribute (a forward computing on an executor).
+        for name, value in tuple(vars(module).items()):
             kind = type(value)
             # The commonest kinds inline (this runs once per key and compute).
             if kind is int or kind is bool or kind is str:

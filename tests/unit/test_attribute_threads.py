@@ -197,3 +197,40 @@ def test_a_look_while_own_state_is_noted_on_another_thread_is_not_kept() -> None
     assert not noting.is_alive()
     # `steps` is the module's own state now: no setting.
     assert [name for _, name, _ in cache.now() or ()] == ["armed"]
+
+
+class Proxy:
+    """A value standing for another (as wrapt's proxies do): its ``__class__`` is
+    Python, which waits once on a thread that is not the main one."""
+
+    def __init__(self, module: Hashed) -> None:
+        self.module = module
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        module = self.module
+        if module.armed and threading.current_thread() is not _MAIN:
+            module.armed = False
+            module.entered.set()
+            _wait(module.go_on)
+        return Proxy
+
+
+def test_attributes_are_read_while_another_thread_sets_a_new_one() -> None:
+    # The loop over a module's __dict__ ran Python for a proxy's type: a new attribute
+    # set meanwhile on another thread raised RuntimeError ('dictionary changed size
+    # during iteration') in the thread reading them (recording, or a compute).
+    module = Hashed()
+    module.config = Proxy(module)
+    module.armed = True
+    found: list[Any] = []
+    reading = threading.Thread(
+        target=lambda: found.append(bg.attributes.plain_attributes([(0, module)])))
+    reading.start()
+    _wait(module.entered)
+    module.scale = 2.0  # a new attribute, set while the other thread reads
+    module.go_on.set()
+    reading.join(_WAIT)
+    assert not reading.is_alive()
+    assert found, "reading the attributes raised"
+    assert "config" not in [name for _, name, _ in found[0]]  # no plain value
