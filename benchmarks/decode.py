@@ -14,7 +14,11 @@ until its own end token (value-dependent control flow) or ``--max-len``. Variant
   ``floor`` against ``hand`` is what per-example coroutines cost at all;
 * ``coro1`` / ``coro2``: the same per-example coroutine under ``bg.run_all`` with one
   group, and with two groups taking turns (``--overlap``, default ``auto``: on the CPU
-  inline or one executor thread per group, as ``run_all`` measures the first steps).
+  inline or one executor thread per group, as ``run_all`` measures the first steps);
+* ``hand2``: ``hand`` on each half of the examples, the halves on two threads at once:
+  what two groups could gain here with no Python cost at all (``hand2/hd``, the ceiling
+  of ``2g/1g``). Two half batches cost more than one whole one, and they share the
+  machine's cores and memory bandwidth with each other.
 
 Before timing, all variants must produce identical token sequences in float64 (a
 logic check that float32 near-ties cannot upset); the float32 timed runs then report
@@ -31,6 +35,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -72,6 +77,22 @@ class Decoder(bg.BatchedModule):
                 break
             out.append(tok)
         return out
+
+
+def hand_two_threads(model: Decoder, states: torch.Tensor, max_len: int) -> list[list[int]]:
+    """``hand_batched`` on each half of ``states``, the halves on two threads at once."""
+    halves = states.chunk(2)
+    done: list[list[list[int]]] = [[] for _ in halves]
+
+    def run(i: int) -> None:
+        done[i] = hand_batched(model, halves[i], max_len)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(halves))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [seq for half in done for seq in half]
 
 
 def _scalar_device(device: torch.device) -> torch.device | None:
@@ -232,6 +253,7 @@ def variants(model: Decoder, states: list[torch.Tensor], max_len: int, overlap: 
     return {
         "eager": lambda: [run_eagerly(model.greedy(h, max_len)) for h in states],
         "hand": lambda: hand_batched(model, stacked, max_len),
+        "hand2": lambda: hand_two_threads(model, stacked, max_len),
         "floor": lambda: floor_driver(model, stacked, max_len),
         "coro1": lambda: bg.run_all([model.greedy(h, max_len) for h in states]),
         "coro2": lambda: bg.run_all([model.greedy(h, max_len) for h in states], groups=2,
@@ -294,6 +316,7 @@ def bench(size: str, counts: list[int], reps: int, max_len: int, check: int,
             "coro1_vs_hand": med["hand"] / med["coro1"],
             "coro2_vs_coro1": med["coro1"] / med["coro2"],
             "floor_vs_hand": med["hand"] / med["floor"],
+            "hand2_vs_hand": med["hand"] / med["hand2"],
             "hand_vs_eager": med["eager"] / med["hand"],
             "coro1_vs_eager": med["eager"] / med["coro1"],
             "coro1_peak_store_mib": peak_mib,
@@ -307,7 +330,7 @@ def _row(r: dict[str, Any]) -> str:
     return (f"{r['size']:10} {r['concurrent']:5} {s['eager']:9.0f} {s['hand']:9.0f} "
             f"{s['coro1']:9.0f} {s['coro2']:9.0f} {r['hand_vs_eager']:7.1f}x "
             f"{r['coro1_vs_eager']:7.1f}x {r['floor_vs_hand']:7.2f}x {r['coro1_vs_hand']:7.2f}x "
-            f"{r['coro2_vs_coro1']:7.2f}x "
+            f"{r['coro2_vs_coro1']:7.2f}x {r['hand2_vs_hand']:7.2f}x "
             f"{r['overhead_us_per_example_step']:8.1f} {r['coro1_peak_store_mib']:7.1f} "
             f"{r['agree_float32']:>8}")
 
@@ -335,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
           f"device {device}" + (f" ({torch.cuda.get_device_name(device)})"
                                 if device.type == "cuda" else ""))
     print(f"{'size':10} {'conc':>5} {'eager/s':>9} {'hand/s':>9} {'coro1/s':>9} {'coro2/s':>9} "
-          f"{'hand/eg':>8} {'coro/eg':>8} {'floor/hd':>8} {'coro/hd':>8} {'2g/1g':>8} {'ovh us':>8} "
+          f"{'hand/eg':>8} {'coro/eg':>8} {'floor/hd':>8} {'coro/hd':>8} {'2g/1g':>8} {'hand2/hd':>8} "
+          f"{'ovh us':>8} "
           f"{'MiB':>7} {'agree':>8}")
     rows = []
     for size in args.sizes:
@@ -350,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     }, indent=2))
     print(f"(sequences/s; floor/hd = the minimal driver written for this decoder vs "
           f"hand-batched; coro/hd = coroutines vs hand-batched; 2g/1g = two groups vs one; "
+          f"hand2/hd = hand-batched halves on two threads vs hand-batched (the ceiling of "
+          f"2g/1g); "
           f"ovh us = (coro1 - hand) time per example step; MiB = most memory coro1's stored "
           f"values took at once; agree = float32 sequences equal "
           f"to eager; all variants identical in float64)\nwrote {out}")

@@ -26,9 +26,9 @@ def test_decode_benchmark_runs_every_variant_and_writes_json(
     finally:
         torch.set_num_threads(threads)
     [row] = json.loads(out.read_text())["rows"]
-    assert set(row["seconds"]) == {"eager", "hand", "floor", "coro1", "coro2"}
+    assert set(row["seconds"]) == {"eager", "hand", "hand2", "floor", "coro1", "coro2"}
     # float32 agreement is reported, not required: a near-tie may round either way.
-    assert row["agree_float32"].endswith("/6") and row["floor_vs_hand"] > 0
+    assert row["agree_float32"].endswith("/6") and row["floor_vs_hand"] > 0 and row["hand2_vs_hand"] > 0
     assert f"coro2 overlap {overlap}" in capsys.readouterr().out
 
 
