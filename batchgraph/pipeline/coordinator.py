@@ -275,8 +275,7 @@ class Coordinator:
             # fails after some microbatches' backwards must not leave theirs behind.
             # A loss module's parameters too (a learned weight): its backwards add to
             # them per microbatch as the stages' do.
-            fn = getattr(self.loss, "fn", None)
-            extra = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+            extra = self.loss.parameters() if self.loss is not None else []
             params = list(dict.fromkeys(
                 [p for s in self.stages for p in s.module.parameters()] + extra))
             saved = stash_gradients(params)

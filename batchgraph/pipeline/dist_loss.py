@@ -15,11 +15,12 @@ microbatch fails at the last microbatch's loss (so every rank stops, naming it),
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.errors import PipelineConfigError, StageError
@@ -27,7 +28,37 @@ from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.step_checks import no_gradient_error
 
-__all__ = ["StepLoss", "count_over_replicas"]
+__all__ = ["StepLoss", "count_over_replicas", "start_loss_replicas"]
+
+
+def start_loss_replicas(
+    params: Sequence[nn.Parameter] | None, control: Any, replica: Any, src: int
+) -> None:
+    """Make every replica's loss parameters (a learned weight) the first replica's.
+
+    Every rank calls it (collective over ``control``); ``params`` is the loss's
+    parameters on the ranks of the last stage and ``None`` elsewhere, ``replica`` this
+    rank's replica group, ``src`` the first replica's rank in it. As the stages' (see
+    :func:`~batchgraph.pipeline.dist_build.sync_replicas`): each rank built its loss with
+    its own random state, and replicas that start apart stay apart however exactly
+    their gradients are summed. Their layouts are compared first, so a loss built
+    differently on some replica is refused on every rank rather than hung on.
+
+    Example (every rank of a 2 stages x 2 replicas job)::
+
+        start_loss_replicas(loss.parameters() if last else None, control, replica, src)
+    """
+    mine = None if params is None else [(tuple(p.shape), str(p.dtype)) for p in params]
+    every: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(every, mine, group=control)
+    layouts = {repr(x) for x in every if x is not None}
+    if len(layouts) > 1:
+        raise PipelineConfigError(
+            "the replicas' losses have different parameters (shape, dtype per parameter: "
+            f"{'; '.join(sorted(layouts))}): give every rank of the last stage the same loss"
+        )
+    for p in params or ():
+        dist.broadcast(p.data, src=src, group=replica)
 
 
 def count_over_replicas(loss: Loss, group: Any, device: torch.device) -> None:

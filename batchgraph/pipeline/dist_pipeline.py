@@ -37,7 +37,7 @@ from batchgraph.pipeline.comm import COORDINATOR, MessageKey, MessageKind, Paylo
 from batchgraph.pipeline.dist_build import StageSpec, build_local_stages, sync_replicas
 from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_failing import RankFailures
-from batchgraph.pipeline.dist_loss import StepLoss, count_over_replicas
+from batchgraph.pipeline.dist_loss import StepLoss, count_over_replicas, start_loss_replicas
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
 from batchgraph.pipeline.dist_sync import (
     TimelineGather,
@@ -102,8 +102,10 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
             a :class:`PipelineSchedule` for ``stages`` devices and ``microbatches``
             (validated; counts that differ from its own are refused).
         loss_fn: ``loss_fn(output, target) -> scalar`` (mean or sum reduction) or a
-            :class:`Loss`; needed on
-            the last rank for :meth:`train_step`.
+            :class:`Loss`; needed on the last rank for :meth:`train_step`. A loss
+            module's own parameters (a learned weight) start as the first replica's,
+            their gradients are summed over the replicas, and a failed step leaves their
+            ``.grad`` as before (put them in the last rank's optimizer).
         chunks: model stages per device v (interleaved only); device d runs stages d, d+p, ...
             Default 1, or a :class:`PipelineSchedule`'s own.
         replicas: data-parallel pipelines; ``world size == stages * replicas``.
@@ -217,8 +219,10 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         # over those ranks after each step (see dist_tied).
         self.tied = TiedGradients(ties, self.schedule.device_of, self.groups, self.stages, timeout)
         if self.groups.replica is not None:  # replicas start as the first one (as DDP)
-            t = self.topology
-            sync_replicas(self.stages, self.groups.replica, src=t.rank_of(t.device, 0))
+            t, replica = self.topology, self.groups.replica
+            sync_replicas(self.stages, replica, src=t.rank_of(t.device, 0))
+            own = self.loss.parameters() if self._has_last and self.loss else None
+            start_loss_replicas(own, self.groups.control, replica, t.rank_of(t.device, 0))
         self.comm = DistCommunicator(
             lambda s: self.topology.rank_of(self.schedule.device_of(s)),
             self.groups.pipeline,
@@ -254,6 +258,12 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         # Once: stages of this rank may share a parameter (tied weights, chunks > 1).
         params = (p for s in sorted(self.stages) for p in self.stages[s].module.parameters())
         return list(dict.fromkeys(params))
+
+    def _step_parameters(self) -> list[nn.Parameter]:
+        """What a step's backwards add to here: the stages' parameters and, on the last
+        stage's rank, the loss's own (a learned weight; see :meth:`Loss.parameters`)."""
+        extra = self.loss.parameters() if self._has_last and self.loss is not None else []
+        return list(dict.fromkeys(self.parameters() + extra))
 
     # -- checkpoints (see batchgraph.pipeline.checkpoint) ---------------------------------
 
@@ -370,7 +380,7 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         if scaler is not None:
             try:
                 # A rank whose parameters are all frozen has no optimizer either.
-                trains = any(p.requires_grad for p in self.parameters())
+                trains = any(p.requires_grad for p in self._step_parameters())
                 scale = agree_on_scale(scaler, self.device, self.groups.control,
                                        self.comm.device, stepped=trains)  # fmt: skip
             except PipelineConfigError:
@@ -383,7 +393,7 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
             stage.reset()
         # Earlier steps' gradients are stashed (see step_gradients): only this step's are
         # summed over ranks, and a failed step leaves .grad as it was before it.
-        params = self.parameters() if train else []
+        params = self._step_parameters() if train else []
         saved = stash_gradients(params) if params else []
         try:
             if self._gather is not None:

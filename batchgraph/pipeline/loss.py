@@ -226,6 +226,28 @@ class Loss:
             counted.numel() if weight is None else weight[counted.to(weight.device)].sum()
         )
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The loss function's own parameters (a learned weight or temperature): those of
+        ``fn`` when it is an ``nn.Module``, else none.
+
+        A step's backwards add to them as to the stages' parameters, so the pipelines
+        keep them with those: a failed step leaves their ``.grad`` as before it, and
+        data-parallel replicas start them equal and sum their gradients. A ``Loss``
+        subclass holding parameters elsewhere overrides this.
+
+        Example:
+            >>> [p.shape for p in Loss(torch.nn.MSELoss()).parameters()]
+            []
+            >>> class Scaled(torch.nn.MSELoss):
+            ...     def __init__(self) -> None:
+            ...         super().__init__()
+            ...         self.t = torch.nn.Parameter(torch.ones(()))
+            >>> [p.shape for p in Loss(Scaled()).parameters()]
+            [torch.Size([])]
+        """
+        fn = self.fn
+        return list(fn.parameters()) if isinstance(fn, nn.Module) else []
+
     @property
     def count(self) -> float | None:
         """This step's count for a mean over counted targets (see :meth:`begin_step`), or
