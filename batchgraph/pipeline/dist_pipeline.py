@@ -39,19 +39,13 @@ from batchgraph.pipeline.dist_comm import DistCommunicator
 from batchgraph.pipeline.dist_failing import RankFailures
 from batchgraph.pipeline.dist_loss import StepLoss, count_over_replicas, start_loss_replicas
 from batchgraph.pipeline.dist_posting import FillPosts, StepPlan, plan_step
-from batchgraph.pipeline.dist_sync import (
-    TimelineGather,
-    allreduce_gradients,
-    broadcast_buffers,
-    gather_state,
-    step_timeline,
-)
+from batchgraph.pipeline.dist_sync import ReplicaBuffers, allreduce_gradients, gather_state
 from batchgraph.pipeline.dist_tied import TiedGradients, describe_ties, ties_of
+from batchgraph.pipeline.dist_timeline import RankTimeline
 from batchgraph.pipeline.dist_topology import (
     ProcessGroups,
     Topology,
     check_same_config,
-    clock_offsets,
     describe_schedule,
 )
 from batchgraph.pipeline.errors import PipelineConfigError, StageError
@@ -82,7 +76,7 @@ __all__ = ["DistributedPipeline", "StageSpec"]
 _ACT, _GRAD = MessageKind.ACTIVATION, MessageKind.GRADIENT
 
 
-class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
+class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures, RankTimeline):
     """Pipeline training across processes: this rank's share of a pipeline (x replicas).
 
     Call it the same way on every rank of an initialised process group of
@@ -116,12 +110,15 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
             the pipeline to fill, so no rank waits for another at the end of a step);
             ``False`` skips it.
         broadcast_buffers: with ``replicas > 1``, copy the first replica's buffers
-            (``BatchNorm``'s running statistics) to the other replicas at the start of
-            every step (``train_step`` and ``forward``), as
-            ``DistributedDataParallel(broadcast_buffers=True)``, its default, does before
-            each forward; so every replica evaluates and checkpoints the same model.
-            ``False`` lets each replica keep the statistics of its own shards (as DDP's
-            ``broadcast_buffers=False``).
+            (``BatchNorm``'s running statistics) to the other replicas at the start of a
+            step, as ``DistributedDataParallel(broadcast_buffers=True)``, its default,
+            does at the start of a forward, and when it does: at the first step and at
+            each step that follows a ``train_step`` (DDP: a forward that follows one
+            with grad enabled), so every replica evaluates and checkpoints the same
+            model; a step that follows a ``forward`` (no grad) keeps each replica's
+            own (see :class:`~batchgraph.pipeline.dist_sync.ReplicaBuffers`). ``False`` lets each replica keep the statistics of its
+            own shards (as DDP's ``broadcast_buffers=False``). The attribute of that
+            name may be changed between steps, on every rank alike.
 
     Raises:
         PipelineConfigError: if the ranks disagree on the configuration (checked by an
@@ -230,20 +227,14 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
             device=self.device if backend == "nccl" else "cpu",
             board=self.groups.board,
         )
-        self.collect_stats = collect_stats
         self.broadcast_buffers = broadcast_buffers
-        self._offsets = clock_offsets(self.groups.control)
-        self._gather: TimelineGather | None = None
-        if collect_stats:
-            t = self.topology
-            self._gather = TimelineGather(
-                self.schedule, t.rank, t.world, self.groups.control, self._offsets, timeout
-            )
+        t = self.topology
+        self._buffers = ReplicaBuffers([self.stages[s].module for s in sorted(self.stages)],
+                                       self.groups.replica, src=t.rank_of(t.device, 0))  # fmt: skip
+        self._start_timeline(collect_stats, timeout)
         self._plan = self.schedule.order[self.topology.device]
         self._step_plans: dict[bool, StepPlan] = {}
         self._step = 0
-        self._events: list[TimelineEvent] = []
-        self._stats = PipelineStats()
         self._closed = False
         self._failed: BaseException | None = None
         self._warned_scalar = False  # a 0-d output warns once per pipeline
@@ -398,10 +389,7 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
         try:
             if self._gather is not None:
                 self._gather.begin(train)  # rank 0 posts its receives during the fill
-            if self.broadcast_buffers and self.groups.replica is not None:
-                t = self.topology
-                modules = [self.stages[s].module for s in sorted(self.stages)]
-                broadcast_buffers(modules, self.groups.replica, src=t.rank_of(t.device, 0))
+            self._buffers.begin(train, self.broadcast_buffers)  # by DDP's rule
             result, events = self._run(inputs, targets, total_n, train=train, scale=scale)
             if params:
                 if self.groups.replica is not None:  # over the replicas, then the tied copies
@@ -507,14 +495,3 @@ class DistributedPipeline(CheckpointMethods, RankClipping, RankFailures):
             plan = [a for a in self._plan if train or a.kind is ActionKind.FORWARD]
             steps = self._step_plans[train] = plan_step(plan, self.stages, self.schedule.stages)
         return steps
-
-    def _record(self, events: list[tuple[float, float]], train: bool) -> None:
-        if self._gather is not None:
-            self._events = self._gather.finish(events)
-        else:
-            self._events = step_timeline(
-                events, self.schedule, self.topology.rank, self.topology.world, train, None,
-                self._offsets,
-            )  # fmt: skip
-        devices = self.topology.world if self.collect_stats and self.topology.rank == 0 else None
-        self._stats = PipelineStats.from_events(self._events, devices=devices)

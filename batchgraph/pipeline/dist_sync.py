@@ -1,5 +1,6 @@
-"""Between replicas: buffers broadcast before a step and gradients all-reduced after it;
-and every rank's timeline gathered to rank 0 after a step."""
+"""Between replicas: buffers broadcast before a step (by DDP's rule, see
+:class:`ReplicaBuffers`) and gradients all-reduced after it; and every rank's timeline
+gathered to rank 0 after a step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from batchgraph.pipeline.step_gradients import restore_gradients, stash_gradient
 from batchgraph.pipeline.trace import TimelineEvent
 
 __all__ = [
+    "ReplicaBuffers",
     "TimelineGather",
     "allreduce_gradients",
     "broadcast_buffers",
@@ -47,8 +49,8 @@ def gather_state(
 def broadcast_buffers(modules: Sequence[nn.Module], group: Any, src: int) -> None:
     """Copy rank ``src``'s buffers of ``modules`` (running statistics) to every rank of ``group``.
 
-    What ``DistributedDataParallel(broadcast_buffers=True)`` (its default) does before each
-    forward: each replica updates its own running statistics from its own shard, so
+    What ``DistributedDataParallel(broadcast_buffers=True)`` (its default) does before a
+    forward (see :class:`ReplicaBuffers` for which): each replica updates its own running statistics from its own shard, so
     without this ``BatchNorm``'s would drift apart across the replicas, and each rank's
     checkpoint and eval-mode outputs would be those of a different model. One flat
     broadcast per dtype (``num_batches_tracked`` is int64), not one per tensor.
@@ -71,6 +73,43 @@ def broadcast_buffers(modules: Sequence[nn.Module], group: Any, src: int) -> Non
             with torch.no_grad():
                 b.copy_(flat[offset : offset + n].view_as(b))
             offset += n
+
+
+class ReplicaBuffers:
+    """When the replicas' buffers become the first replica's: by ``DistributedDataParallel``'s rule.
+
+    DDP broadcasts its buffers at the start of a forward when its previous forward ran
+    with grad enabled (outside ``no_sync()``), or it is the first: ``_post_forward`` sets
+    ``require_forward_param_sync`` to ``torch.is_grad_enabled()``, and
+    ``will_sync_module_buffers`` reads it. So the first evaluation after training
+    starts from the first replica's statistics, while an evaluation after another, and
+    the training step after an evaluation, keep each replica's own (which a no-grad
+    forward in train mode, updating ``BatchNorm``'s statistics per replica, makes
+    differ). Here ``train_step`` is a forward with grad enabled and ``forward`` one
+    without. Every rank of ``group`` makes the same calls, so all agree when to broadcast.
+
+    Args:
+        modules: this rank's stage modules.
+        group: this rank's replica group (``None``: one replica, nothing to broadcast).
+        src: the first replica's rank in ``group``.
+
+    Example (every rank, at the start of each step)::
+
+        buffers = ReplicaBuffers(stage_modules, replica_group, src=first_rank)
+        buffers.begin(train=True, enabled=pipe.broadcast_buffers)   # broadcasts (first)
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], group: Any, src: int) -> None:
+        self.modules, self.group, self.src = list(modules), group, src
+        self._due = True  # as DDP's first forward
+
+    def begin(self, train: bool, enabled: bool) -> bool:
+        """Start a step (``train``: ``train_step``); whether the buffers were broadcast."""
+        due, self._due = self._due, train
+        if not (due and enabled and self.group is not None):
+            return False
+        broadcast_buffers(self.modules, self.group, self.src)
+        return True
 
 
 def allreduce_gradients(

@@ -18,6 +18,10 @@ from tests.integration import dist_workers as W
 
 LR = 0.1
 STEPS = 3
+TRAIN = ("train",) * STEPS
+# In train mode throughout: a no-grad forward updates BatchNorm's statistics too, each
+# replica its own, so when the buffers are broadcast shows in every state.
+MIXED = ("train", "forward", "forward", "train", "forward")
 SHARDS = ((0, 7), (7, 12))  # replica j's samples (uneven)
 
 
@@ -39,7 +43,9 @@ def _state(module: Any) -> dict[str, list[Any]]:
     return {k: v.tolist() for k, v in module.state_dict().items()}
 
 
-def _pipeline_states(rank: int, broadcast: bool) -> list[dict[str, list[Any]]]:
+def _pipeline_states(
+    rank: int, broadcast: bool, calls: tuple[str, ...] = TRAIN
+) -> list[dict[str, list[Any]]]:
     from batchgraph.pipeline import DistributedPipeline
 
     x, y = W.batch(12)
@@ -50,15 +56,20 @@ def _pipeline_states(rank: int, broadcast: bool) -> list[dict[str, list[Any]]]:
                              loss_fn=nn.MSELoss(), timeout=20,
                              broadcast_buffers=broadcast) as pipe:  # fmt: skip
         opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-        for _ in range(STEPS):
-            pipe.train_step(x[a:b] if dev == 0 else None, y[a:b] if dev == 1 else None)
-            opt.step()
-            opt.zero_grad()
+        for call in calls:
+            if call == "forward":
+                pipe.forward(x[a:b] if dev == 0 else None)
+            else:
+                pipe.train_step(x[a:b] if dev == 0 else None, y[a:b] if dev == 1 else None)
+                opt.step()
+                opt.zero_grad()
             states.append(_state(pipe))
     return states
 
 
-def _ddp_states(rank: int, group: Any, broadcast: bool) -> list[dict[str, list[Any]]]:
+def _ddp_states(
+    rank: int, group: Any, broadcast: bool, calls: tuple[str, ...] = TRAIN
+) -> list[dict[str, list[Any]]]:
     """DDP over the unsplit model on ranks 0 and 1 (rank j: shard j); named as the model."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -70,23 +81,30 @@ def _ddp_states(rank: int, group: Any, broadcast: bool) -> list[dict[str, list[A
         ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=broadcast)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     states = []
-    for _ in range(STEPS):
-        # DDP averages over its 2 ranks: each rank's share of the full batch's mean, x 2.
-        loss = nn.MSELoss()(ddp(x[a:b]), y[a:b]) * (b - a) * 2 / 12
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    for call in calls:
+        if call == "forward":
+            with torch.no_grad():
+                ddp(x[a:b])
+        else:
+            # DDP averages over its 2 ranks: each rank's share of the full batch's mean, x 2.
+            loss = nn.MSELoss()(ddp(x[a:b]), y[a:b]) * (b - a) * 2 / 12
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
         states.append(_state(model))
     return states
 
 
 def job_buffers(rank: int, world: int) -> dict[str, Any]:
-    """Each rank's state after each step, with and without broadcast buffers, and DDP's."""
+    """Each rank's state after each step, with and without broadcast buffers, and DDP's;
+    over training steps (``pipe_*``) and training steps mixed with forwards (``mixed_*``)."""
     out: dict[str, Any] = {}
     for broadcast in (True, False):
         out[f"pipe_{broadcast}"] = _pipeline_states(rank, broadcast)
+        out[f"pipe_mixed_{broadcast}"] = _pipeline_states(rank, broadcast, MIXED)
     group = dist.new_group([0, 1])  # collective: every rank creates it
     for broadcast in (True, False):
         if rank in (0, 1):
             out[f"ddp_{broadcast}"] = _ddp_states(rank, group, broadcast)
+            out[f"ddp_mixed_{broadcast}"] = _ddp_states(rank, group, broadcast, MIXED)
     return out

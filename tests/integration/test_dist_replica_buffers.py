@@ -5,7 +5,9 @@ BatchNorm sees a replica's whole shard, as each DDP rank does), against DDP over
 unsplit model on 2 ranks with the same shards. Before the fix each replica kept the
 running statistics of its own shards only, so replica 1's drifted from replica 0's
 (DDP's default ``broadcast_buffers=True`` copies rank 0's before each forward) and the
-replicas evaluated and saved different models, silently.
+replicas evaluated and saved different models, silently. And the replicas broadcast at
+every step, ``forward`` (no grad) too, where DDP broadcasts at a forward only after one
+with grad enabled: after a no-grad forward in train mode the states differed from DDP's.
 """
 
 from __future__ import annotations
@@ -36,16 +38,22 @@ def _error(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str]:
     return worst, where
 
 
+@pytest.mark.parametrize("calls", ["", "mixed_"])
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_replicas_keep_buffers_and_weights_as_ddp(run: W.Launch, broadcast: bool) -> None:
+def test_replicas_keep_buffers_and_weights_as_ddp(
+    run: W.Launch, broadcast: bool, calls: str
+) -> None:
+    # mixed_: train_step and forward (no grad) in turn; DDP broadcasts at a forward's
+    # start only after one with grad enabled (or at its first), so not at the second
+    # forward in a row nor at the training step after a forward.
     for rank in range(4):
         replica = rank // 2
-        ddp = run.ok(replica)[f"ddp_{broadcast}"]
-        for step, got in enumerate(run.ok(rank)[f"pipe_{broadcast}"]):
+        ddp = run.ok(replica)[f"ddp_{calls}{broadcast}"]
+        for step, got in enumerate(run.ok(rank)[f"pipe_{calls}{broadcast}"]):
             assert got, f"rank {rank} holds no state"
             err, key = _error(got, ddp[step])
             assert err < 1e-10, (
-                f"broadcast_buffers={broadcast}: rank {rank} (replica {replica}) after step "
+                f"broadcast_buffers={broadcast}: rank {rank} (replica {replica}) after {calls}step "
                 f"{step}: {key} differs from DDP rank {replica}'s by {err}"
             )
 
