@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from batchgraph.pipeline.backends import BackendRequest, PipelineRuntime
 from batchgraph.pipeline.dist_pipeline import DistributedPipeline
 from batchgraph.pipeline.errors import PipelineConfigError
-from batchgraph.pipeline.pipeline import BackendRequest, PipelineRuntime, register_backend
+from batchgraph.pipeline.pipeline import register_backend
 
 __all__ = ["BACKEND_NAME", "torch_distributed_backend"]
 
@@ -74,6 +75,7 @@ def torch_distributed_backend(request: BackendRequest) -> PipelineRuntime:
         replicas=world // p,
         device=device,
         timeout=request.timeout if request.timeout is not None else 60.0,
+        broadcast_buffers=request.broadcast_buffers,
     )
 
 

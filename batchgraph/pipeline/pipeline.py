@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from batchgraph.pipeline.actions import PipelineSchedule
+from batchgraph.pipeline.backends import BackendFactory, BackendRequest, PipelineRuntime
 from batchgraph.pipeline.checkpoint import (
     CheckpointMethods,
     IncompatibleKeys,
@@ -54,52 +54,6 @@ __all__ = [
     "register_backend",
 ]
 
-
-class PipelineRuntime(Protocol):
-    """What a backend builds: the object a :class:`Pipeline` delegates to."""
-
-    @property
-    def stats(self) -> PipelineStats: ...
-
-    @property
-    def timeline(self) -> list[TimelineEvent]: ...
-
-    # A process backend gives each rank only its part: inputs on the first rank, targets
-    # and the loss on the last, None elsewhere.
-    def train_step(self, inputs: Batch, targets: Batch) -> Tensor | None: ...
-
-    def forward(self, inputs: Batch) -> Tensor | tuple[Tensor, ...] | None: ...
-
-    def reset(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    # The modules of the stages this process runs, by stage index (a process backend's
-    # rank: its own only), and every process's part of a state_dict merged on rank
-    # ``dst`` (None elsewhere; a one-process runtime returns ``part``).
-    @property
-    def own_modules(self) -> dict[int, nn.Module]: ...
-
-    def gather_state(self, part: dict[str, Any], dst: int = 0) -> dict[str, Any] | None: ...
-
-
-@dataclass(frozen=True)
-class BackendRequest:
-    """Everything a backend needs to build a runtime.
-
-    ``modules`` has one module per schedule stage; ``devices`` (when given) has one
-    device per pipeline device, and stage ``s`` belongs on ``devices[schedule.device_of(s)]``.
-    """
-
-    modules: list[nn.Module]
-    schedule: PipelineSchedule
-    loss: Loss | None
-    devices: list[torch.device] | None
-    timeout: float | None
-    check_shapes: bool
-
-
-BackendFactory = Callable[[BackendRequest], PipelineRuntime]
 
 _BACKENDS: dict[str, BackendFactory] = {}
 
@@ -141,6 +95,15 @@ def available_backends() -> tuple[str, ...]:
 
 def _threads_backend(request: BackendRequest) -> Coordinator:
     """Stages on threads of this process; modules are used in place (moved if devices given)."""
+    if not request.broadcast_buffers:
+        # One copy of the model: no replica could keep statistics of its own, and an
+        # option that changes nothing is refused rather than ignored.
+        raise PipelineConfigError(
+            "broadcast_buffers=False lets data-parallel replicas keep their own buffers "
+            "(backend='torch.distributed' with stages x replicas processes); "
+            "backend='threads' trains one copy of the model, whose buffers are the only "
+            "ones: leave broadcast_buffers out"
+        )
     stages = []
     for index, module in enumerate(request.modules):
         device = None
@@ -188,6 +151,12 @@ class Pipeline(CheckpointMethods):
             (see :class:`Loss`).
         timeout: seconds any wait for a message may take before the step fails.
         check_shapes: probe the stages on the meta device before the first step.
+        broadcast_buffers: ``backend="torch.distributed"``: as
+            :class:`DistributedPipeline`'s, whether data-parallel replicas' buffers
+            (``BatchNorm``'s running statistics) become the first replica's at the start
+            of a step, when ``DistributedDataParallel(broadcast_buffers=True)``, the
+            default, would; with one replica it changes nothing, as DDP on one rank.
+            ``backend="threads"`` trains one copy of the model and refuses ``False``.
 
     Raises:
         PipelineConfigError: for inconsistent values (the message says which are allowed).
@@ -246,6 +215,7 @@ class Pipeline(CheckpointMethods):
         reduction: str = "auto",
         timeout: float | None = None,
         check_shapes: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         if backend not in _BACKENDS:
             raise PipelineConfigError(
@@ -254,6 +224,10 @@ class Pipeline(CheckpointMethods):
                 "batchgraph.pipeline.register_backend(name, factory)"
             )
         check_timeout(timeout)
+        if not isinstance(broadcast_buffers, bool):
+            raise PipelineConfigError(
+                f"broadcast_buffers must be True or False, got {broadcast_buffers!r}"
+            )
         stages, microbatches, chunks = schedule_counts(schedule, stages, microbatches, chunks)
         if not isinstance(chunks, int) or chunks < 1:
             raise PipelineConfigError(f"chunks must be an int >= 1, got {chunks!r}")
@@ -319,6 +293,7 @@ class Pipeline(CheckpointMethods):
                 devices=None if devices is None else [torch.device(d) for d in devices],
                 timeout=timeout,
                 check_shapes=check_shapes,
+                broadcast_buffers=broadcast_buffers,
             )
         )
         # Where other processes train some stages, the model's own state_dict() here is stale.

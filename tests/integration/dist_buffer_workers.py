@@ -44,18 +44,26 @@ def _state(module: Any) -> dict[str, list[Any]]:
 
 
 def _pipeline_states(
-    rank: int, broadcast: bool, calls: tuple[str, ...] = TRAIN
+    rank: int, broadcast: bool, calls: tuple[str, ...] = TRAIN, facade: bool = False
 ) -> list[dict[str, list[Any]]]:
-    from batchgraph.pipeline import DistributedPipeline
+    """This rank's state after each call, built directly or through ``Pipeline``."""
+    from batchgraph.pipeline import DistributedPipeline, Pipeline
 
     x, y = W.batch(12)
     a, b = SHARDS[rank // 2]
     dev = rank % 2
     states = []
-    with DistributedPipeline([stage(0), stage(1)], stages=2, replicas=2, microbatches=1,
-                             loss_fn=nn.MSELoss(), timeout=20,
-                             broadcast_buffers=broadcast) as pipe:  # fmt: skip
-        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    if facade:
+        pipe: Any = Pipeline([stage(0), stage(1)], microbatches=1, loss_fn=nn.MSELoss(),
+                             backend="torch.distributed", timeout=20,
+                             broadcast_buffers=broadcast)  # fmt: skip
+    else:
+        pipe = DistributedPipeline([stage(0), stage(1)], stages=2, replicas=2, microbatches=1,
+                                   loss_fn=nn.MSELoss(), timeout=20,
+                                   broadcast_buffers=broadcast)  # fmt: skip
+    with pipe:
+        own = [p for m in pipe.own_modules.values() for p in m.parameters()]
+        opt = torch.optim.SGD(own, lr=LR)
         for call in calls:
             if call == "forward":
                 pipe.forward(x[a:b] if dev == 0 else None)
@@ -101,7 +109,8 @@ def job_buffers(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for broadcast in (True, False):
         out[f"pipe_{broadcast}"] = _pipeline_states(rank, broadcast)
-        out[f"pipe_mixed_{broadcast}"] = _pipeline_states(rank, broadcast, MIXED)
+        # Through the façade: Pipeline(..., broadcast_buffers=) reaches the replicas.
+        out[f"pipe_mixed_{broadcast}"] = _pipeline_states(rank, broadcast, MIXED, facade=True)
     group = dist.new_group([0, 1])  # collective: every rank creates it
     for broadcast in (True, False):
         if rank in (0, 1):

@@ -8,6 +8,8 @@ running statistics of its own shards only, so replica 1's drifted from replica 0
 replicas evaluated and saved different models, silently. And the replicas broadcast at
 every step, ``forward`` (no grad) too, where DDP broadcasts at a forward only after one
 with grad enabled: after a no-grad forward in train mode the states differed from DDP's.
+Those mixed calls go through ``Pipeline(..., backend="torch.distributed",
+broadcast_buffers=...)``, which could not turn the broadcast off.
 """
 
 from __future__ import annotations

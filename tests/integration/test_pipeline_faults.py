@@ -187,6 +187,12 @@ def test_an_empty_batch_is_named() -> None:
             r"backend 'mpi' is not registered; registered backends: threads, torch\.distributed",
         ),
         ({"microbatches": 2}, "pass stages="),
+        # One copy of the model: no replica could keep buffers of its own.
+        (
+            {"stages": 2, "microbatches": 2, "broadcast_buffers": False},
+            r"^broadcast_buffers=False lets data-parallel replicas .* backend='threads' trains one",
+        ),
+        ({"stages": 2, "microbatches": 2, "broadcast_buffers": 0}, r"True or False, got 0$"),
         # Failed inside the first step as a stage error, or (negative) was not refused.
         ({"stages": 2, "microbatches": 2, "timeout": 0}, r"timeout must be .* > 0 .*got 0$"),
         ({"stages": 2, "microbatches": 2, "timeout": -1}, r"timeout must be .* > 0 .*got -1$"),
