@@ -30,7 +30,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from batchgraph.promotion import scalar_tensor_casts, scalar_tensor_moves
+from batchgraph.promotion import (
+    run_reading_wide,
+    scalar_tensor_casts,
+    scalar_tensor_moves,
+    wide_scalar_input,
+)
 from batchgraph.specs import CallSignature, InputSlot, TensorSpec, flatten_output
 
 __all__ = [
@@ -190,8 +195,14 @@ class ElementwiseKey(BatchKey):
         ]
         # 0-d inputs promote and go with any device as numbers do (a conversion, top
         # 0, takes its argument's dtype and device: nothing to change).
-        self._casts = scalar_tensor_casts(fn, call) if top else None
+        self._casts = casts = scalar_tensor_casts(fn, call) if top else None
         self._moves = scalar_tensor_moves(call) if top else None
+        # A 0-d operand that eager code reads in float32 (x_f16 * c on the CPU): not
+        # cast here; read wide, with the result rounded once to its cast's dtype.
+        self._wide = wide_scalar_input(fn, call, casts)
+        self._rounds_to: torch.dtype | None = None
+        if casts is not None and self._wide is not None:
+            self._rounds_to, casts[self._wide] = casts[self._wide], None
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
         moves = self._moves
@@ -203,6 +214,8 @@ class ElementwiseKey(BatchKey):
         views = self._views
         if any(v is not None for v in views):
             inputs = [x if v is None else x.view(size, *v) for x, v in zip(inputs, views)]
+        if self._rounds_to is not None and self._wide is not None:
+            return run_reading_wide(self.call, fn, inputs, self._wide, self._rounds_to)
         return self.call.apply(fn, inputs)
 
 

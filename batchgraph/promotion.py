@@ -5,18 +5,24 @@ float32 of shape (3,) and ``c`` a float64 0-d tensor is float32. Stacked, ``c`` 
 dimension, and the batch would come out float64 (and a comparison would be made in
 float64). ``scalar_tensor_casts`` says which 0-d inputs an elementwise call casts
 first so that the batch promotes as each example did.
+
+In float16 and bfloat16 a few CPU kernels (``mul``, the divisions) read a 0-d second
+operand in float32 from its own dtype, not rounded to the computation dtype first:
+``wide_scalar_input`` names it, and the batched call computes in float32 and rounds
+once, as the kernel does.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from batchgraph.specs import CallSignature, InputSlot
 
-__all__ = ["scalar_tensor_casts", "scalar_tensor_moves"]
+__all__ = ["run_reading_wide", "scalar_tensor_casts", "scalar_tensor_moves", "wide_scalar_input"]
 
 # Calls that compute in floats whatever integer inputs they get (true division). Their
 # integer inputs are converted to float as they are: cast to the other inputs' integer
@@ -25,6 +31,21 @@ _TO_FLOAT: frozenset[Any] = frozenset({
     torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.__truediv__,
     torch.Tensor.__rtruediv__, operator.truediv,
 })
+
+# Calls whose CPU kernel, computing in float16 or bfloat16, reads its second operand
+# where it is one value (a 0-d tensor) in float32 from that operand's own dtype
+# (BinaryOpsKernel.cpp: mul_kernel and div_{true,trunc,floor}_kernel take
+# iter.original_scalar_value<opmath_t>(2)): x_f16 * float32 c is float(x) * c rounded
+# once. Other kernels (add, where, pow, the same calls with the 0-d operand first) read
+# it rounded to the computation dtype, as the cast to it does.
+_READ_WIDE: frozenset[Any] = frozenset({
+    torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply, torch.Tensor.__mul__,
+    operator.mul, torch.div, torch.divide, torch.true_divide, torch.Tensor.div,
+    torch.Tensor.divide, torch.Tensor.true_divide, torch.Tensor.__truediv__,
+    operator.truediv, torch.floor_divide, torch.Tensor.floor_divide,
+    torch.Tensor.__floordiv__, operator.floordiv,
+})
+_REDUCED = (torch.float16, torch.bfloat16)
 
 _KINDS = {bool: 0, int: 1, float: 2, complex: 3}
 
@@ -130,3 +151,84 @@ def scalar_tensor_moves(call: CallSignature) -> list[torch.device | None] | None
         for s in specs
     ]
     return moves if any(d is not None for d in moves) else None
+
+
+def wide_scalar_input(fn: Any, call: CallSignature,
+                      casts: list[torch.dtype | None] | None) -> int | None:
+    """The input of an elementwise call that eager code reads in float32 where
+    ``casts`` rounds it to float16 or bfloat16, or None.
+
+    On the CPU ``x * c``, ``x / c`` and ``x // c`` of a float16 or bfloat16 ``x`` read
+    a 0-d ``c`` of another dtype (float32, float64, int64) as a float32 number: cast
+    to ``x``'s dtype first, it would be rounded (1 ulp off in the result). The batched
+    call casts it to float32 instead, computes in float32 as the kernel does, and
+    rounds the result to the eager dtype once. Only where every input is on the CPU:
+    the CUDA kernels read 0-d operands otherwise (CPU ones wide, either side; CUDA
+    ones rounded), and keep the cast.
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> x = TensorSpec((3,), torch.float16, torch.device("cpu"))
+        >>> c = TensorSpec((), torch.float32, torch.device("cpu"))
+        >>> call = CallSignature((InputSlot(0), InputSlot(1)), (), (x, c), None)
+        >>> wide_scalar_input(torch.mul, call, scalar_tensor_casts(torch.mul, call))
+        1
+        >>> call = CallSignature((InputSlot(1), InputSlot(0)), (), (x, c), None)
+        >>> print(wide_scalar_input(torch.mul, call, scalar_tensor_casts(torch.mul, call)))
+        None
+    """
+    if casts is None or fn not in _READ_WIDE:
+        return None
+    other = call.static_arg(1, "other", None)
+    if type(other) is not InputSlot or casts[other.slot] not in _REDUCED:
+        return None
+    if any(s is None or s.device.type != "cpu" for s in call.input_specs):
+        return None
+    return other.slot
+
+
+class _ValueOfFirst(torch.autograd.Function):
+    """The first tensor's value; the gradient goes to both (one call run as two graphs)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, twin: torch.Tensor) -> torch.Tensor:
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad
+
+
+def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor],
+                     wide: int, dtype: torch.dtype) -> torch.Tensor:
+    """Run ``call`` with ``inputs[wide]`` (a stacked 0-d operand, see
+    ``wide_scalar_input``) read in float32 and the result rounded once to ``dtype``.
+
+    Eager backward reads the operand so too for the other inputs' gradients (``grad *
+    c``), but the operand's own gradient multiplies in ``dtype`` (``grad * x``, both
+    float16): where it needs one, a second graph with the operand in ``dtype`` gives
+    it, and the first graph the others' gradients.
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> x = TensorSpec((1,), torch.float16, torch.device("cpu"))
+        >>> c = TensorSpec((), torch.float32, torch.device("cpu"))
+        >>> call = CallSignature((InputSlot(0), InputSlot(1)), (), (x, c), None)
+        >>> xs, cs = torch.tensor([[7.0]]).half(), torch.tensor([1 / 3])
+        >>> run_reading_wide(call, torch.mul, [xs, cs.view(1, 1)], 1, torch.float16)[0]
+        tensor([2.3340], dtype=torch.float16)
+        >>> torch.mul(xs[0], cs[0]), torch.mul(xs[0], cs[0].half())   # eager; rounded first
+        (tensor([2.3340], dtype=torch.float16), tensor([2.3320], dtype=torch.float16))
+    """
+    apply: Callable[..., Any] = call.apply
+    scalar = inputs[wide]
+    wide_inputs = list(inputs)
+    wide_inputs[wide] = scalar.to(torch.float32)
+    if not (scalar.requires_grad and torch.is_grad_enabled()):
+        return apply(fn, wide_inputs).to(dtype)  # type: ignore[no-any-return]
+    wide_inputs[wide] = wide_inputs[wide].detach()
+    value = apply(fn, wide_inputs).to(dtype)
+    low_inputs = [x.detach() for x in inputs]
+    low_inputs[wide] = scalar.to(dtype)
+    out: torch.Tensor = _ValueOfFirst.apply(value, apply(fn, low_inputs))  # type: ignore[no-untyped-call]
+    return out
