@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from batchgraph.autocasting import autocast_enabled
+from batchgraph.promotion import reads_wide
 
 __all__ = ["DtypeTrace", "vmap_traced"]
 
@@ -64,6 +65,9 @@ class DtypeTrace(TorchFunctionMode):
         # dtypes and computed in another (a comparison, a true division): see
         # _mixes_integers.
         self.mixed_integers = False
+        # Whether a call read a 0-d operand in float32 beside float16 tensors
+        # (x_f16 * c): vmap rounds it to float16 first (promotion.reads_wide).
+        self.read_wide = False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -78,6 +82,8 @@ class DtypeTrace(TorchFunctionMode):
         dtypes = tuple(t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if not self.mixed_integers and _mixes_integers((args, kwargs), dtypes):
             self.mixed_integers = True
+        if not self.read_wide and reads_wide(func, args, kwargs):
+            self.read_wide = True
         if dtypes or seen:
             self.entries.append((func, dtypes, frozenset(seen)))
         return out
@@ -144,8 +150,9 @@ def vmap_traced(
     gives it), and whether it computes there in the same dtypes as on ``examples``
     (one example's inputs): each torch function it calls gives results of the same
     dtypes, under autocast its kernels compute in the same floating dtypes, and no
-    call mixes integer dtypes across a 0-d input, where vmap computes otherwise
-    (``_mixes_integers``). Run on fake tensors by the caller.
+    call mixes integer dtypes across a 0-d input or reads a 0-d one in float32 beside
+    float16 tensors, where vmap computes otherwise (``_mixes_integers``,
+    ``promotion.reads_wide``). Run on fake tensors by the caller.
 
     Example:
         >>> x, c = torch.ones(3), torch.tensor(2.0, dtype=torch.float64)
@@ -182,7 +189,8 @@ def vmap_traced(
         torch.func.vmap(traced_example, randomness="different")(*batched)), vmapped)
     if not compared:
         return box[0], True
-    same = not eager.mixed_integers and _entries_match(eager.entries, vmapped.entries, kernels)
+    same = (not eager.mixed_integers and not eager.read_wide
+            and _entries_match(eager.entries, vmapped.entries, kernels))
     return box[0], same
 
 

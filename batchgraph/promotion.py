@@ -22,7 +22,10 @@ import torch
 
 from batchgraph.specs import CallSignature, InputSlot
 
-__all__ = ["run_reading_wide", "scalar_tensor_casts", "scalar_tensor_moves", "wide_scalar_input"]
+__all__ = [
+    "reads_wide", "run_reading_wide", "scalar_tensor_casts", "scalar_tensor_moves",
+    "wide_scalar_input",
+]
 
 # Calls that compute in floats whatever integer inputs they get (true division). Their
 # integer inputs are converted to float as they are: cast to the other inputs' integer
@@ -46,6 +49,8 @@ _READ_WIDE: frozenset[Any] = frozenset({
     torch.Tensor.__floordiv__, operator.floordiv,
 })
 _REDUCED = (torch.float16, torch.bfloat16)
+# 0-d dtypes whose every value float16 and bfloat16 hold: read wide or not, the same.
+_EXACT_IN_REDUCED = (torch.bool, torch.uint8, torch.int8)
 
 _KINDS = {bool: 0, int: 1, float: 2, complex: 3}
 
@@ -232,3 +237,27 @@ def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor
     low_inputs[wide] = scalar.to(dtype)
     out: torch.Tensor = _ValueOfFirst.apply(value, apply(fn, low_inputs))  # type: ignore[no-untyped-call]
     return out
+
+
+def reads_wide(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    """Whether eager ``fn(*args, **kwargs)`` reads a 0-d second operand in float32
+    where the computation is in float16 or bfloat16 (see ``wide_scalar_input``).
+    vmap's batching rules cast it to the computation dtype first: such a call in a
+    function of the user's runs one example at a time (``batchgraph.dtype_trace``).
+
+    Example:
+        >>> x = torch.ones(3, dtype=torch.float16)
+        >>> reads_wide(torch.mul, (x, torch.tensor(1 / 3)), None)
+        True
+        >>> reads_wide(torch.mul, (torch.tensor(1 / 3), x), None)   # read rounded
+        False
+    """
+    if fn not in _READ_WIDE or not args:
+        return False
+    first = args[0]
+    other = args[1] if len(args) > 1 else (kwargs or {}).get("other")
+    return (isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor)
+            and first.dim() > 0 and other.dim() == 0 and first.dtype in _REDUCED
+            and other.dtype != first.dtype and other.dtype not in _EXACT_IN_REDUCED
+            and not other.is_complex()
+            and first.device.type == "cpu" and other.device.type == "cpu")

@@ -166,3 +166,27 @@ def test_only_cpu_calls_read_a_0d_operand_wide() -> None:
     meta = _signature("meta", "cpu")
     assert wide_scalar_input(torch.mul, meta, scalar_tensor_casts(torch.mul, meta)) is None
     assert wide_scalar_input(torch.add, cpu, scalar_tensor_casts(torch.add, cpu)) is None
+
+
+def _scaled_sine(x: Any, c: Any) -> Any:
+    return (x * c).sin()  # a function of the user's: batched through vmap
+
+
+def _sine_of_scaled(x: Any, c: Any) -> Any:
+    return (c * x).sin()  # the 0-d operand first: rounded eagerly too
+
+
+@pytest.mark.parametrize("low", _LOW)
+@pytest.mark.parametrize(("fn", "alone"), [(_scaled_sine, True), (_sine_of_scaled, False)])
+def test_a_user_function_reading_a_0d_operand_wide_is_eager(
+    low: torch.dtype, fn: Callable[[Any, Any], Any], alone: bool,
+) -> None:
+    # vmap's mul casts a logical 0-d operand to float16 first: such a function runs
+    # one example at a time; with the operand first it batches (vmap rounds as eagerly).
+    batched = bg.batched_func(fn)
+    xs = [torch.tensor([7.0, 100.0, 3.0], dtype=low) * (i + 1) for i in range(3)]
+    cs = [torch.tensor(1 / 3 + i / 7) for i in range(3)]
+    with bg.BatchingPolicy() as policy:
+        handles = [batched(bg.batched_value(x), bg.batched_value(c)) for x, c in zip(xs, cs)]
+    _assert_bitwise(bg.compute(handles), [fn(x, c) for x, c in zip(xs, cs)])
+    assert (policy.stats.unbatched_calls == 3) is alone
