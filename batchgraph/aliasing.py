@@ -340,9 +340,10 @@ def _run_and_see(key: BatchKey) -> bool:
     if call is None or any(s is None for s in call.input_specs):
         return False  # inputs of unknown structure: cannot be run on fakes
     from batchgraph.inference import on_fake_tensors  # it imports much of the package
+    from batchgraph.module_state import state_kept
 
     try:
-        with on_fake_tensors():
+        with state_kept(key.fn), on_fake_tensors():
             return _shares_input(call, key.fn, [torch.empty(s.shape, dtype=s.dtype, device=s.device)
                                        for s in call.input_specs])
     except (DataDependentOutputException, DynamicOutputShapeException):

@@ -41,8 +41,8 @@ import torch
 from batchgraph.held import held_on
 
 __all__ = [
-    "AttributeCache", "Attributes", "attribute_cache", "changed_attributes", "note_own_state",
-    "plain_attributes", "spec_attributes",
+    "MODULE_OWN", "AttributeCache", "Attributes", "attribute_cache", "changed_attributes",
+    "note_own_names", "note_own_state", "plain_attributes", "spec_attributes",
 ]
 
 # (index of the module in the list given, attribute name, tagged value), for each
@@ -51,7 +51,7 @@ Attributes = tuple[tuple[int, str, Any], ...]
 
 # What every module has in its __dict__ (its mode, parameter and hook dicts): its
 # mode is watched apart, and the rest is not read by forward as a setting.
-_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+MODULE_OWN = frozenset(vars(torch.nn.Module()))
 _SCALARS = frozenset({int, bool, str, complex, type(None), torch.dtype, torch.device})
 # A sequence longer than this is taken for data, not a setting, and not watched.
 _MAX_ITEMS = 64
@@ -164,9 +164,9 @@ def plain_attributes(modules: Iterable[tuple[int, torch.nn.Module]]) -> Attribut
             kind = type(value)
             # The commonest kinds inline (this runs once per key and compute).
             if kind is int or kind is bool or kind is str:
-                if name not in _MODULE_OWN and name not in own:
+                if name not in MODULE_OWN and name not in own:
                     append((i, name, (kind, value)))
-            elif name not in _MODULE_OWN and name not in own:
+            elif name not in MODULE_OWN and name not in own:
                 tagged = _tag(value, 0)
                 if tagged is not _NOT_PLAIN:
                     append((i, name, tagged))
@@ -260,17 +260,29 @@ def note_own_state(
     """Take the attributes of ``modules`` that differ between ``before`` and
     ``after`` (noted around a run of their forward: on fake tensors, or a compute's)
     for state the forward keeps itself: no longer watched."""
-    global _own_generation
     if after == before:
         return
     changed: dict[int, set[str]] = {}
     then, now = set(before or ()), set(after or ())
     for i, name, _ in then ^ now:
         changed.setdefault(i, set()).add(name)
+    for i, names in changed.items():
+        note_own_names(modules[i], names)
+
+
+def note_own_names(module: torch.nn.Module, names: Iterable[str]) -> None:
+    """Take ``module``'s attributes ``names`` for state its forward keeps itself (a
+    run of it changed them, and was undone: ``module_state``): no longer watched.
+
+    Example:
+        >>> drop = torch.nn.Dropout(0.1)
+        >>> note_own_names(drop, ["p"])
+        >>> sorted(_OWN_STATE[drop])
+        ['p']
+    """
+    global _own_generation
     with _own_lock:
-        for i, names in changed.items():
-            module = modules[i]
-            _OWN_STATE[module] = _OWN_STATE.get(module, frozenset()) | names
+        _OWN_STATE[module] = _OWN_STATE.get(module, frozenset()) | frozenset(names)
         # After the table: a look in between, under the old table, must not be kept
         # as one under the new generation (it listed the forward's state as settings).
         _own_generation += 1

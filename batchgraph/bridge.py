@@ -433,7 +433,7 @@ class AsyncBatcher:
                     "records and releases its own graph, so make_policy must build a new "
                     "policy per call"
                 )
-            state = LaneState(Lane(policy, [], self.max_steps))
+            state = LaneState(Lane(policy, [], self.max_steps, ordered=False))
             state.lane.policy.graph.open = True  # recording only happens inside steps
             self._lanes.append(state)
         else:

@@ -22,6 +22,7 @@ example at a time, as eagerly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -145,6 +146,7 @@ def vmap_traced(
     per_example: Callable[..., Any],
     examples: Sequence[torch.Tensor],
     batched: Sequence[torch.Tensor],
+    undone: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> tuple[Any, bool]:
     """``per_example`` vmapped over ``batched`` (its output, as ``torch.func.vmap``
     gives it), and whether it computes there in the same dtypes as on ``examples``
@@ -152,7 +154,8 @@ def vmap_traced(
     dtypes, under autocast its kernels compute in the same floating dtypes, and no
     call mixes integer dtypes across a 0-d input or reads a 0-d one in float32 beside
     float16 tensors, where vmap computes otherwise (``_mixes_integers``,
-    ``promotion.reads_wide``). Run on fake tensors by the caller.
+    ``promotion.reads_wide``). Run on fake tensors by the caller; the example's run
+    inside ``undone()`` (what it leaves in modules is undone before the vmapped run).
 
     Example:
         >>> x, c = torch.ones(3), torch.tensor(2.0, dtype=torch.float64)
@@ -167,7 +170,7 @@ def vmap_traced(
     eager, vmapped = DtypeTrace(kernels), DtypeTrace(kernels)
 
     def run_eager() -> None:
-        with eager:
+        with undone(), eager:
             per_example(*examples)
 
     def traced_example(*xs: torch.Tensor) -> Any:

@@ -55,7 +55,9 @@ class Entry:
         # Random calls (dropout, or a function drawing random numbers inside) are
         # never merged with identical ones; nor are calls of a module with a random
         # layer in eval mode, which may be trained later.
-        self.dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
+        # A call keeping state of its own (in_order) counts once per call, as eagerly.
+        self.dedupe = (key.deterministic and not draws_random and not key.in_order
+                       and not may_be_random(key.fn))
         self.rules_token = rules_token
         # (graph stamp, key id in that graph, grad mode, module mode and hook count it
         # was recorded in): one tuple, so it is replaced atomically, and a stamp rather

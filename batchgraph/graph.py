@@ -102,6 +102,8 @@ class Graph(KeyReads):
         self.handed_kept = 64  # the table's size after its last scan (or the least)
         self.keys: list[BatchKey] = []
         self.key_ids: dict[tuple[Any, ...], int] = {}
+        # Key ids whose calls run in the order recorded (batchgraph.ordering).
+        self.in_order: set[int] = set()
         # Whether grad was enabled where a call was recorded, per key id: a call runs
         # in that mode, as it would have run eagerly (``with torch.no_grad():`` around
         # a recorded call then holds, whatever the mode at compute). A key recorded in
@@ -240,6 +242,8 @@ class Graph(KeyReads):
             kid = len(self.keys)
             self.keys.append(key)
             self.key_ids[ident] = kid
+            if key.in_order:
+                self.in_order.add(kid)
             if grad is not None:
                 self.key_grad[kid] = grad
             if autocast is not None:

@@ -33,6 +33,7 @@ from batchgraph.errors import NotATensorError, ShapeMismatchError
 from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
 from batchgraph.lifetimes import trim_fake_cache
+from batchgraph.module_state import state_kept
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
@@ -336,7 +337,8 @@ def _fake_apply(
 ) -> Any:
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead; with ``grad``, floating fakes require grad)."""
-    with on_fake_tensors(), draws, draws.calls():
+    # state_kept: a forward keeping a tensor it makes (self.mask = ...) keeps no fake.
+    with state_kept(fn), on_fake_tensors(), draws, draws.calls():
         slots = [(i, s) for i, s in enumerate(call.input_specs) if s is not None]
         fakes = [
             0 if i in as_zero else torch.empty(

@@ -85,6 +85,8 @@ class BatchKey:
         batchable: False for keys whose calls run one at a time.
         deterministic: False when two identical calls may give different results
             (dropout): such calls are never merged by deduplication.
+        in_order: True for calls that run one at a time in the order they were
+            recorded (a forward keeping state of its own: ``batchgraph.ordering``).
 
     Example:
         >>> class SumKey(BatchKey):          # per-example x.sum() via a batched sum
@@ -94,6 +96,7 @@ class BatchKey:
 
     combine: ClassVar[str] = "stack"
     batchable: ClassVar[bool] = True
+    in_order = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

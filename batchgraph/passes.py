@@ -8,7 +8,8 @@
   ``BatchingPolicy(dedupe=False)`` turns it off.
 * ``prune`` keeps only the not-yet-computed nodes that the requested outputs need,
   and on the same walk counts each node's pending inputs and lists its consumers,
-  which is what the schedulers need.
+  which is what the schedulers need. Calls of a forward keeping state of its own
+  wait for the one recorded before them (``batchgraph.ordering``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from batchgraph import ordering
 from batchgraph.graph import Graph
 
 __all__ = ["LiveGraph", "prune"]
@@ -54,6 +56,15 @@ def prune(graph: Graph, roots: Iterable[int]) -> LiveGraph:
         [0, 1]
     """
     roots = list(roots)
+    if graph.in_order:  # calls keeping state of their own: see ordering
+        roots += ordering.earlier_calls(graph, roots)
+        live = _prune(graph, roots)
+        ordering.chain(graph, live)
+        return live
+    return _prune(graph, roots)
+
+
+def _prune(graph: Graph, roots: list[int]) -> LiveGraph:
     if not graph.stores:
         everything = _everything_needed(graph, roots)
         if everything is not None:

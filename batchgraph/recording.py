@@ -35,6 +35,7 @@ from batchgraph.inference import infer_spec
 from batchgraph.keys import UnbatchedKey, callable_name
 from batchgraph.lazy_modules import guard_lazy_reads, materialize_lazy
 from batchgraph.lifetimes import keep_signature
+from batchgraph.module_state import kept_count
 from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key
@@ -433,7 +434,7 @@ class CallSite:
             with not_recording():
                 materialize_lazy(fn, call)
         graph = policy.graph
-        before = graph.attributes_now(fn)
+        before, kept = graph.attributes_now(fn), kept_count()
         with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
         key = choose_key(fn, call, policy.rules)
@@ -446,6 +447,8 @@ class CallSite:
         note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
         if spec is None and key.batchable:
             key = UnbatchedKey(fn, call)
+        if not key.batchable and kept_count() != kept:
+            key.in_order = True  # state of its own read across calls: see ordering
         entry = Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
         # Of the site's own callable, as CallSite.__call__ compares them.
         entry.layout = graph.layout_of(self._bg_fn)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, cast
 
+from batchgraph import ordering
 from batchgraph.gathering import GatherPlan, GatherPlanner, record_uses
 from batchgraph.graph import LEAF_SHIFT, ROW_MASK, STORE_SHIFT, Graph
 from batchgraph.keys import BatchKey, ConstantKey
@@ -207,6 +208,8 @@ def build_schedule(graph: Graph, live: LiveGraph, scheduler: str = "agenda") -> 
     if order_fn is None:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
     order = order_fn(graph, live)
+    if graph.in_order:
+        ordering.check(graph, order)
     # Locations are planned first, all of them: the planner needs each value's last
     # use. The graph's own locations only change once execution succeeds, so:
     if graph.first_uncomputed == 0:

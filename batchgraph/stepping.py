@@ -45,6 +45,7 @@ from batchgraph.awaiting import (
     resolve,
     unsupported_await,
 )
+from batchgraph.example_order import ExampleOrder
 from batchgraph.handle import ResultHandle
 from batchgraph.notes import add_note
 from batchgraph.pinning import unpin_stubs
@@ -212,7 +213,7 @@ class Lane:
     """
 
     def __init__(self, policy: BatchingPolicy, examples: list[Example],
-                 max_steps: int | None = None) -> None:
+                 max_steps: int | None = None, ordered: bool = True) -> None:
         if not isinstance(policy, BatchingPolicy):  # else: "... has no attribute 'graph'"
             raise TypeError(
                 f"make_policy returned {type(policy).__name__} ({policy!r:.60}), not a "
@@ -225,6 +226,9 @@ class Lane:
         self.max_steps = max_steps
         self.steps = 0  # batched steps computed
         self.held: set[int] = set()  # constants hold_inputs copied (not to copy again)
+        # run_all's examples in eager order where calls keep state (example_order);
+        # an AsyncBatcher's callers (ordered=False) run concurrently, eagerly too.
+        self.order = ExampleOrder() if ordered else None
 
     # -- driver thread ---------------------------------------------------------------
     def records_on_cuda(self) -> bool:
@@ -288,11 +292,13 @@ class Lane:
 
     def _with_policy(self, examples: list[Example], initial: bool) -> None:
         token = _ACTIVE.set(self.policy)
+        graph = self.policy.graph
         driving, DRIVING.active = DRIVING.active, True
         try:
             for ex in examples:
                 if ex.done:
                     continue
+                start = len(graph.node_key)
                 if initial:
                     if inspect.getcoroutinestate(ex.coro) != inspect.CORO_CREATED:
                         # Sending it None would resume it where it waits, with None
@@ -306,6 +312,8 @@ class Lane:
                     self._advance(ex, None, None)
                 else:
                     self._wake(ex)
+                if self.order is not None:
+                    self.order.note(ex, start, len(graph.node_key))
         finally:
             DRIVING.active = driving
             _ACTIVE.reset(token)
@@ -437,6 +445,15 @@ class Lane:
         policy = self.policy
         waits = [ex.wait.obj for ex in examples if ex.wait is not None]
         assert len(waits) == len(examples), "only waiting examples are computed"
+        order = self.order
+        error = order.check(policy.graph) if order is not None else None
+        if order is not None and error is not None:
+            for ex in examples:
+                ex.throw = error
+            for ex in order.involved:  # finished already: their values are off too
+                if ex.done and ex.error is None:
+                    ex.error, ex.result = error, None
+            return
         # A BaseException from a recorded function (one of the user's own) is as
         # much that example's error as an Exception: only those that stop the
         # driver are let out, else every example of the step would get it.

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.dtype_trace import vmap_traced
 from batchgraph.keys import BatchKey, VmapKey
+from batchgraph.module_state import state_kept
 from batchgraph.specs import OutSpec, TensorSpec, flatten_output, spec_leaves
 
 __all__ = ["probe_vmap"]
@@ -33,6 +34,15 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
     """
     if not isinstance(key, VmapKey):
         return True
+    with state_kept(key.fn) as kept:
+        batches = _probe(key, spec)
+    # A forward keeping a tensor it makes (self.last_out = out, a mask made from its
+    # input) kept the batch's, a tensor escaped from vmap; where it reads it back in
+    # a later call, each example read its own where eagerly they read the first's.
+    return batches and not kept.batched
+
+
+def _probe(key: VmapKey, spec: OutSpec) -> bool:
     from batchgraph.inference import on_fake_tensors  # it imports this module
 
     try:
@@ -45,8 +55,11 @@ def probe_vmap(key: BatchKey, spec: OutSpec = None) -> bool:
             with _WrongUnderVmap():  # type: ignore[no-untyped-call]
                 if inputs and spec is not None:
                     # One vmapped run, traced: the shapes come from it too (a function's
-                    # side effects, a module's hooks, run once here as before).
-                    out, same = vmap_traced(key.per_example, [x[0] for x in inputs], inputs)
+                    # side effects, a module's hooks, run once here as before). What
+                    # the example's run keeps is undone before it: the batched run
+                    # starts from the state a compute starts from (a cache not filled).
+                    out, same = vmap_traced(key.per_example, [x[0] for x in inputs], inputs,
+                                            lambda: state_kept(key.fn))
                 else:
                     out, same = key.run_vmapped(key.fn, inputs, 2), True
             if spec is None:

@@ -1,0 +1,162 @@
+"""What batchgraph's own runs of a forward leave in its modules' attributes.
+
+batchgraph runs a call on fake tensors to learn its output (a new signature's shape
+inference, the vmap probe, the grad and aliasing checks). A forward that keeps a
+tensor it makes (``if self.mask is None: self.mask = torch.ones_like(x)``, a rotary
+embedding's ``self.cos`` cached per length, ``self.cache[n] = table``) kept the
+*fake* tensor of that run: the batched compute and every eager call after it read
+it and failed ("aten.allclose: DataDependentOutputException") or returned fake
+tensors. ``state_kept`` puts such a module's attributes back as they were before
+the run, all those the run changed (a ``cached_len`` with its ``cos``, so they stay
+consistent), and notes them as state the forward keeps itself
+(``attributes.note_own_names``), as a run that changed them would have been.
+Changes holding no tensor (a call counter) are left as they were before this file:
+they are not settings either way.
+
+It also tells whether a tensor kept was one of vmap's batched tensors
+(``Kept.batched``): under ``torch.func.vmap`` such a forward keeps the whole batch
+(``self.last_out = out``, a mask made from the batched input), a tensor that escaped
+vmap and fails every later use, and where the forward reads it back in a later call
+(``if self.ref is None: self.ref = x``) every example read its own value where
+eagerly later calls read the first one's: other values, silently. The vmap probe
+(``vmap_probe.probe_vmap``) runs such a call one example at a time instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from batchgraph.attributes import MODULE_OWN, note_own_names
+from batchgraph.buffers import buffers_kept
+
+__all__ = ["Kept", "kept_count", "state_kept"]
+
+# A container value is looked into this deep for tensors (a dict of (cos, sin) tuples).
+_DEPTH = 3
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+# Runs that kept a tensor in a module (see kept_count).
+_kept = [0]
+
+
+class Kept:
+    """What a run inside ``state_kept`` kept (and was undone): ``names``, each as
+    ``Class.attribute``, and whether one of them held a batched tensor of vmap's."""
+
+    __slots__ = ("batched", "names")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.batched = False
+
+
+@contextlib.contextmanager
+def state_kept(fn: Any) -> Iterator[Kept]:
+    """Around a run of ``fn`` on fake tensors: buffers it replaced are put back
+    (``buffers_kept``), and so are the attributes of a module where the run left a
+    tensor in one (rebound, or put into a list or dict the module holds).
+
+    Example:
+        >>> from batchgraph.inference import on_fake_tensors
+        >>> class Caching(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.mask = None
+        ...     def forward(self, x):
+        ...         if self.mask is None:
+        ...             self.mask = torch.ones_like(x)
+        ...         return x * self.mask
+        >>> m = Caching()
+        >>> with state_kept(m) as kept, on_fake_tensors():
+        ...     _ = m(torch.empty(3))
+        >>> m.mask is None, kept.names
+        (True, ['Caching.mask'])
+    """
+    saved = [(m, dict(vars(m)), _contents(vars(m))) for m in _modules(fn)]
+    kept = Kept()
+    with buffers_kept(fn):
+        try:
+            yield kept
+        finally:
+            for module, before, contents in saved:
+                _put_back(module, before, contents, kept)
+
+
+def kept_count() -> int:
+    """How many times a run inside ``state_kept`` kept a tensor in a module (undone):
+    a resolve that moved it found a forward keeping state of its own.
+
+    Example:
+        >>> before = kept_count()
+        >>> with state_kept(torch.nn.Linear(2, 2)) as kept:
+        ...     pass
+        >>> kept_count() == before, kept.names
+        (True, [])
+    """
+    return _kept[0]
+
+
+def _modules(fn: Any) -> list[torch.nn.Module]:
+    from batchgraph.captured import captured_parts  # captured imports nothing of ours
+
+    if isinstance(fn, torch.nn.Module):
+        return list(fn.modules())
+    return [m for _, m in captured_parts(fn)[2]]
+
+
+def _contents(attrs: dict[str, Any]) -> dict[str, Any]:
+    """Shallow copies of the lists and dicts among ``attrs`` (not nn.Module's own)."""
+    return {name: (list(v) if isinstance(v, list) else dict(v))
+            for name, v in attrs.items()
+            if name not in MODULE_OWN and isinstance(v, (list, dict))}
+
+
+def _put_back(module: torch.nn.Module, before: dict[str, Any], contents: dict[str, Any],
+              kept: Kept) -> None:
+    now = vars(module)
+    rebound = {name for name in {*before, *now} - MODULE_OWN
+               if name not in before or name not in now or now[name] is not before[name]}
+    refilled = {name for name, old in contents.items()
+                if name not in rebound and _differs(now[name], old)}
+    tensors = [t for name in rebound | refilled for t in _tensors(now.get(name), _DEPTH)]
+    if not tensors:
+        return  # no tensor of the run kept: a counter, as before
+    _kept[0] += 1
+    kept.batched = kept.batched or any(_wrapped(t) for t in tensors)
+    kept.names.extend(f"{type(module).__name__}.{name}" for name in sorted(rebound | refilled))
+    for name in rebound:
+        if name in before:
+            now[name] = before[name]
+        else:
+            del now[name]
+    for name in refilled:
+        held = now[name]
+        held.clear()
+        if isinstance(held, list):
+            held.extend(contents[name])
+        else:
+            held.update(contents[name])
+    note_own_names(module, rebound | refilled)
+
+
+def _differs(value: Any, old: list[Any] | dict[Any, Any]) -> bool:
+    if isinstance(value, list):
+        return not isinstance(old, list) or len(value) != len(old) or any(
+            a is not b for a, b in zip(value, old))
+    return (not isinstance(value, dict) or not isinstance(old, dict)
+            or value.keys() != old.keys() or any(value[k] is not old[k] for k in old))
+
+
+def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return []
+    return [t for v in value for t in _tensors(v, depth - 1)]
