@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "Watch", "buffers_kept", "computing", "epochs", "watch", "watches_of", "watches_read_by",
+    "Watch", "buffers_kept", "buffers_of_kept", "computing", "epochs", "watch", "watches_of", "watches_read_by",
 ]
 
 
@@ -187,6 +187,22 @@ def buffers_kept(fn: Any) -> Iterator[None]:
 
     modules = (list(fn.modules()) if isinstance(fn, torch.nn.Module)
                else [m for _, m in captured_parts(fn)[2]])
+    with buffers_of_kept(modules):
+        yield
+
+
+@contextlib.contextmanager
+def buffers_of_kept(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """``buffers_kept`` for the modules listed (a caller that has the list already).
+
+    Example:
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> mean = norm.running_mean
+        >>> with buffers_of_kept([norm]):
+        ...     norm.running_mean = torch.ones(2)
+        >>> norm.running_mean is mean
+        True
+    """
     saved = [(m._buffers, dict(m._buffers)) for m in modules]
     try:
         yield

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from batchgraph.attributes import MODULE_OWN, note_own_names
-from batchgraph.buffers import buffers_kept
+from batchgraph.buffers import buffers_of_kept
 
 __all__ = ["Kept", "kept_count", "state_kept"]
 
@@ -56,7 +56,7 @@ class Kept:
 @contextlib.contextmanager
 def state_kept(fn: Any) -> Iterator[Kept]:
     """Around a run of ``fn`` on fake tensors: buffers it replaced are put back
-    (``buffers_kept``), and so are the attributes of a module where the run left a
+    (``buffers.buffers_kept``), and so are the attributes of a module where the run left a
     tensor in one (rebound, or put into a list or dict the module holds).
 
     Example:
@@ -75,9 +75,10 @@ def state_kept(fn: Any) -> Iterator[Kept]:
         >>> m.mask is None, kept.names
         (True, ['Caching.mask'])
     """
-    saved = [(m, dict(vars(m)), _contents(vars(m))) for m in _modules(fn)]
+    modules = _modules(fn)
+    saved = [(m, dict(vars(m)), _contents(vars(m))) for m in modules]
     kept = Kept()
-    with buffers_kept(fn):
+    with buffers_of_kept(modules):
         try:
             yield kept
         finally:
