@@ -312,7 +312,7 @@ class Lane:
                     self._advance(ex, None, None)
                 else:
                     self._wake(ex)
-                if self.order is not None:
+                if self.order is not None and graph.in_order:  # none: nothing to order
                     self.order.note(ex, start, len(graph.node_key))
         finally:
             DRIVING.active = driving
