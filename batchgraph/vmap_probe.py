@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchgraph.dtype_trace import vmap_traced
@@ -52,7 +53,7 @@ def _probe(key: VmapKey, spec: OutSpec) -> bool:
                 for s in key.call.input_specs
                 if s is not None
             ]
-            with _WrongUnderVmap():  # type: ignore[no-untyped-call]
+            with _WrongUnderVmap(), _WrongShapesUnderVmap():  # type: ignore[no-untyped-call]
                 if inputs and spec is not None:
                     # One vmapped run, traced: the shapes come from it too (a function's
                     # side effects, a module's hooks, run once here as before). What
@@ -109,6 +110,29 @@ class _WrongUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if hooks is not None and getattr(hooks[0], "__module__", None) == _CHECKPOINT:
             raise RuntimeError("a checkpoint under vmap recomputes outside it in backward")
         return func(*args, **kwargs)
+
+
+class _WrongShapesUnderVmap(TorchFunctionMode):
+    """Fails the probe of a call making an op that vmap runs without error but wrongly
+    for the example's shape, which only the example's own (logical) tensors tell (a
+    function mode sees them; the dispatch mode above sees the batch's):
+
+    * ``torch.roll(x, 1)`` of a 0-d ``x`` with no dims (a roll over all the elements)
+      leaves it as it is eagerly; vmap's batching rule rolled the batch, so each
+      example got another example's value, silently.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _ROLLS and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 0:
+            dims = args[2] if len(args) > 2 else kwargs.get("dims")
+            if dims is None or (isinstance(dims, (tuple, list)) and not dims):
+                raise RuntimeError("vmap rolls the batch where a 0-d example is rolled")
+        return func(*args, **kwargs)
+
+
+_ROLLS = frozenset({torch.roll, torch.Tensor.roll})
 
 
 # Where torch.utils.checkpoint's saved-tensor hooks are defined: the non-reentrant
