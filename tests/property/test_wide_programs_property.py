@@ -137,10 +137,12 @@ def test_wide_programs_batched_equal_eager(
     _check(xs, [e.values for e in eager], batched, program_of, seed)
 
 
-@given(shared=programs, spec=examples, groups=st.integers(1, 2), seed=st.integers(0, 2**16))
+@given(shared=programs, spec=examples, groups=st.integers(1, 2),
+       overlap=st.sampled_from(["inline", "thread", "parallel"]), seed=st.integers(0, 2**16))
 def test_wide_programs_as_coroutines_equal_eager(
-    shared: list[Step], spec: Spec, groups: int, seed: int
+    shared: list[Step], spec: Spec, groups: int, overlap: str, seed: int
 ) -> None:
+    # Each way lanes take turns ("auto" picks one by timings, which load moves).
     xs, program_of, eager = _eager(shared, spec, seed)
 
     async def example(x: torch.Tensor, program: list[Step], failed: set[int]) -> list[Any]:
@@ -150,6 +152,7 @@ def test_wide_programs_as_coroutines_equal_eager(
 
     def batched() -> list[list[Any]]:
         return bg.run_all(
-            [example(x, p, e.failed) for x, p, e in zip(xs, program_of, eager)], groups=groups)
+            [example(x, p, e.failed) for x, p, e in zip(xs, program_of, eager)],
+            groups=groups, overlap=overlap)
 
     _check(xs, [e.values for e in eager], batched, program_of, seed)

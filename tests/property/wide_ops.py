@@ -93,7 +93,9 @@ def _reshape(a: Any, b: Any, c: int) -> Any:
     if kind == 0:
         return a.reshape(-1) if a.ndim else a.reshape(1, 1)
     if kind == 1 and n and n % 2 == 0:
-        return a.view(2, -1) if c % 2 else a.contiguous().view(-1, 2)
+        # contiguous() first: values handed out are contiguous where eagerly they may
+        # keep a transpose's strides (a.t() * 1.5), which view() reads.
+        return a.contiguous().view(2, -1) if c % 2 else a.contiguous().view(-1, 2)
     if kind == 2 and a.ndim:
         start = c % a.ndim
         return a.flatten(start, _pick(range(start, a.ndim), c // a.ndim))
