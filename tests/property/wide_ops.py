@@ -213,16 +213,18 @@ def _fancy(a: Any, b: Any, c: int) -> Any:
 
 def _with_other(a: Any, b: Any, c: int) -> Any:
     """Binary ops of two per-example values (broadcasting; raise where they do not),
-    Python scalars and 0-d tensors on either side."""
+    Python scalars and 0-d tensors on either side. No abs() (or other kink) of a value
+    that may be 0 exactly (a LayerNorm of a constant row): batched rounding may make it
+    1e-17 instead, and the gradient there jumps (values agree, gradients do not)."""
     kind = c % 9
     if kind == 0:
         return a + b
     if kind == 1:
-        return b / (a.abs() + 1)
+        return b / (a * a + 1)
     if kind == 2:
-        return a.abs() ** (b.tanh())
+        return (a * a + 1) ** (b.tanh())
     if kind == 3:
-        return torch.clamp(a, min=-b.abs(), max=b.abs())
+        return torch.clamp(a, min=-(b * b) - 0.1, max=b * b + 0.1)
     if kind == 4:
         return torch.where(b > 0, a, 2.5)
     if kind == 5:
