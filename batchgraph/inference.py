@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
+from batchgraph.fake_mode import begin_run, end_run, fake_mode, fakes_of, mixes_fakes
 from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
 from batchgraph.lifetimes import trim_fake_cache
@@ -95,6 +96,9 @@ class _FakeRunGuard(TorchFunctionMode):
       ``BatchNorm``'s ``num_batches_tracked`` (which, with ``momentum=None``, weighs
       its running statistics) or a module's call counter. A run on fakes only learns
       shapes, which an in-place change keeps.
+    * Real tensors given to a call with fake operands (a module's parameters) are
+      handed to it as their fakes kept in the mode (``fake_mode.fakes_of``), as its
+      dispatch would convert them, so that the dispatch finds them in torch's cache.
     * The version counters of real tensors given to a call with fake operands stay:
       an in-place change inside it that the guard cannot see (``F.embedding`` with
       ``max_norm`` renormalizes its real weight by a call torch makes within) runs on
@@ -102,6 +106,10 @@ class _FakeRunGuard(TorchFunctionMode):
       inference then read as an in-place change of the module's parameters
       (``ParameterChangedError`` at compute) and could fail an earlier backward.
     """
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.mode = mode
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -127,6 +135,8 @@ class _FakeRunGuard(TorchFunctionMode):
             return out
         operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         real = tuple(a for a in operands if not isinstance(a, FakeTensor))
+        if mixes_fakes(args, kwargs):
+            args, kwargs = fakes_of(self.mode, args, kwargs)
         if real and len(real) < len(operands):
             with _unsafe_preserve_version_counter(real):
                 return func(*args, **kwargs)
@@ -178,16 +188,19 @@ def on_fake_tensors() -> Iterator[None]:
         ...     torch.ones(2, 3).sum(0).shape
         torch.Size([3])
     """
+    mode = fake_mode()
+    if not _QUIET.depth:
+        begin_run(mode)
     _QUIET.depth += 1
     before = len(FakeTensorMode.cache)
     try:
-        with (without_autocast_cache(), FakeTensorMode(allow_non_fake_inputs=True),
-              _FakeRunGuard()):
+        with without_autocast_cache(), mode, _FakeRunGuard(mode):
             yield
     finally:
         _QUIET.depth -= 1
         if not _QUIET.depth:  # the outermost run: its entries, nested runs' included
             trim_fake_cache(before)
+            end_run(mode)
 
 
 def infer_spec(

@@ -100,6 +100,11 @@ class _WrongUnderVmap(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func.namespace == "prim":
+            # A query of a fake's metadata (its device), which torch makes where an
+            # error cannot propagate (saving a fake parameter for backward): raised
+            # there, the process aborted. The call's next operation fails the probe.
+            return func(*args, **kwargs)
         if func.overloadpacket is torch.ops.aten.set_:
             raise RuntimeError("Tensor.set_ under vmap changes a slice of the batch only")
         if func.overloadpacket is torch.ops.aten.embedding and (
