@@ -49,6 +49,12 @@ _READ_WIDE: frozenset[Any] = frozenset({
     torch.Tensor.__floordiv__, operator.floordiv,
 })
 _REDUCED = (torch.float16, torch.bfloat16)
+# The true divisions among them: eager backward gives the divisor c of x / c the
+# gradient -grad * ((x / c) / c), whose divisions read c in float32 too.
+_TRUE_DIVISIONS: frozenset[Any] = frozenset({
+    torch.div, torch.divide, torch.true_divide, torch.Tensor.div, torch.Tensor.divide,
+    torch.Tensor.true_divide, torch.Tensor.__truediv__, operator.truediv,
+})
 # 0-d dtypes whose every value float16 and bfloat16 hold: read wide or not, the same.
 _EXACT_IN_REDUCED = (torch.bool, torch.uint8, torch.int8)
 
@@ -211,8 +217,9 @@ def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor
 
     Eager backward reads the operand so too for the other inputs' gradients (``grad *
     c``), but the operand's own gradient multiplies in ``dtype`` (``grad * x``, both
-    float16): where it needs one, a second graph with the operand in ``dtype`` gives
-    it, and the first graph the others' gradients.
+    float16; for ``x / c``, ``-grad * ((x / c) / c)`` with the divisions read wide):
+    where it needs one, a second graph with the operand in ``dtype`` gives it, and the
+    first graph the others' gradients.
 
     Example:
         >>> from batchgraph.specs import TensorSpec
@@ -235,7 +242,17 @@ def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor
     value = apply(fn, wide_inputs).to(dtype)
     low_inputs = [x.detach() for x in inputs]
     low_inputs[wide] = scalar.to(dtype)
-    out: torch.Tensor = _ValueOfFirst.apply(value, apply(fn, low_inputs))  # type: ignore[no-untyped-call]
+    dividend = call.static_arg(0, "input", None)
+    if (fn in _TRUE_DIVISIONS and call.static_arg(2, "rounding_mode", None) is None
+            and type(dividend) is InputSlot):
+        # c's gradient as eagerly: -grad * q with q = (x / c) / c, each division read
+        # wide and rounded once (value is x / c): mul's backward of c * -q gives it.
+        quotient = [x.detach() for x in wide_inputs]
+        quotient[dividend.slot] = value.detach()
+        twin = low_inputs[wide] * -apply(fn, quotient).to(dtype)
+    else:
+        twin = apply(fn, low_inputs)
+    out: torch.Tensor = _ValueOfFirst.apply(value, twin)  # type: ignore[no-untyped-call]
     return out
 
 

@@ -146,10 +146,49 @@ def test_gradients_through_a_0d_operand_read_wide(low: torch.dtype, op: str,
     torch.autograd.backward(want, grads)
     _assert_bitwise(got, want)
     _assert_bitwise(got_x, [x.grad for x in xs])  # type: ignore[misc]
-    # A quotient's 0-d gradient divides by c * c, in float32 eagerly, by the stacked c
-    # in float16 batched (as before this test): not compared.
-    if scalar_grad and op != "/":
+    if scalar_grad:
         _assert_bitwise(got_c, [c.grad for c in cs])  # type: ignore[misc]
+
+
+_TRUE_DIVISIONS: dict[str, Callable[[Any, Any], Any]] = {
+    "/": lambda a, b: a / b, "torch.div": torch.div, "Tensor.div": lambda a, b: a.div(b),
+    "torch.divide": torch.divide, "torch.true_divide": torch.true_divide,
+    "Tensor.true_divide": lambda a, b: a.true_divide(b),
+    "div floor": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    op=st.sampled_from(sorted(_TRUE_DIVISIONS)),
+    low=st.sampled_from(_LOW),
+    wide=st.sampled_from([torch.float32, torch.float64]),
+    scalars=st.lists(st.floats(0.125, 40, allow_nan=False, width=32), min_size=2,
+                     max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_0d_divisor_gets_its_eager_gradient_bit_for_bit(
+    op: str, low: torch.dtype, wide: torch.dtype, scalars: list[float], seed: int,
+) -> None:
+    # Eagerly c's gradient in x / c is -grad * ((x / c) / c), both divisions reading c
+    # in float32 from its own dtype; with c cast to x's dtype first it was 1 ulp off.
+    fn = _TRUE_DIVISIONS[op]
+    gen = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(9, generator=gen) * 5).to(low).requires_grad_() for _ in scalars]
+    cs = [torch.tensor(s, dtype=wide, requires_grad=True) for s in scalars]
+    grads = [torch.randn(9, generator=gen).to(low) for _ in scalars]
+    with bg.BatchingPolicy():
+        handles = [fn(bg.batched_value(x), bg.batched_value(c)) for x, c in zip(xs, cs)]
+    got = bg.compute(handles)
+    torch.autograd.backward(got, grads)
+    got_grads = [t.grad for t in (*xs, *cs)]
+    for t in (*xs, *cs):
+        t.grad = None
+    want = [fn(x, c) for x, c in zip(xs, cs)]
+    torch.autograd.backward([w for w in want if w.requires_grad],
+                            [g for g, w in zip(grads, want) if w.requires_grad])
+    _assert_bitwise(got, want)
+    _assert_bitwise(got_grads, [t.grad for t in (*xs, *cs)])  # type: ignore[arg-type]
 
 
 def _signature(x_device: str, c_device: str) -> CallSignature:
