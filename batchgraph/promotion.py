@@ -49,8 +49,11 @@ _READ_WIDE: frozenset[Any] = frozenset({
     torch.Tensor.__floordiv__, operator.floordiv,
 })
 _REDUCED = (torch.float16, torch.bfloat16)
-# The true divisions among them: eager backward gives the divisor c of x / c the
-# gradient -grad * ((x / c) / c), whose divisions read c in float32 too.
+# The products and true divisions among them: their gradients (_ReadWide).
+_PRODUCTS: frozenset[Any] = frozenset({
+    torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply, torch.Tensor.__mul__,
+    operator.mul,
+})
 _TRUE_DIVISIONS: frozenset[Any] = frozenset({
     torch.div, torch.divide, torch.true_divide, torch.Tensor.div, torch.Tensor.divide,
     torch.Tensor.true_divide, torch.Tensor.__truediv__, operator.truediv,
@@ -210,6 +213,42 @@ class _ValueOfFirst(torch.autograd.Function):
         return grad, grad
 
 
+class _ReadWide(torch.autograd.Function):
+    """``x * c`` or ``x / c`` with the stacked 0-d ``c`` read in float32 and the
+    result rounded once to ``x``'s dtype, with the gradients eager backward gives
+    (derivatives.yaml: mul, div) computed by differentiable operations on ``x`` and
+    ``c`` themselves, so that a gradient of gradients (``create_graph=True``) sees how
+    each depends on both, as eagerly.
+
+    ``x``'s gradient reads ``c`` wide too (``grad * c``, ``grad / c``: float16 by a
+    0-d float32); ``c``'s multiplies in ``x``'s dtype (``grad * x``; for a quotient
+    ``-grad * ((x / c) / c)``, its divisions read wide), summed to ``c``'s shape in
+    that dtype and then cast to ``c``'s, as the engine does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, c: torch.Tensor, divide: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, c)
+        ctx.divide = divide
+        return _wide(x, c, divide)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, c = ctx.saved_tensors
+        grad_x = grad_c = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _wide(grad, c, ctx.divide).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            by = -_wide(_wide(x, c, True), c, True) if ctx.divide else x
+            grad_c = (grad * by).sum_to_size(c.shape).to(c.dtype)
+        return grad_x, grad_c, None
+
+
+def _wide(x: torch.Tensor, c: torch.Tensor, divide: bool) -> torch.Tensor:
+    """``x * c`` or ``x / c`` computed in float32 and rounded once to ``x``'s dtype."""
+    wide, c_wide = x.to(torch.float32), c.to(torch.float32)
+    return (wide / c_wide if divide else wide * c_wide).to(x.dtype)
+
+
 def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor],
                      wide: int, dtype: torch.dtype) -> torch.Tensor:
     """Run ``call`` with ``inputs[wide]`` (a stacked 0-d operand, see
@@ -217,9 +256,7 @@ def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor
 
     Eager backward reads the operand so too for the other inputs' gradients (``grad *
     c``), but the operand's own gradient multiplies in ``dtype`` (``grad * x``, both
-    float16; for ``x / c``, ``-grad * ((x / c) / c)`` with the divisions read wide):
-    where it needs one, a second graph with the operand in ``dtype`` gives it, and the
-    first graph the others' gradients.
+    float16): where it needs one, ``_ReadWide`` gives both as eagerly.
 
     Example:
         >>> from batchgraph.specs import TensorSpec
@@ -238,20 +275,17 @@ def run_reading_wide(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor
     wide_inputs[wide] = scalar.to(torch.float32)
     if not (scalar.requires_grad and torch.is_grad_enabled()):
         return apply(fn, wide_inputs).to(dtype)  # type: ignore[no-any-return]
+    first = call.static_arg(0, "input", None)
+    if (type(first) is InputSlot and call.static_arg(2, "rounding_mode", None) is None
+            and (fn in _TRUE_DIVISIONS or fn in _PRODUCTS)):
+        return _ReadWide.apply(  # type: ignore[no-any-return,no-untyped-call]
+            inputs[first.slot], scalar, fn in _TRUE_DIVISIONS)
+    # A division rounding its quotient: no gradient but zeros, to either operand.
     wide_inputs[wide] = wide_inputs[wide].detach()
     value = apply(fn, wide_inputs).to(dtype)
     low_inputs = [x.detach() for x in inputs]
     low_inputs[wide] = scalar.to(dtype)
-    dividend = call.static_arg(0, "input", None)
-    if (fn in _TRUE_DIVISIONS and call.static_arg(2, "rounding_mode", None) is None
-            and type(dividend) is InputSlot):
-        # c's gradient as eagerly: -grad * q with q = (x / c) / c, each division read
-        # wide and rounded once (value is x / c): mul's backward of c * -q gives it.
-        quotient = [x.detach() for x in wide_inputs]
-        quotient[dividend.slot] = value.detach()
-        twin = low_inputs[wide] * -apply(fn, quotient).to(dtype)
-    else:
-        twin = apply(fn, low_inputs)
+    twin = apply(fn, low_inputs)
     out: torch.Tensor = _ValueOfFirst.apply(value, twin)  # type: ignore[no-untyped-call]
     return out
 

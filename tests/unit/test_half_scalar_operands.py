@@ -229,3 +229,28 @@ def test_a_user_function_reading_a_0d_operand_wide_is_eager(
         handles = [batched(bg.batched_value(x), bg.batched_value(c)) for x, c in zip(xs, cs)]
     _assert_bitwise(bg.compute(handles), [fn(x, c) for x, c in zip(xs, cs)])
     assert (policy.stats.unbatched_calls == 3) is alone
+
+
+@pytest.mark.parametrize("low", _LOW)
+@pytest.mark.parametrize("op", ["*", "/"])
+def test_a_gradient_of_gradients_through_a_0d_operand_read_wide(low: torch.dtype,
+                                                                op: str) -> None:
+    # x's gradient (grad * c, grad / c) depends on c: a second-order gradient with
+    # respect to c sees it through that gradient and through the value, as eagerly.
+    # With c detached from x's gradient it came out half of eager's, silently.
+    fn = _GRADIENT_OPS[op]
+    gen = torch.Generator().manual_seed(7)
+    xs = [(torch.randn(9, generator=gen) * 5).to(low).requires_grad_() for _ in range(3)]
+    cs = [torch.tensor(1 / 3 + i / 7, requires_grad=True) for i in range(3)]
+
+    def second_order(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        total = sum(o.float().pow(2).sum() for o in outs)
+        grads_x = torch.autograd.grad(total, xs, create_graph=True)
+        return list(torch.autograd.grad(sum(g.float().sum() for g in grads_x), cs))
+
+    with bg.BatchingPolicy():
+        handles = [fn(bg.batched_value(x), bg.batched_value(c)) for x, c in zip(xs, cs)]
+    got = second_order(bg.compute(handles))
+    want = second_order([fn(x, c) for x, c in zip(xs, cs)])
+    # Eager's second-order formulas round in other places: equal within float16.
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
