@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import torch
-
 from batchgraph.attributes import Attributes
 from batchgraph.graph import RecordedGrad
 from batchgraph.hooks import Hooks
@@ -64,9 +62,9 @@ class Entry:
         # than the graph, so the cache keeps no batch alive.
         self.memo: tuple[int, int, RecordedGrad, bool | None, int | None] = (
             -1, -1, True, None, None)
-        # The dtype and device of each tensor the callable reads besides its arguments
-        # (Graph.layout_of), when the spec was inferred: see CallSite.__call__.
-        self.layout: tuple[tuple[torch.dtype, torch.device], ...] = ()
+        # The dtype, device and shape of each tensor the callable reads besides its
+        # arguments, and its buffers' shapes (Graph.signature_layout), when the spec was inferred: see CallSite.__call__.
+        self.layout: tuple[Any, ...] = ()
         # The modes of the module and its submodules when resolved (Graph.modes_of),
         # and its cache key (None: not cached): see stale_entries.switch_modes.
         self.modes: tuple[bool, ...] | None = None

@@ -183,6 +183,26 @@ class KeyReads:
         weight's), so a call site's cached signatures hold only while they stay."""
         return tuple([(p.dtype, p.device) for p in self._parts_of(fn).params])
 
+    def signature_layout(self, fn: Any) -> tuple[Any, ...]:
+        """What a call site's cached signature of ``fn`` holds only while it stays:
+        the dtype, device and shape of each tensor ``fn`` reads besides its arguments
+        (``layout_of``), then the shape of each buffer it reads (None for one gone).
+
+        An output spec may depend on them (an embedding's dtype is its weight's, a
+        ``Linear``'s width its weight's rows): after ``lin.weight.data =
+        torch.randn(6, 4)`` the next calls are resolved anew, as eagerly they compute
+        with the new shape. Asked once per key and compute, not per call.
+
+        Example:
+            >>> from batchgraph.graph import Graph
+            >>> lin = torch.nn.Linear(4, 3, bias=False)
+            >>> Graph().signature_layout(lin)
+            ((torch.float32, device(type='cpu'), torch.Size([3, 4])),)
+        """
+        parts = self._parts_of(fn)
+        return (*[(p.dtype, p.device, p.shape) for p in parts.params],
+                *[_shape(w.ref()) for w in parts.buffers])
+
     def switched_submodules(self, kid: int) -> list[str]:
         """The submodules of module key ``kid`` (for a function, the modules it reads,
         named ``Class.path``) switched between train and eval mode since its calls
@@ -298,6 +318,10 @@ def _pointers(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
         # A sparse parameter has no one data pointer, an uninitialized one (a lazy
         # module's) none yet: not watched.
         return (0,) * len(params)
+
+
+def _shape(tensor: torch.Tensor | None) -> torch.Size | None:
+    return None if tensor is None else tensor.shape
 
 
 def _replaced_buffers(parts: ModuleParts, module: torch.nn.Module) -> list[str]:

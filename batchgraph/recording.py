@@ -451,7 +451,7 @@ class CallSite:
             key.in_order = True  # state of its own read across calls: see ordering
         entry = Entry(key, intern_spec(spec), policy.rules_token, draws_random, kind)
         # Of the site's own callable, as CallSite.__call__ compares them.
-        entry.layout = graph.layout_of(self._bg_fn)
+        entry.layout = graph.signature_layout(self._bg_fn)
         entry.modes = graph.modes_of(self._bg_fn)
         # As CallSite.__call__ compares them (stale_entries), holding no tensor.
         entry.attrs = spec_attributes(graph.attributes_now(key.fn))

@@ -39,9 +39,10 @@ def recheck(
         # torch.set_default_dtype inside the block: noted (compute refuses), and
         # the signature resolved under the new default (int_h * 2.5 is float64).
         return STALE
-    if entry.layout and entry.layout != graph.layout_of(site._bg_fn):
-        # The module was converted (model.double(), .to(device)), or a tensor
-        # the function reads was rebound to another dtype, since this
+    if entry.layout and entry.layout != graph.signature_layout(site._bg_fn):
+        # The module was converted (model.double(), .to(device)), a tensor the
+        # function reads was rebound to another dtype, or a parameter or buffer
+        # given another shape (`p.data = t`, `m.buf = t`), since this
         # signature was resolved: its cached output spec is stale (an
         # embedding's dtype is its weight's). Checked here, once per key and
         # compute, not per call, and not for callables that read no tensors
