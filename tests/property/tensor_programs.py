@@ -88,10 +88,20 @@ def _row_order(a: Any) -> Any:
 
 
 class Modules(nn.Module):
-    """The modules the catalog calls (float64)."""
+    """The modules the catalog calls (float64), initialized from ``seed`` alone.
 
-    def __init__(self) -> None:
+    Built at a test module's import, they drew from torch's global generator, which
+    each process seeds at random: a fuzzer's failure (a value 1 ulp off, found for
+    some runs) did not reproduce in the next process. The global generator is left
+    as it was."""
+
+    def __init__(self, seed: int = 0) -> None:
         super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self._build()
+
+    def _build(self) -> None:
         self.lin = nn.Linear(4, 4)
         self.cell = nn.GRUCell(4, 4)
         self.softmax = nn.Softmax(dim=-1)
