@@ -96,8 +96,9 @@ class _KeptFakes(FakeTensorConverter):
             symbolic_context=symbolic_context, trace=trace)
         if plain:
             self.kept[t] = (layout, fake, _own_layout(fake))
-            if len(self.kept) > FAKES_KEPT:  # the older half goes (insertion order)
-                for old in list(islice(self.kept.keys(), len(self.kept) // 2)):
+            if len(self.kept) > FAKES_KEPT:  # the oldest go (insertion order), down to
+                # half the bound, which may have been lowered since they were kept
+                for old in list(islice(self.kept.keys(), len(self.kept) - FAKES_KEPT // 2)):
                     self.kept.pop(old, None)
         return fake
 

@@ -128,6 +128,10 @@ def test_kept_fakes_do_not_keep_their_tensors_alive() -> None:
 
 
 def test_at_most_fakes_kept_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    earlier = [nn.Linear(4, 3) for _ in range(20)]  # kept under the bound then in force
+    for lin in earlier:
+        _shape(lin, (4,))
+    assert fm.kept_fakes() >= 40
     monkeypatch.setattr(fm, "FAKES_KEPT", 8)
     layers = [nn.Linear(4, 3) for _ in range(20)]  # 40 tensors, all alive
     for lin in layers:
