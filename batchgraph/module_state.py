@@ -108,20 +108,39 @@ def _modules(fn: Any) -> list[torch.nn.Module]:
     return [m for _, m in captured_parts(fn)[2]]
 
 
-def _contents(attrs: dict[str, Any]) -> dict[str, Any]:
-    """Shallow copies of the lists and dicts among ``attrs`` (not nn.Module's own)."""
-    return {name: (list(v) if isinstance(v, list) else dict(v))
-            for name, v in attrs.items()
-            if name not in MODULE_OWN and isinstance(v, (list, dict))}
+def _contents(attrs: dict[str, Any]) -> dict[str, list[tuple[Any, Any]]]:
+    """Per attribute among ``attrs`` (not nn.Module's own) holding lists or dicts: each
+    such container in it, nested ones too (``self.cache["layer0"]["k"] = ...`` changes
+    only the inner dict), with a shallow copy of it."""
+    found = {name: _containers(v, _DEPTH, []) for name, v in attrs.items()
+             if name not in MODULE_OWN and isinstance(v, (list, dict))}
+    return {name: held for name, held in found.items() if held}
 
 
-def _put_back(module: torch.nn.Module, before: dict[str, Any], contents: dict[str, Any],
-              kept: Kept) -> None:
+def _containers(value: Any, depth: int, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    if isinstance(value, list):
+        out.append((value, list(value)))
+        items: Any = value
+    elif isinstance(value, dict):
+        out.append((value, dict(value)))
+        items = value.values()
+    elif isinstance(value, tuple):
+        items = value
+    else:
+        return out
+    if depth > 1:
+        for v in items:
+            _containers(v, depth - 1, out)
+    return out
+
+
+def _put_back(module: torch.nn.Module, before: dict[str, Any],
+              contents: dict[str, list[tuple[Any, Any]]], kept: Kept) -> None:
     now = vars(module)
     rebound = {name for name in {*before, *now} - MODULE_OWN
                if name not in before or name not in now or now[name] is not before[name]}
-    refilled = {name for name, old in contents.items()
-                if name not in rebound and _differs(now[name], old)}
+    refilled = {name for name, held in contents.items()
+                if name not in rebound and any(_differs(c, old) for c, old in held)}
     tensors = [t for name in rebound | refilled for t in _tensors(now.get(name), _DEPTH)]
     if not tensors:
         return  # no tensor of the run kept: a counter, as before
@@ -134,12 +153,13 @@ def _put_back(module: torch.nn.Module, before: dict[str, Any], contents: dict[st
         else:
             del now[name]
     for name in refilled:
-        held = now[name]
-        held.clear()
-        if isinstance(held, list):
-            held.extend(contents[name])
-        else:
-            held.update(contents[name])
+        for held, old in contents[name]:
+            if _differs(held, old):
+                held.clear()
+                if isinstance(held, list):
+                    held.extend(old)
+                else:
+                    held.update(old)
     note_own_names(module, rebound | refilled)
 
 

@@ -128,6 +128,20 @@ class History(_Keeping):
         return out
 
 
+class Nested(_Keeping):
+    """A reference kept in a dict inside a dict (a per-layer cache): only the inner
+    dict changes."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"cache": {"layer": {}}}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.cache["layer"]
+        if "ref" not in inner:
+            inner["ref"] = x.detach().mean(0)
+        return self.lin(x - inner["ref"])
+
+
 class Running(_Keeping):
     """A total carried from call to call (each call reads the earlier ones')."""
 
@@ -140,10 +154,12 @@ class Running(_Keeping):
         return out
 
 
-PATTERNS: list[type[nn.Module]] = [Mask, Reference, Bound, Last, Rotary, Tables, History, Running]
+PATTERNS: list[type[nn.Module]] = [
+    Mask, Reference, Bound, Last, Rotary, Tables, History, Nested, Running,
+]
 # Those whose calls run one at a time in recorded order: the tensor kept is the batch's
 # under vmap (batchgraph.ordering).
-IN_ORDER = (Mask, Reference, Bound, Last, History, Running)
+IN_ORDER = (Mask, Reference, Bound, Last, History, Nested, Running)
 
 
 class Holder(bg.BatchedModule):
