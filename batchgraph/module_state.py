@@ -25,6 +25,7 @@ eagerly later calls read the first one's: other values, silently. The vmap probe
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,8 @@ _DEPTH = 3
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # Runs that kept a tensor in a module (see kept_count).
 _kept = [0]
+# Sequences looked into and put back in place (a deque of the last outputs as a list).
+_SEQUENCES = (list, deque)
 
 
 class Kept:
@@ -113,12 +116,12 @@ def _contents(attrs: dict[str, Any]) -> dict[str, list[tuple[Any, Any]]]:
     such container in it, nested ones too (``self.cache["layer0"]["k"] = ...`` changes
     only the inner dict), with a shallow copy of it."""
     found = {name: _containers(v, _DEPTH, []) for name, v in attrs.items()
-             if name not in MODULE_OWN and isinstance(v, (list, dict))}
+             if name not in MODULE_OWN and isinstance(v, (*_SEQUENCES, dict))}
     return {name: held for name, held in found.items() if held}
 
 
 def _containers(value: Any, depth: int, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    if isinstance(value, list):
+    if isinstance(value, _SEQUENCES):
         out.append((value, list(value)))
         items: Any = value
     elif isinstance(value, dict):
@@ -156,15 +159,15 @@ def _put_back(module: torch.nn.Module, before: dict[str, Any],
         for held, old in contents[name]:
             if _differs(held, old):
                 held.clear()
-                if isinstance(held, list):
-                    held.extend(old)
-                else:
+                if isinstance(held, dict):
                     held.update(old)
+                else:
+                    held.extend(old)
     note_own_names(module, rebound | refilled)
 
 
 def _differs(value: Any, old: list[Any] | dict[Any, Any]) -> bool:
-    if isinstance(value, list):
+    if isinstance(value, _SEQUENCES):
         return not isinstance(old, list) or len(value) != len(old) or any(
             a is not b for a, b in zip(value, old))
     return (not isinstance(value, dict) or not isinstance(old, dict)
@@ -178,6 +181,6 @@ def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
         return []
     if isinstance(value, dict):
         value = value.values()
-    elif not isinstance(value, (list, tuple)):
+    elif not isinstance(value, (*_SEQUENCES, tuple)):
         return []
     return [t for v in value for t in _tensors(v, depth - 1)]

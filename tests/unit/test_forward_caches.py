@@ -13,6 +13,7 @@ calls read the first one's: other values, silently.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +129,18 @@ class History(_Keeping):
         return out
 
 
+class Recent(_Keeping):
+    """Keeps its last two outputs in a deque."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"recent": collections.deque(maxlen=2)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.recent.append(out.detach())
+        return out
+
+
 class Nested(_Keeping):
     """A reference kept in a dict inside a dict (a per-layer cache): only the inner
     dict changes."""
@@ -155,11 +168,11 @@ class Running(_Keeping):
 
 
 PATTERNS: list[type[nn.Module]] = [
-    Mask, Reference, Bound, Last, Rotary, Tables, History, Nested, Running,
+    Mask, Reference, Bound, Last, Rotary, Tables, History, Recent, Nested, Running,
 ]
 # Those whose calls run one at a time in recorded order: the tensor kept is the batch's
 # under vmap (batchgraph.ordering).
-IN_ORDER = (Mask, Reference, Bound, Last, History, Nested, Running)
+IN_ORDER = (Mask, Reference, Bound, Last, History, Recent, Nested, Running)
 
 
 class Holder(bg.BatchedModule):
@@ -213,7 +226,7 @@ def _assert_like(got: Any, want: Any, where: str) -> None:
         assert not isinstance(got, FakeTensor), where
         assert not torch._C._functorch.is_functorch_wrapped_tensor(got), where
         torch.testing.assert_close(got.detach(), want.detach(), msg=where)
-    elif isinstance(want, (list, tuple)):
+    elif isinstance(want, (list, tuple, collections.deque)):
         assert type(got) is type(want) and len(got) == len(want), where
         for i, (a, b) in enumerate(zip(got, want)):
             _assert_like(a, b, f"{where}[{i}]")
