@@ -200,7 +200,7 @@ class KeyReads:
             ((torch.float32, device(type='cpu'), torch.Size([3, 4])),)
         """
         parts = self._parts_of(fn)
-        return (*[(p.dtype, p.device, p.shape) for p in parts.params],
+        return (*[(p.dtype, p.device, _shape(p)) for p in parts.params],
                 *[_shape(w.ref()) for w in parts.buffers])
 
     def switched_submodules(self, kid: int) -> list[str]:
@@ -320,8 +320,11 @@ def _pointers(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
         return (0,) * len(params)
 
 
-def _shape(tensor: torch.Tensor | None) -> torch.Size | None:
-    return None if tensor is None else tensor.shape
+def _shape(tensor: torch.Tensor | None) -> torch.Size | str | None:
+    if tensor is None:
+        return None
+    # A lazy module's parameter has no shape until its first call (reading it raises).
+    return "uninitialized" if torch.nn.parameter.is_lazy(tensor) else tensor.shape
 
 
 def _replaced_buffers(parts: ModuleParts, module: torch.nn.Module) -> list[str]:
