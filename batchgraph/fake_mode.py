@@ -40,7 +40,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeT
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "FAKES_KEPT", "begin_run", "end_run", "fake_mode", "fakes_of", "kept_fakes", "mixes_fakes",
+    "FAKES_KEPT", "begin_run", "changed_in_place", "end_run", "fake_mode", "fakes_of",
+    "kept_fakes", "mixes_fakes",
 ]
 
 # Enough for the parameters and buffers of the models a program records (a fake takes
@@ -195,6 +196,21 @@ def kept_fakes() -> int:
         return 0
     converter = mode.fake_tensor_converter
     return len(converter.kept) if isinstance(converter, _KeptFakes) else 0
+
+
+def changed_in_place() -> list[torch.Tensor]:
+    """This thread's real tensors whose in-place changes its runs on fake tensors
+    skipped (``inference._FakeRunGuard``: ``self.total += x`` leaves the real tensor as
+    it was), in order; the caller takes what it needs and truncates the list.
+
+    Example:
+        >>> changed_in_place() == []
+        True
+    """
+    changed: list[torch.Tensor] | None = getattr(_local, "changed", None)
+    if changed is None:
+        changed = _local.changed = []
+    return changed
 
 
 def mixes_fakes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -30,7 +30,14 @@ from torch.overrides import TorchFunctionMode
 
 from batchgraph.autocasting import without_autocast_cache
 from batchgraph.errors import NotATensorError, ShapeMismatchError
-from batchgraph.fake_mode import begin_run, end_run, fake_mode, fakes_of, mixes_fakes
+from batchgraph.fake_mode import (
+    begin_run,
+    changed_in_place,
+    end_run,
+    fake_mode,
+    fakes_of,
+    mixes_fakes,
+)
 from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
 from batchgraph.lifetimes import trim_fake_cache
@@ -120,8 +127,10 @@ class _FakeRunGuard(TorchFunctionMode):
                     return func(*args, **kwargs)
             name = getattr(func, "__name__", "")
             if name in _IN_PLACE_DUNDERS:
+                changed_in_place().append(args[0])  # state kept? see module_state
                 return None if name == "__setitem__" else args[0]
             if name.endswith("_") and not name.endswith("__"):
+                changed_in_place().append(args[0])
                 return args[0]  # an in-place method returns the tensor it changed
         elif (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
             raise _HostRead(f"{func.__name__}() of a value only known when the call runs")

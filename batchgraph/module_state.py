@@ -33,14 +33,17 @@ import torch
 
 from batchgraph.attributes import MODULE_OWN, note_own_names
 from batchgraph.buffers import buffers_of_kept
+from batchgraph.fake_mode import changed_in_place
 
-__all__ = ["Kept", "kept_count", "state_kept"]
+__all__ = ["Kept", "changed_count", "kept_count", "state_kept"]
 
 # A container value is looked into this deep for tensors (a dict of (cos, sin) tuples).
 _DEPTH = 3
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # Runs that kept a tensor in a module (see kept_count).
 _kept = [0]
+# Of those, runs that changed a plain tensor attribute in place (see changed_count).
+_changed = [0]
 # Sequences looked into and put back in place (a deque of the last outputs as a list).
 _SEQUENCES = (list, deque)
 
@@ -81,12 +84,17 @@ def state_kept(fn: Any) -> Iterator[Kept]:
     modules = _modules(fn)
     saved = [(m, dict(vars(m)), _contents(vars(m))) for m in modules]
     kept = Kept()
+    changed = changed_in_place()
+    start = len(changed)
     with buffers_of_kept(modules):
         try:
             yield kept
         finally:
+            skipped = {id(t) for t in changed[start:]}
+            del changed[start:]
             for module, before, contents in saved:
                 _put_back(module, before, contents, kept)
+                _note_changed_in_place(module, before, skipped, kept)
 
 
 def kept_count() -> int:
@@ -164,6 +172,37 @@ def _put_back(module: torch.nn.Module, before: dict[str, Any],
                 else:
                     held.extend(old)
     note_own_names(module, rebound | refilled)
+
+
+def _note_changed_in_place(module: torch.nn.Module, before: dict[str, Any],
+                           skipped: set[int], kept: Kept) -> None:
+    """Note the plain tensor attributes of ``module`` the run changed in place (a total
+    carried across calls, ``self.total += x.sum(0)``; ``skipped``: the ids of the real
+    tensors whose in-place changes the run skipped, so there is nothing to put back),
+    as kept: the calls read state of their own, and run in recorded order."""
+    if not skipped:
+        return
+    names = [name for name, t in before.items() if isinstance(t, torch.Tensor)
+             and name not in MODULE_OWN and id(t) in skipped]
+    if names:
+        _kept[0] += 1
+        _changed[0] += 1
+        kept.names.extend(f"{type(module).__name__}.{name}" for name in sorted(names))
+
+
+def changed_count() -> int:
+    """How many times a run inside ``state_kept`` changed a module's plain tensor
+    attribute in place (skipped): a resolve that moved it found a forward carrying a
+    total across calls, which no batched run can give each call of.
+
+    Example:
+        >>> before = changed_count()
+        >>> with state_kept(torch.nn.Linear(2, 2)):
+        ...     pass
+        >>> changed_count() == before
+        True
+    """
+    return _changed[0]
 
 
 def _differs(value: Any, old: list[Any] | dict[Any, Any]) -> bool:

@@ -35,7 +35,7 @@ from batchgraph.inference import infer_spec
 from batchgraph.keys import UnbatchedKey, callable_name
 from batchgraph.lazy_modules import guard_lazy_reads, materialize_lazy
 from batchgraph.lifetimes import keep_signature
-from batchgraph.module_state import kept_count
+from batchgraph.module_state import changed_count, kept_count
 from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key
@@ -434,14 +434,16 @@ class CallSite:
             with not_recording():
                 materialize_lazy(fn, call)
         graph = policy.graph
-        before, kept = graph.attributes_now(fn), kept_count()
+        before, kept, changed = graph.attributes_now(fn), kept_count(), changed_count()
         with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
         key = choose_key(fn, call, policy.rules)
         if key.batchable and spec is not None:
             with not_recording(), buffers_kept(fn):
                 batches = probe_vmap(key, spec)
-            if not batches:
+            if not batches or changed_count() != changed:
+                # A total carried across calls in place (self.total += x): each call
+                # reads the one before it's, which no batched run gives.
                 key = UnbatchedKey(fn, call)
         # What they changed is no setting (a counter).
         note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
