@@ -30,7 +30,9 @@ per thread, the oldest dropped past it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
@@ -41,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "FAKES_KEPT", "begin_run", "changed_in_place", "end_run", "fake_mode", "fakes_of",
-    "kept_fakes", "mixes_fakes",
+    "kept_fakes", "mixes_fakes", "watching_changes",
 ]
 
 # Enough for the parameters and buffers of the models a program records (a fake takes
@@ -198,19 +200,35 @@ def kept_fakes() -> int:
     return len(converter.kept) if isinstance(converter, _KeptFakes) else 0
 
 
-def changed_in_place() -> list[torch.Tensor]:
-    """This thread's real tensors whose in-place changes its runs on fake tensors
-    skipped (``inference._FakeRunGuard``: ``self.total += x`` leaves the real tensor as
-    it was), in order; the caller takes what it needs and truncates the list.
+def changed_in_place(t: torch.Tensor) -> None:
+    """Note that a run on fake tensors skipped an in-place change of the real tensor
+    ``t`` (``inference._FakeRunGuard``: ``self.total += x`` leaves it as it was), where
+    a ``watching_changes`` block of this thread is open.
 
     Example:
-        >>> changed_in_place() == []
+        >>> with watching_changes() as changed:
+        ...     changed_in_place(total := torch.zeros(2))
+        >>> changed == [total]
         True
     """
     changed: list[torch.Tensor] | None = getattr(_local, "changed", None)
-    if changed is None:
-        changed = _local.changed = []
-    return changed
+    if changed is not None:
+        changed.append(t)
+
+
+@contextlib.contextmanager
+def watching_changes() -> Iterator[list[torch.Tensor]]:
+    """A block noting the real tensors whose in-place changes this thread's runs on
+    fake tensors skip (``changed_in_place``), in order; nested blocks share the list
+    (the caller reads from its length on entry), dropped when the outermost ends."""
+    outermost = getattr(_local, "changed", None) is None
+    if outermost:
+        _local.changed = []
+    try:
+        yield _local.changed
+    finally:
+        if outermost:
+            _local.changed = None
 
 
 def mixes_fakes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -127,10 +127,10 @@ class _FakeRunGuard(TorchFunctionMode):
                     return func(*args, **kwargs)
             name = getattr(func, "__name__", "")
             if name in _IN_PLACE_DUNDERS:
-                changed_in_place().append(args[0])  # state kept? see module_state
+                changed_in_place(args[0])  # state kept? see module_state
                 return None if name == "__setitem__" else args[0]
             if name.endswith("_") and not name.endswith("__"):
-                changed_in_place().append(args[0])
+                changed_in_place(args[0])
                 return args[0]  # an in-place method returns the tensor it changed
         elif (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
             raise _HostRead(f"{func.__name__}() of a value only known when the call runs")

@@ -33,7 +33,7 @@ import torch
 
 from batchgraph.attributes import MODULE_OWN, note_own_names
 from batchgraph.buffers import buffers_of_kept
-from batchgraph.fake_mode import changed_in_place
+from batchgraph.fake_mode import watching_changes
 
 __all__ = ["Kept", "changed_count", "kept_count", "state_kept"]
 
@@ -84,9 +84,8 @@ def state_kept(fn: Any) -> Iterator[Kept]:
     modules = _modules(fn)
     saved = [(m, dict(vars(m)), _contents(vars(m))) for m in modules]
     kept = Kept()
-    changed = changed_in_place()
-    start = len(changed)
-    with buffers_of_kept(modules):
+    with watching_changes() as changed, buffers_of_kept(modules):
+        start = len(changed)
         try:
             yield kept
         finally:
