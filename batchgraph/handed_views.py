@@ -35,6 +35,7 @@ from batchgraph.handing_out import reading
 if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
     from batchgraph.handle import ResultHandle
+    from batchgraph.specs import TensorSpec
 
 __all__ = ["Handout", "check", "hand_out_views", "note_handed", "rederive"]
 
@@ -147,14 +148,15 @@ def rederive(graph: Graph, node: int, tracked: dict[int, _Tracked]) -> Any:
 def _view(graph: Graph, node: int, tracked: dict[int, _Tracked], base: Ref,
           value: torch.Tensor) -> Any:
     key = graph.keys[graph.node_key[node]]
+    specs = key.call.input_specs
     args: list[Any] = []
-    for ref in graph.node_inputs[node]:
+    for i, ref in enumerate(graph.node_inputs[node]):
         if ref == base:
             args.append(value)
         elif ref[0] in tracked:
             args.append(_leaf(_view(graph, ref[0], tracked, base, value), ref[1]))
         else:
-            args.append(_stored(graph, ref))
+            args.append(_stored(graph, ref, specs[i] if i < len(specs) else None))
     return key.call.apply(key.fn, args)
 
 
@@ -171,25 +173,11 @@ def _views_as_laid_out(graph: Graph, node: int, tracked: dict[int, _Tracked],
     if not any(_changed(graph, h, base) for h in handouts):
         return True
     value = next((v for h in handouts if (v := h[0]()) is not None), None)
-    key = graph.keys[graph.node_key[node]]
-    specs = key.call.input_specs
-    if value is None or any(s is None for s in specs):
+    if value is None:
         return True
-    args: list[Any] = []
     try:
         with torch.no_grad():
-            for ref, spec in zip(graph.node_inputs[node], specs, strict=True):
-                if ref == base:
-                    args.append(value)
-                elif ref[0] in tracked:
-                    args.append(_leaf(_view(graph, ref[0], tracked, base, value), ref[1]))
-                elif graph.node_loc[ref[0]] >= 0 or ref[0] in graph.constants:
-                    args.append(_stored(graph, ref))
-                else:
-                    assert spec is not None  # checked above
-                    args.append(torch.zeros((), dtype=spec.dtype, device=spec.device)
-                                .expand(spec.shape))
-            out = key.call.apply(key.fn, args)
+            out = _view(graph, node, tracked, base, value)
     except Exception:  # not runnable so (the value reshaped in place): as recorded
         return True
     storage = value.untyped_storage()._cdata
@@ -197,10 +185,14 @@ def _views_as_laid_out(graph: Graph, node: int, tracked: dict[int, _Tracked],
                for t in tree_leaves(out))
 
 
-def _stored(graph: Graph, ref: Ref) -> Any:
-    """The per-example value of ``ref``, computed (or a constant)."""
+def _stored(graph: Graph, ref: Ref, spec: TensorSpec | None) -> Any:
+    """The per-example value of ``ref``, computed (or a constant); zeros of ``spec``
+    (its input spec) where it is not computed yet, for ``_views_as_laid_out``, where
+    only the layout counts."""
     loc = graph.node_loc[ref[0]]
     if loc < 0:
+        if ref[0] not in graph.constants and spec is not None:
+            return torch.zeros((), dtype=spec.dtype, device=spec.device).expand(spec.shape)
         return graph.constants[ref[0]]
     return graph.stores[loc >> STORE_SHIFT][ref[1]][loc & ROW_MASK]
 
@@ -228,7 +220,7 @@ def _changed(graph: Graph, handout: Handout, base: Ref) -> bool:
     value = ref()
     if value is None or (version is not None and value._version == version):
         return False
-    return not torch.equal(value, _stored(graph, base))
+    return not torch.equal(value, _stored(graph, base, None))
 
 
 def _forget_settled(graph: Graph) -> None:
