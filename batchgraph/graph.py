@@ -102,6 +102,7 @@ class Graph(KeyReads):
         self.handed_kept = 64  # the table's size after its last scan (or the least)
         self.keys: list[BatchKey] = []
         self.key_ids: dict[tuple[Any, ...], int] = {}
+        self.keys_used: set[int] = set()  # since ids were last forgotten (key_forgetting)
         # Key ids whose calls run in the order recorded (batchgraph.ordering).
         self.in_order: set[int] = set()
         # Whether grad was enabled where a call was recorded, per key id: a call runs
@@ -251,6 +252,7 @@ class Graph(KeyReads):
             if training is not None:
                 self.key_training[kid] = training
             self.note_reads(kid, key.fn, versions, submodes, buffers, hooks, attrs)
+        self.keys_used.add(kid)
         return kid
 
     def new_stamp(self) -> None:
@@ -283,6 +285,7 @@ class Graph(KeyReads):
         kid = self._constant_kids.get(spec)
         if kid is None:
             kid = self._constant_kids[spec] = self.key_id(ConstantKey(spec))
+        spec = cast(ConstantKey, self.keys[kid]).spec  # one spec object per kind, kept per node
         if self.dedupe:
             signature = constant_signature(kid, value)
             if signature is not None:

@@ -43,10 +43,12 @@ Example:
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
 from batchgraph.graph import STORE_SHIFT, Graph
+from batchgraph.key_forgetting import forget_keys
 
 __all__ = ["Generation", "StoreReleaser"]
 
@@ -54,6 +56,10 @@ __all__ = ["Generation", "StoreReleaser"]
 # much (and double) before released nodes are forgotten: a scan over all of it, so
 # not at every step. 0 forgets at every step (for tests).
 FORGET_SLACK = 4096
+
+# Every released store is this one empty list (a new one each took 56 bytes a store
+# for as long as the policy lived). Stores are never changed in place, only replaced.
+_RELEASED: list[Any] = []
 
 
 class Generation:
@@ -104,6 +110,8 @@ class StoreReleaser:
         self._forget_from = FORGET_SLACK  # what _noted() reaches before _forget_released
         self._trimmed_to = 0  # computed nodes below this were trimmed or are survivors
         self._survivors: list[int] = []
+        self._trim_at = FORGET_SLACK  # or len(graph) reaches this (see _forget_released)
+        self._released_at: int | None = None  # a location in a released store
         self._open()
 
     def _open(self) -> None:
@@ -131,10 +139,10 @@ class StoreReleaser:
         self._stores_seen = len(stores)
         needed = self._needed()
         for s in held - needed:
-            stores[s] = []  # released: an empty store (reading a row of it fails)
+            stores[s] = _RELEASED  # an empty store (reading a row of it fails)
             self.released += 1
         held &= needed
-        if self._noted() >= self._forget_from:
+        if self._noted() >= self._forget_from or len(graph) >= self._trim_at:
             self._forget_released()
 
     def _noted(self) -> int:
@@ -155,9 +163,10 @@ class StoreReleaser:
             return where >= 0 and not stores[where >> STORE_SHIFT]
 
         graph.shared.difference_update([n for n in graph.shared if released(n)])
-        graph.dropped_tensors.difference_update(
-            [n for n in graph.dropped_tensors if released(n)]
-        )
+        for noted in (graph.dropped_tensors, graph.handed_out):
+            noted.difference_update([n for n in noted if released(n)])
+        for n in [n for n in graph.node_grad if released(n)]:
+            del graph.node_grad[n]
         table = graph.dedupe_table
         for signature in [sig for sig, n in table.items() if released(n)]:
             del table[signature]
@@ -167,16 +176,22 @@ class StoreReleaser:
         self._trimmed_to = max(self._trimmed_to, stop)
         self._survivors = []
         inputs, depth = graph.node_inputs, graph.node_depth
-        store_locations: dict[int, int] = {}  # one int object per released store
         for n in candidates:
             if released(n):
                 inputs[n] = ()
                 depth[n] = 0
-                where = loc[n] >> STORE_SHIFT << STORE_SHIFT  # still its (released) store
-                loc[n] = store_locations.setdefault(where, where)
+                # Any released store's location says "computed, released": one int
+                # object for all of them, not one per store.
+                if self._released_at is None:
+                    self._released_at = loc[n] >> STORE_SHIFT << STORE_SHIFT
+                loc[n] = self._released_at
             else:
                 self._survivors.append(n)
+        forget_keys(graph, self._survivors)
         self._forget_from = 2 * self._noted() + FORGET_SLACK if FORGET_SLACK else 0
+        # Calls that are never merged (random ones, or dedupe off) note nothing, so
+        # the nodes recorded since count too; the survivors are scanned every time.
+        self._trim_at = len(graph) + max(FORGET_SLACK, 2 * len(self._survivors))
 
     def _needed(self) -> set[int]:
         graph = self.graph

@@ -271,12 +271,13 @@ def _plan(
         key = keys[step.key]
         if key.combine == "stack":
             planner.produced(step.store, leaf_specs(key, graph.node_spec[step.nodes[0]]))
+    del sizes[base:]  # this schedule's: the next compute reads them off its stores
     return Schedule(steps, base, scheduler,
                     planned_loc=None if in_place else (graph.uid, loc))
 
 
 def _store_sizes(graph: Graph) -> list[int]:
-    """Rows of each of ``graph``'s stores (-1 for per-example lists), as a new list.
+    """Rows of each of ``graph``'s stores (-1 for per-example lists): the graph's own list.
 
     Stores of per-example lists may be ragged and are never taken whole. A coroutine
     run computes the same graph once per step, so the sizes of the stores already seen
@@ -287,7 +288,10 @@ def _store_sizes(graph: Graph) -> list[int]:
     del known[len(stores) :]  # stores of a failed run are dropped again
     for store in stores[len(known) :]:
         known.append(-1 if not store or type(store[0]) is list else len(store[0]))
-    return known[:]
+    # Not a copy: a long-lived policy has made many stores, and copying them all at
+    # every compute cost time growing with the run. _plan appends this schedule's
+    # sizes and takes them off again.
+    return known
 
 
 def _requests(
