@@ -25,7 +25,6 @@ eagerly later calls read the first one's: other values, silently. The vmap probe
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,18 +33,15 @@ import torch
 from batchgraph.attributes import MODULE_OWN, note_own_names
 from batchgraph.buffers import buffers_of_kept
 from batchgraph.fake_mode import watching_changes
+from batchgraph.python_state import DEPTH, SEQUENCES, SavedAttributes
 
 __all__ = ["Kept", "changed_count", "kept_count", "state_kept"]
 
-# A container value is looked into this deep for tensors (a dict of (cos, sin) tuples).
-_DEPTH = 3
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # Runs that kept a tensor in a module (see kept_count).
 _kept = [0]
 # Of those, runs that changed a plain tensor attribute in place (see changed_count).
 _changed = [0]
-# Sequences looked into and put back in place (a deque of the last outputs as a list).
-_SEQUENCES = (list, deque)
 
 
 class Kept:
@@ -82,7 +78,7 @@ def state_kept(fn: Any) -> Iterator[Kept]:
         (True, ['Caching.mask'])
     """
     modules = _modules(fn)
-    saved = [(m, dict(vars(m)), _contents(vars(m))) for m in modules]
+    saved = [SavedAttributes(m, MODULE_OWN) for m in modules]
     kept = Kept()
     with watching_changes() as changed, buffers_of_kept(modules):
         start = len(changed)
@@ -91,9 +87,9 @@ def state_kept(fn: Any) -> Iterator[Kept]:
         finally:
             skipped = {id(t) for t in changed[start:]}
             del changed[start:]
-            for module, before, contents in saved:
-                _put_back(module, before, contents, kept)
-                _note_changed_in_place(module, before, skipped, kept)
+            for attrs in saved:
+                _put_back(attrs, kept)
+                _note_changed_in_place(attrs.module, attrs.before, skipped, kept)
 
 
 def kept_count() -> int:
@@ -118,59 +114,17 @@ def _modules(fn: Any) -> list[torch.nn.Module]:
     return [m for _, m in captured_parts(fn)[2]]
 
 
-def _contents(attrs: dict[str, Any]) -> dict[str, list[tuple[Any, Any]]]:
-    """Per attribute among ``attrs`` (not nn.Module's own) holding lists or dicts: each
-    such container in it, nested ones too (``self.cache["layer0"]["k"] = ...`` changes
-    only the inner dict), with a shallow copy of it."""
-    found = {name: _containers(v, _DEPTH, []) for name, v in attrs.items()
-             if name not in MODULE_OWN and isinstance(v, (*_SEQUENCES, dict))}
-    return {name: held for name, held in found.items() if held}
-
-
-def _containers(value: Any, depth: int, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    if isinstance(value, _SEQUENCES):
-        out.append((value, list(value)))
-        items: Any = value
-    elif isinstance(value, dict):
-        out.append((value, dict(value)))
-        items = value.values()
-    elif isinstance(value, tuple):
-        items = value
-    else:
-        return out
-    if depth > 1:
-        for v in items:
-            _containers(v, depth - 1, out)
-    return out
-
-
-def _put_back(module: torch.nn.Module, before: dict[str, Any],
-              contents: dict[str, list[tuple[Any, Any]]], kept: Kept) -> None:
-    now = vars(module)
-    rebound = {name for name in {*before, *now} - MODULE_OWN
-               if name not in before or name not in now or now[name] is not before[name]}
-    refilled = {name for name, held in contents.items()
-                if name not in rebound and any(_differs(c, old) for c, old in held)}
-    tensors = [t for name in rebound | refilled for t in _tensors(now.get(name), _DEPTH)]
+def _put_back(attrs: SavedAttributes, kept: Kept) -> None:
+    changed = attrs.changed(MODULE_OWN)
+    now = vars(attrs.module)
+    tensors = [t for name in changed for t in _tensors(now.get(name), DEPTH)]
     if not tensors:
         return  # no tensor of the run kept: a counter, as before
     _kept[0] += 1
     kept.batched = kept.batched or any(_wrapped(t) for t in tensors)
-    kept.names.extend(f"{type(module).__name__}.{name}" for name in sorted(rebound | refilled))
-    for name in rebound:
-        if name in before:
-            now[name] = before[name]
-        else:
-            del now[name]
-    for name in refilled:
-        for held, old in contents[name]:
-            if _differs(held, old):
-                held.clear()
-                if isinstance(held, dict):
-                    held.update(old)
-                else:
-                    held.extend(old)
-    note_own_names(module, rebound | refilled)
+    kept.names.extend(f"{type(attrs.module).__name__}.{name}" for name in sorted(changed))
+    attrs.put_back(changed)
+    note_own_names(attrs.module, changed)
 
 
 def _note_changed_in_place(module: torch.nn.Module, before: dict[str, Any],
@@ -204,14 +158,6 @@ def changed_count() -> int:
     return _changed[0]
 
 
-def _differs(value: Any, old: list[Any] | dict[Any, Any]) -> bool:
-    if isinstance(value, _SEQUENCES):
-        return not isinstance(old, list) or len(value) != len(old) or any(
-            a is not b for a, b in zip(value, old))
-    return (not isinstance(value, dict) or not isinstance(old, dict)
-            or value.keys() != old.keys() or any(value[k] is not old[k] for k in old))
-
-
 def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -219,6 +165,6 @@ def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
         return []
     if isinstance(value, dict):
         value = value.values()
-    elif not isinstance(value, (*_SEQUENCES, tuple)):
+    elif not isinstance(value, (*SEQUENCES, tuple)):
         return []
     return [t for v in value for t in _tensors(v, depth - 1)]

@@ -7,10 +7,8 @@ a batch (inputs may be a tuple of tensors) is split along dimension 0.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +16,7 @@ from torch.func import functional_call
 
 from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
+from batchgraph.python_state import SavedAttributes
 
 __all__ = [
     "Batch",
@@ -246,7 +245,6 @@ def check_stages_fit(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> 
 
 # Module state that functional_call swaps and restores itself.
 _SWAPPED = frozenset({"_parameters", "_buffers", "_modules"})
-_CONTAINERS = (dict, list, set)
 
 
 @contextmanager
@@ -256,31 +254,15 @@ def _python_state_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
     A layer that caches a tensor in a plain attribute (rotary embeddings' ``cos`` per
     sequence length) kept the probe's meta tensor, and its first real forward failed
     ("Tensor on device meta is not on the expected device cpu"); one that counts its
-    calls counted the probe. Attributes are put back (containers, one level: a cache
-    dict keeps its identity and gets its old items back), added ones removed.
+    calls counted the probe. Attributes are put back (lists, deques, dicts and sets, nested
+    ones too, keep their identity and get their old items back), added ones removed.
     """
-    saved: list[tuple[nn.Module, dict[str, Any], dict[int, Any]]] = []
-    for root in modules:
-        for m in root.modules():
-            state = {k: v for k, v in m.__dict__.items() if k not in _SWAPPED}
-            copies = {id(v): copy.copy(v) for v in state.values() if type(v) in _CONTAINERS}
-            saved.append((m, state, copies))
+    saved = [SavedAttributes(m, _SWAPPED) for root in modules for m in root.modules()]
     try:
         yield
     finally:
-        for m, state, copies in saved:
-            attrs = m.__dict__
-            for k in [k for k in attrs if k not in _SWAPPED and k not in state]:
-                del attrs[k]
-            for k, v in state.items():
-                old = copies.get(id(v))
-                if old is not None:  # a plain dict, list or set: its items back, in place
-                    v.clear()
-                    if type(v) is list:
-                        v.extend(old)
-                    else:
-                        v.update(old)
-                attrs[k] = v
+        for attrs in saved:
+            attrs.put_back(attrs.changed(_SWAPPED))
 
 
 def _probe(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:

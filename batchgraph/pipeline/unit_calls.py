@@ -18,7 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from batchgraph.attributes import MODULE_OWN
 from batchgraph.pipeline import _autograd
+from batchgraph.python_state import SavedAttributes
 
 if TYPE_CHECKING:
     from batchgraph.pipeline.backward import BackwardTape
@@ -165,10 +167,13 @@ class UnitForward:
         tape = local.tape
         if tape is None or local.depth or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
+        # What the unit's Python keeps (self.calls += 1, self.seen.append(...)), put back
+        # if the call is run again below: else it would count that call twice.
+        saved = None if self.inplace else _saved(self.unit)
         try:
             output, originals, leaves = self._run_local(args, kwargs, self.inplace)
         except RuntimeError as exc:
-            if self.inplace or LEAF_IN_PLACE not in str(exc):
+            if saved is None or LEAF_IN_PLACE not in str(exc):
                 raise
             # The unit changes its input in place (timm's LayerScale(inplace=True):
             # x.mul_(gamma)), which torch refuses on a leaf before changing anything. It
@@ -182,6 +187,7 @@ class UnitForward:
                     "make the in-place op out of place (e.g. LayerScale(inplace=False)), "
                     "or use a schedule without the split backward ('1f1b')"
                 ) from exc
+            _put_back(saved, exc)
             self.inplace = True
             output, originals, leaves = self._run_local(args, kwargs, True)
         if type(output) in PLAIN:
@@ -204,6 +210,29 @@ class UnitForward:
         for i, y in zip(positions, linked):
             flat[i] = y
         return tree_unflatten(flat, spec)
+
+
+def _saved(unit: nn.Module) -> list[SavedAttributes]:
+    return [SavedAttributes(m, MODULE_OWN, versions=True) for m in unit.modules()]
+
+
+def _put_back(saved: list[SavedAttributes], exc: RuntimeError) -> None:
+    """Undo what a unit's first, refused run left in its modules' Python attributes, so
+    that its run again keeps it once; a plain tensor attribute changed in place cannot
+    be undone, and is refused."""
+    for attrs in saved:
+        changed = attrs.changed_in_place()
+        if changed:
+            names = ", ".join(f"{type(attrs.module).__name__}.{n}" for n in changed)
+            raise RuntimeError(
+                f"{names} changed in place by a forward that then changes its input in "
+                "place: the two-stage backward ('zb-h1') runs such a call again (torch "
+                "refuses the input change on its detached leaf), which would change "
+                f"{names} twice. Make the input change out of place (x = x * gamma "
+                "instead of x.mul_(gamma)), or rebind the total (self.total = self.total "
+                "+ ...), or use a schedule without the split backward ('1f1b')"
+            ) from exc
+        attrs.put_back(attrs.changed(MODULE_OWN))
 
 
 def cut_leaves(
