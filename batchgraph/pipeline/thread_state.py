@@ -42,7 +42,7 @@ import torch
 from batchgraph.autocasting import AutocastState, autocast_state
 from batchgraph.pipeline.errors import PipelineConfigError
 
-__all__ = ["ThreadState", "saved_tensors_hooks", "saved_tensors_hooks_enabled"]
+__all__ = ["ThreadState", "innermost_hooks", "saved_tensors_hooks", "saved_tensors_hooks_enabled"]
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
@@ -94,6 +94,17 @@ def _hooks_in_force() -> bool:
     return False
 
 
+def innermost_hooks() -> Hooks | None:
+    """The innermost saved-tensors hooks pair in force in the calling thread, or None
+    (also where this torch cannot read them: see :func:`saved_tensors_hooks`).
+
+    Example:
+        >>> innermost_hooks() is None
+        True
+    """
+    return None if _read_hooks is None else _read_hooks()
+
+
 def saved_tensors_hooks() -> Hooks | None:
     """The innermost ``saved_tensors_hooks`` pair in force in the calling thread, or None.
 
@@ -110,7 +121,7 @@ def saved_tensors_hooks() -> Hooks | None:
         True
     """
     if _read_hooks is not None:
-        hooks = _read_hooks()
+        hooks = innermost_hooks()
         return None if hooks is None else (hooks[0], hooks[1])
     if _hooks_in_force():
         raise PipelineConfigError(

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from batchgraph.attributes import MODULE_OWN
 from batchgraph.pipeline import _autograd
+from batchgraph.pipeline.thread_state import innermost_hooks
 from batchgraph.python_state import SavedAttributes
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ class UnitForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         local = RECORDING
         tape = local.tape
-        if tape is None or local.depth or not torch.is_grad_enabled():
+        if tape is None or local.depth or not torch.is_grad_enabled() or _in_checkpoint():
             return self.forward(*args, **kwargs)
         # What the unit's Python keeps (self.calls += 1, self.seen.append(...)), put back
         # if the call is run again below: else it would count that call twice.
@@ -210,6 +211,21 @@ class UnitForward:
         for i, y in zip(positions, linked):
             flat[i] = y
         return tree_unflatten(flat, spec)
+
+
+def _in_checkpoint() -> bool:
+    """Whether the call is inside a non-reentrant ``torch.utils.checkpoint`` region.
+
+    Such a region's saved tensors are packed by its hook and recomputed at the first
+    unpack of each autograd pass: a local graph's there would be recomputed by the
+    junction's pass in ``I`` and again by ``W``, the region's Python run twice more than
+    on one device (``self.calls`` 4 per microbatch, not 2) and its compute thrice. Its
+    units run as usual instead: the region is part of the chain, recomputed once, in
+    ``I``, whose parameter gradients wait for ``W`` (see ``backward``).
+    """
+    hooks = innermost_hooks()
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        "_checkpoint_hook.")
 
 
 def _saved(unit: nn.Module) -> list[SavedAttributes]:

@@ -18,6 +18,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from batchgraph.pipeline import Pipeline, StageError
 from batchgraph.pipeline.microbatch import check_stages_fit, split_microbatches
@@ -130,6 +131,61 @@ def test_a_total_changed_in_place_sums_the_microbatches(schedule: str) -> None:
     totals = [m.total for m in model.modules() if isinstance(m, TotalInPlace)]
     expected = [m.total for m in one.modules() if isinstance(m, TotalInPlace)]
     torch.testing.assert_close(totals, expected, rtol=1e-12, atol=1e-12)
+
+
+class Checkpointed(nn.Module):
+    """A stateful layer run under torch.utils.checkpoint (non-reentrant): one device runs
+    its forward twice per call, once more to recompute in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ScaleOut()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+class ScaleOut(ScaleInPlace):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.clone())
+
+
+def _checkpointed(blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(blocks):
+        mods += [nn.Linear(4, 4, dtype=torch.float64), Checkpointed(), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    stages=st.integers(1, 3),
+    microbatches=st.integers(1, 4),
+    schedule=st.sampled_from(SCHEDULES),
+)
+@example(stages=2, microbatches=2, schedule="zb-h1")
+def test_a_checkpointed_forward_is_recomputed_once_per_microbatch(
+    stages: int, microbatches: int, schedule: str
+) -> None:
+    # Under 'zb-h1' the region's units recorded local graphs whose saved tensors the
+    # checkpoint recomputed in each autograd pass: in I's chain, in the junction's and in
+    # W (4 runs per microbatch where one device runs 2).
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    loss, grads = reference(_checkpointed(stages * chunks), x, y, nn.MSELoss())
+    kept = _checkpointed(stages * chunks)
+    for (part,) in split_microbatches(x, microbatches):
+        kept(part).sum().backward()
+    model = _checkpointed(stages * chunks)
+    with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks) as pipe:
+        torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, grads)
+    # The recomputations run at each microbatch's backward, in the schedule's order.
+    assert [(n, sorted(seen), sizes) for n, seen, sizes in _state(model)] == [
+        (n, sorted(seen), sizes) for n, seen, sizes in _state(kept)]
 
 
 class Keeping(nn.Module):
