@@ -33,7 +33,7 @@ import torch
 from batchgraph.attributes import MODULE_OWN, note_own_names
 from batchgraph.buffers import buffers_of_kept
 from batchgraph.fake_mode import watching_changes
-from batchgraph.python_state import DEPTH, SEQUENCES, SavedAttributes
+from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
 
 __all__ = ["Kept", "changed_count", "kept_count", "state_kept"]
 
@@ -117,7 +117,7 @@ def _modules(fn: Any) -> list[torch.nn.Module]:
 def _put_back(attrs: SavedAttributes, kept: Kept) -> None:
     changed = attrs.changed(MODULE_OWN)
     now = vars(attrs.module)
-    tensors = [t for name in changed for t in _tensors(now.get(name), DEPTH)]
+    tensors = [t for name in changed for t in tensors_in(now.get(name), DEPTH)]
     if not tensors:
         return  # no tensor of the run kept: a counter, as before
     _kept[0] += 1
@@ -156,15 +156,3 @@ def changed_count() -> int:
         True
     """
     return _changed[0]
-
-
-def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth == 0:
-        return []
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (*SEQUENCES, tuple)):
-        return []
-    return [t for v in value for t in _tensors(v, depth - 1)]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEPTH", "SEQUENCES", "SavedAttributes"]
+__all__ = ["DEPTH", "SEQUENCES", "SavedAttributes", "differs", "tensors_in"]
 
 # A container value is looked into this deep (a dict of (cos, sin) tuples per length).
 DEPTH = 3
@@ -138,3 +138,23 @@ def differs(value: Any, old: Any) -> bool:
             v not in old for v in value)
     return (not isinstance(value, dict) or not isinstance(old, dict)
             or value.keys() != old.keys() or any(value[k] is not old[k] for k in old))
+
+
+def tensors_in(value: Any, depth: int = DEPTH) -> list[torch.Tensor]:
+    """The tensors in ``value``: itself, or in its lists, deques, tuples and dicts,
+    ``depth`` deep (a set's items are not looked into).
+
+    Example:
+        >>> t = torch.zeros(1)
+        >>> len(tensors_in({"layer": [(t, t)], "n": 3}))
+        2
+    """
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (*SEQUENCES, tuple)):
+        return []
+    return [t for v in value for t in tensors_in(v, depth - 1)]

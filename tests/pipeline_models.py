@@ -97,3 +97,20 @@ def complex_model(width: int = 5, seed: int = 0) -> nn.Sequential:
 def complex_loss(out: Tensor, target: Tensor) -> Tensor:
     """A real loss of complex outputs: the mean squared error of their magnitudes."""
     return (out.abs() - target).pow(2).mean()
+
+
+# Every schedule of a step, and a grid of pipelines to draw from (hypothesis: given(**GRID)).
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+def grid() -> dict[str, Any]:
+    """Strategies for (stages, microbatches, schedule) of small pipelines."""
+    from hypothesis import strategies as st
+
+    return {"stages": st.integers(1, 3), "microbatches": st.integers(1, 4),
+            "schedule": st.sampled_from(SCHEDULES)}
+
+
+def chunks_for(schedule: str) -> int:
+    """The chunks per device a grid's schedule runs: 2 interleaved, else 1."""
+    return 2 if schedule == "interleaved-1f1b" else 1

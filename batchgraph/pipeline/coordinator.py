@@ -53,6 +53,7 @@ from batchgraph.pipeline.errors import (
     StageError,
 )
 from batchgraph.pipeline.grad_scaling import grad_scale
+from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from batchgraph.pipeline.loss import Loss, output_leaves
 from batchgraph.pipeline.microbatch import (
     Batch,
@@ -396,10 +397,13 @@ class Coordinator:
         if self._closed:
             raise PipelineClosedError("this pipeline is closed; build a new one")
 
-    def _probe(self, sample: tuple[Tensor, ...]) -> None:
+    def _probe(self, sample: tuple[Tensor, ...], microbatches: int) -> None:
         signature = tuple((tuple(t.shape), t.dtype) for t in sample)
         if self.check_shapes and signature not in self._checked:
-            check_stages_fit([s.module for s in self.stages], sample)
+            modules = [s.module for s in self.stages]
+            check_stages_fit(modules, sample)
+            if microbatches > 1:  # one microbatch runs as one device: nothing to refuse
+                check_inputs_kept(modules, sample)
             self._checked.add(signature)
 
     def _run(
@@ -416,7 +420,7 @@ class Coordinator:
         state = ThreadState.capture()
         if train and state.inference:
             raise inference_mode_error()
-        self._probe(mbs[0])
+        self._probe(mbs[0], len(mbs))
         self._reset()
         for stage in self.stages:
             stage.autocast = state.autocast

@@ -22,9 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from batchgraph.pipeline import Pipeline, StageError
 from batchgraph.pipeline.microbatch import check_stages_fit, split_microbatches
-from tests.pipeline_models import assert_grads_equal, reference
-
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+from tests.pipeline_models import assert_grads_equal, chunks_for, grid, reference
 
 
 class ScaleInPlace(nn.Module):
@@ -70,17 +68,12 @@ def _state(model: nn.Module) -> list[tuple[int, list[int], set[int]]]:
 
 
 @settings(max_examples=20, deadline=None)
-@given(
-    stages=st.integers(1, 3),
-    microbatches=st.integers(1, 4),
-    schedule=st.sampled_from(SCHEDULES),
-    samples=st.integers(4, 7),
-)
+@given(**grid(), samples=st.integers(4, 7))
 @example(stages=2, microbatches=2, schedule="zb-h1", samples=4)
 def test_forward_state_is_one_devices_per_microbatch(
     stages: int, microbatches: int, schedule: str, samples: int
 ) -> None:
-    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    chunks = chunks_for(schedule)
     x = torch.randn(samples, 4, dtype=torch.float64)
     y = torch.randn(samples, 4, dtype=torch.float64)
     one = _model(stages * chunks)
@@ -160,11 +153,7 @@ def _checkpointed(blocks: int) -> nn.Sequential:
 
 
 @settings(max_examples=12, deadline=None)
-@given(
-    stages=st.integers(1, 3),
-    microbatches=st.integers(1, 4),
-    schedule=st.sampled_from(SCHEDULES),
-)
+@given(**grid())
 @example(stages=2, microbatches=2, schedule="zb-h1")
 def test_a_checkpointed_forward_is_recomputed_once_per_microbatch(
     stages: int, microbatches: int, schedule: str
@@ -172,7 +161,7 @@ def test_a_checkpointed_forward_is_recomputed_once_per_microbatch(
     # Under 'zb-h1' the region's units recorded local graphs whose saved tensors the
     # checkpoint recomputed in each autograd pass: in I's chain, in the junction's and in
     # W (4 runs per microbatch where one device runs 2).
-    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    chunks = chunks_for(schedule)
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     loss, grads = reference(_checkpointed(stages * chunks), x, y, nn.MSELoss())
     kept = _checkpointed(stages * chunks)

@@ -1,0 +1,174 @@
+"""Stage forwards that keep a tensor computed from their inputs, and read it back.
+
+A stage forward runs once per microbatch. What it keeps in its modules' Python
+attributes from its inputs is then a microbatch's where one device keeps the whole
+batch's, and a forward reading it back computes other values, silently:
+
+* ``if self.ref is None: self.ref = x.mean(0)`` centres every later call on microbatch
+  0's mean where one device centres on the batch's: other outputs, loss and gradients;
+* a stage reading what another stage's forward kept (``self.encoder.cache``) reads
+  whichever microbatch that stage ran last, which on threads depends on their timing.
+
+:func:`check_inputs_kept` runs the stages twice in sequence on meta tensors (nothing is
+computed; the modules' attributes are put back afterwards), marking the tensors
+computed from each run's inputs (a dispatch mode), and notes which attributes the
+forwards bind to, or put into containers of, marked tensors. It refuses a read of
+such a tensor by another stage, or by the second run (a later microbatch). A tensor
+made without reading the inputs' values (a rotary table per length, ``ones_like(x)``)
+is not marked: it is the same whatever the batch. A tensor kept and never read
+back (``self.last = out.detach()``, for inspection) holds the last microbatch's after
+a step: documented, not refused. A stage that cannot run on meta tensors ends the
+check silently, as the shape check does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
+from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
+
+__all__ = ["check_inputs_kept"]
+
+_aten = torch.ops.aten
+# Ops whose outputs read only their input's shape, dtype and device, not its values.
+_LAYOUT_ONLY = frozenset({
+    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.full_like.default, _aten.new_empty.default, _aten.new_zeros.default,
+    _aten.new_ones.default, _aten.new_full.default,
+})
+# Module state that functional_call swaps and restores itself.
+_SWAPPED = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Marks every tensor an op computes from a marked one (the run's inputs); notes the
+    first read of a kept tensor (``kept``: its id -> (stage, name, run))."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.marked: Any = WeakIdKeyDictionary()  # untyped in torch: Any for mypy
+        self.kept: dict[int, tuple[int, str, int]] = {}
+        self.stage = self.run = 0
+        self.read: tuple[int, str, int] | None = None  # (stage, name, run) read wrongly
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        for t in tensors:
+            keeper = self.kept.get(id(t))
+            if keeper is not None and self.read is None and (
+                    keeper[0] != self.stage or keeper[2] != self.run):
+                self.read = keeper
+        if func not in _LAYOUT_ONLY and any(t in self.marked for t in tensors):
+            written = [t for a, t in zip(func._schema.arguments, args)
+                       if isinstance(t, Tensor) and a.alias_info is not None
+                       and a.alias_info.is_write]
+            for t in [*tree_leaves(out), *written]:
+                if isinstance(t, Tensor):
+                    self.marked[t] = True
+        return out
+
+
+def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:
+    """Refuse stage forwards that read back what a forward kept from its inputs (see
+    the module's docstring), for a pipeline of several microbatches.
+
+    Args:
+        modules: the stage modules, in order.
+        sample: one microbatch of inputs for the first stage.
+
+    Raises:
+        PipelineConfigError: naming the stage that read it, the attribute and what to
+            write instead.
+
+    Example:
+        >>> class Centred(nn.Linear):
+        ...     ref = None
+        ...     def forward(self, x):
+        ...         if self.ref is None:
+        ...             self.ref = x.mean(0).detach()
+        ...         return super().forward(x - self.ref)
+        >>> check_inputs_kept([nn.Linear(3, 3), Centred(3, 2)], [torch.zeros(4, 3)])
+        Traceback (most recent call last):
+        ...
+        batchgraph.pipeline.errors.PipelineConfigError: stage 1 (Centred) reads Centred.ref, ...
+        >>> Centred(3, 2).ref is None  # nothing is left in the modules
+        True
+    """
+    saved = [[SavedAttributes(m, _SWAPPED) for m in root.modules()] for root in modules]
+    mode = _Marking()
+    try:
+        for run in (1, 2):
+            mode.run = run
+            if not _run_marked(modules, sample, saved, mode):
+                break
+    finally:
+        for stage in saved:
+            for attrs in stage:
+                attrs.put_back(attrs.changed(_SWAPPED))
+    if mode.read is not None:
+        raise _read_error(modules, mode)
+
+
+def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
+                saved: list[list[SavedAttributes]], mode: _Marking) -> bool:
+    """One run of the stages in sequence; False where one could not run on meta."""
+    values: tuple[Any, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
+    for t in values:
+        mode.marked[t] = True
+    for k, module in enumerate(modules):
+        mode.stage = k
+        state = {name: torch.empty_like(t, device="meta")
+                 for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        try:
+            with torch.no_grad(), saved_tensors_hooks_enabled(), mode:
+                result = functional_call(module, state, values)
+        except Exception:
+            return False  # the real run reports it, with the stage named
+        if mode.read is not None:
+            return False
+        for attrs in saved[k]:
+            now = vars(attrs.module)
+            for name in attrs.changed(_SWAPPED):
+                for t in tensors_in(now.get(name), DEPTH):
+                    if t in mode.marked:
+                        mode.kept[id(t)] = (k, f"{type(attrs.module).__name__}.{name}", mode.run)
+        items = result if isinstance(result, (tuple, list)) else (result,)
+        if not all(isinstance(v, Tensor) for v in items):
+            return False
+        values = tuple(items)
+    return True
+
+
+def _read_error(modules: Sequence[nn.Module], mode: _Marking) -> PipelineConfigError:
+    assert mode.read is not None
+    keeper, name, run = mode.read
+    reader = mode.stage
+    whose = "its" if keeper == reader else f"stage {keeper}'s"
+    where = (f"stage {reader} ({type(modules[reader]).__name__}) reads {name}, which "
+             f"{whose} forward computed from its inputs and kept")
+    if keeper == reader and run != mode.run:
+        why = (" for its next call: a pipeline runs each stage once per microbatch, so "
+               "microbatch 1 on reads microbatch 0's value where one device reads the whole "
+               "batch's, and computes other outputs and gradients")
+    else:
+        why = (": the stages run the microbatches in turn, so it reads whichever microbatch "
+               f"stage {keeper} ran last (on threads: as they happen to run) where one device "
+               "reads the whole batch's")
+    return PipelineConfigError(
+        f"{where}{why}. Compute it from the whole batch before the step and pass it in "
+        "(or set it once, outside the forward), hand it to the next stage as an output, "
+        "or use microbatches=1, which runs as one device"
+    )

@@ -1,0 +1,149 @@
+"""Stage forwards reading back a tensor a forward kept from its inputs are refused.
+
+One device runs the model once on the whole batch; a pipeline runs each stage once per
+microbatch, so such a tensor is a microbatch's (see batchgraph.pipeline.kept_inputs).
+Refused before any work, for several microbatches; one microbatch runs as one device.
+Tensors kept without their inputs' values (a table per length, ones_like(x)), or kept
+and never read back, run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from torch import Tensor, nn
+
+from batchgraph.pipeline import Pipeline, PipelineConfigError
+from batchgraph.pipeline.microbatch import split_microbatches
+from tests.pipeline_models import SCHEDULES, assert_grads_equal, chunks_for, grid, reference
+
+
+class Centred(nn.Module):
+    """Centres its inputs on the mean of the first batch it saw (kept, read back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.ref: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.ref is None:
+            self.ref = x.detach().mean(0)
+        return torch.tanh(self.lin(x - self.ref))
+
+
+class Tables(nn.Module):
+    """Keeps a table per width and a mask shaped as its input: neither reads its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.cos: Tensor | None = None
+        self.mask: Tensor | None = None
+        self.last: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.cos is None:
+            self.cos = torch.cos(torch.arange(x.shape[-1], dtype=x.dtype))
+        if self.mask is None:
+            self.mask = torch.ones_like(x)
+        out = torch.tanh(self.lin(x)) * self.cos * self.mask[:1]
+        self.last = out.detach()  # kept for inspection, never read back
+        return out
+
+
+def _model(blocks: int, layer: type[nn.Module]) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(blocks):
+        mods += [nn.Linear(4, 4, dtype=torch.float64), layer()]
+    return nn.Sequential(*mods)
+
+
+@settings(max_examples=16, deadline=None)
+@given(**grid())
+@example(stages=2, microbatches=2, schedule="1f1b")
+def test_a_forward_reading_back_what_it_kept_from_its_inputs(
+    stages: int, microbatches: int, schedule: str
+) -> None:
+    chunks = chunks_for(schedule)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    one = _model(stages * chunks, Centred)
+    loss, grads = reference(one, x, y, nn.MSELoss())
+    model = _model(stages * chunks, Centred)
+    with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks) as pipe:
+        if microbatches == 1:  # as one device, kept state included
+            torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+            assert_grads_equal(model, grads)
+            refs = [m.ref for m in model.modules() if isinstance(m, Centred)]
+            expected = [m.ref for m in one.modules() if isinstance(m, Centred)]
+            torch.testing.assert_close(refs, expected, rtol=1e-12, atol=1e-12)
+            return
+        with pytest.raises(PipelineConfigError, match=r"reads Centred\.ref, .*next call"):
+            pipe.train_step(x, y)
+    # Refused before any work: nothing kept, no gradient.
+    assert all(m.ref is None for m in model.modules() if isinstance(m, Centred))
+    assert all(p.grad is None for p in model.parameters())
+
+
+class Keeps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.cache: dict[str, Tensor] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.cache["h"] = x.detach()
+        return torch.tanh(self.lin(x))
+
+
+class Reads(nn.Module):
+    """Reads what another layer kept (a skip through an attribute, not an output)."""
+
+    def __init__(self, source: Keeps) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.__dict__["source"] = source  # not a submodule: no parameters of its own
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + self.source.cache["h"].mean(0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_stage_reading_what_another_stage_kept_is_refused(schedule: str) -> None:
+    keeps = Keeps()
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), keeps,
+                          nn.Linear(4, 4, dtype=torch.float64), Reads(keeps))
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with Pipeline(model, stages=2, microbatches=3, schedule=schedule,
+                  loss_fn=nn.MSELoss()) as pipe:
+        with pytest.raises(PipelineConfigError,
+                           match=r"stage 1 .* reads Keeps\.cache, which stage 0's"):
+            pipe.train_step(x, y)
+        assert keeps.cache == {}
+    with Pipeline(model, stages=2, microbatches=1, schedule=schedule,
+                  loss_fn=nn.MSELoss()) as pipe:
+        loss = pipe.train_step(x, y)
+    torch.testing.assert_close(loss, nn.MSELoss()(model(x), y), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tables_and_masks_kept_run_and_a_tensor_kept_holds_the_last_microbatch(
+    schedule: str
+) -> None:
+    chunks = chunks_for(schedule)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    one = _model(2 * chunks, Tables)
+    loss, grads = reference(one, x, y, nn.MSELoss())
+    model = _model(2 * chunks, Tables)
+    with Pipeline(model, stages=2, microbatches=3, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks) as pipe:
+        torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, grads)
+    last = split_microbatches(torch.arange(6), 3)[-1][0]
+    for got, expected in zip(model.modules(), one.modules()):
+        if isinstance(got, Tables) and isinstance(expected, Tables):
+            assert expected.last is not None and got.last is not None
+            torch.testing.assert_close(got.last, expected.last[last], rtol=1e-12, atol=1e-12)
