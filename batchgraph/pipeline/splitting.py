@@ -157,7 +157,7 @@ def _split_modules(
         )
     # Stages that follow model.train()/eval() where the model's Python reads the mode.
     return partition_graph_by_mode(
-        module, stages * chunks, lambda m, n: partition_graph(m, n, cost=cost)
+        module, stages * chunks, lambda m, n, trace: partition_graph(m, n, cost=cost, tracer=trace)
     )
 
 

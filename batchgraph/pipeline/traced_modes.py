@@ -31,14 +31,24 @@ from typing import Any
 from torch import fx, nn
 
 from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.traced_state import (
+    LeafTracer,
+    Trace,
+    attributes_put_back,
+    stateful_leaves,
+    trace_with,
+)
 
 __all__ = ["ModeParts", "partition_graph_by_mode", "traced_through"]
 
 
-def traced_through(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def traced_through(
+    module: nn.Module, leaves: frozenset[int] = frozenset()
+) -> list[tuple[str, nn.Module]]:
     """The modules whose Python ``torch.fx.symbolic_trace(module)`` runs (named), i.e. whose
     ``self.training`` reads become constants: the root and the non-leaf modules below it
-    that are reached without passing through a leaf (``torch.nn`` layers are leaves).
+    that are reached without passing through a leaf (``torch.nn`` layers are leaves, and
+    ``leaves``, by identity: see :mod:`batchgraph.pipeline.traced_state`).
 
     Example:
         >>> from torch import nn
@@ -49,15 +59,19 @@ def traced_through(module: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> [name for name, _ in traced_through(nn.Sequential(Block(), nn.ReLU()))]
         ['', '0']
     """
-    tracer = fx.Tracer()
+    tracer = LeafTracer(leaves)
     found: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
 
     def visit(name: str, mod: nn.Module) -> None:
-        if id(mod) in seen or (name and tracer.is_leaf_module(mod, name)):
+        # A ModuleList or ModuleDict is never called (a forward iterates it and calls its
+        # blocks, which the trace goes into): looked into, not listed, though a leaf.
+        container = isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+        if id(mod) in seen or (name and not container and tracer.is_leaf_module(mod, name)):
             return
         seen.add(id(mod))
-        found.append((name, mod))
+        if not container:
+            found.append((name, mod))
         for child_name, child in mod.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
 
@@ -176,7 +190,7 @@ class ModeParts(nn.Module):
 def partition_graph_by_mode(
     module: nn.Module,
     stages: int,
-    partition: Callable[[nn.Module, int], list[fx.GraphModule]],
+    partition: Callable[[nn.Module, int, Trace], list[fx.GraphModule]],
 ) -> list[nn.Module]:
     """``partition(module, stages)``, with stages that follow the model's mode (see the
     module docstring).
@@ -184,20 +198,26 @@ def partition_graph_by_mode(
     Args:
         module: the model.
         stages: the number of parts.
-        partition: traces and splits ``module`` (``partition_graph`` with its cost).
+        partition: traces (with the tracer given) and splits ``module``
+            (``partition_graph`` with its cost).
 
     Returns:
         The parts as they are when the traced code does not read the mode; else one
         :class:`ModeParts` per part.
     """
-    traced = traced_through(module)
+    # Blocks keeping Python state are called, not traced through (see traced_state).
+    leaves = stateful_leaves(module, lambda found: traced_through(module, found),
+                             lambda trace: trace(module))
+    trace = trace_with(leaves)
+    traced = traced_through(module, leaves)
     modules = [m for _, m in traced]
     flags = [m.training for m in modules]
-    parts = partition(module, stages)
+    with attributes_put_back(traced):
+        parts = partition(module, stages, trace)
     other_mode = not module.training
     try:
-        with _in_mode(modules, other_mode):
-            others: list[fx.GraphModule] | None = partition(module, stages)
+        with _in_mode(modules, other_mode), attributes_put_back(traced):
+            others: list[fx.GraphModule] | None = partition(module, stages, trace)
     except Exception:  # not traceable in the other mode: it cannot be switched to
         others = None
     if others is not None and all(a.code == b.code for a, b in zip(parts, others)):
