@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from batchgraph.pipeline import Pipeline, StageError
 from batchgraph.pipeline.microbatch import check_stages_fit, split_microbatches
-from tests.pipeline_models import assert_grads_equal, chunks_for, grid, reference
+from tests.pipeline_models import SCHEDULES, assert_grads_equal, chunks_for, grid, reference
 
 
 class ScaleInPlace(nn.Module):
@@ -206,3 +206,18 @@ def test_the_stage_probe_leaves_nested_containers_deques_and_sets() -> None:
     assert len(layer.recent) == 0 and layer.shapes == set()
     layer(torch.ones(3, 4))  # the real forward computes on real tensors
     assert layer.cache["layer"]["cos"].device.type == "cpu" and layer.shapes == {(3, 4)}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_no_grad_forward_keeps_state_per_microbatch_too(schedule: str) -> None:
+    chunks = chunks_for(schedule)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    kept = _model(2 * chunks)
+    with torch.no_grad():
+        expected = torch.cat([kept(part.clone()) for (part,) in split_microbatches(x, 3)])
+    model = _model(2 * chunks)
+    with Pipeline(model, stages=2, microbatches=3, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks) as pipe:
+        out = pipe.forward(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert _state(model) == _state(kept)

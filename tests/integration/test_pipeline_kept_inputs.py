@@ -147,3 +147,15 @@ def test_tables_and_masks_kept_run_and_a_tensor_kept_holds_the_last_microbatch(
         if isinstance(got, Tables) and isinstance(expected, Tables):
             assert expected.last is not None and got.last is not None
             torch.testing.assert_close(got.last, expected.last[last], rtol=1e-12, atol=1e-12)
+
+
+def test_a_no_grad_forward_reading_back_what_it_kept_is_refused_too() -> None:
+    model = _model(2, Centred)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe:
+        with pytest.raises(PipelineConfigError, match=r"stage 0 .* reads Centred\.ref"):
+            pipe.forward(x)
+        assert all(m.ref is None for m in model.modules() if isinstance(m, Centred))
+    with Pipeline(model, stages=2, microbatches=1, loss_fn=nn.MSELoss()) as pipe:
+        out = pipe.forward(x)
+    torch.testing.assert_close(out, _model(2, Centred)(x), rtol=1e-12, atol=1e-12)
