@@ -139,6 +139,8 @@ def build_local_stages(
         what = f"stage {s} ({type(mod).__name__})"
         stage = Stage(materialise(mod, device, what), s, total, device)
         stage.split_backward = s in split_backward
+        if schedule.microbatches > 1:  # each rank checks its stages as their inputs come
+            stage.kept_checks = set()
         built[s] = stage
     return built
 

@@ -81,13 +81,15 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:
+def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
+                      first: int = 0) -> None:
     """Refuse stage forwards that read back what a forward kept from its inputs (see
     the module's docstring), for a pipeline of several microbatches.
 
     Args:
         modules: the stage modules, in order.
         sample: one microbatch of inputs for the first stage.
+        first: the index of the first stage (a rank's own stage, on torch.distributed).
 
     Raises:
         PipelineConfigError: naming the stage that read it, the attribute and what to
@@ -119,7 +121,7 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor]) ->
             for attrs in stage:
                 attrs.put_back(attrs.changed(_SWAPPED))
     if mode.read is not None:
-        raise _read_error(modules, mode)
+        raise _read_error(modules, mode, first)
 
 
 def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
@@ -152,12 +154,13 @@ def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
     return True
 
 
-def _read_error(modules: Sequence[nn.Module], mode: _Marking) -> PipelineConfigError:
+def _read_error(modules: Sequence[nn.Module], mode: _Marking,
+                first: int) -> PipelineConfigError:
     assert mode.read is not None
     keeper, name, run = mode.read
     reader = mode.stage
-    whose = "its" if keeper == reader else f"stage {keeper}'s"
-    where = (f"stage {reader} ({type(modules[reader]).__name__}) reads {name}, which "
+    whose = "its" if keeper == reader else f"stage {first + keeper}'s"
+    where = (f"stage {first + reader} ({type(modules[reader]).__name__}) reads {name}, which "
              f"{whose} forward computed from its inputs and kept")
     if keeper == reader and run != mode.run:
         why = (" for its next call: a pipeline runs each stage once per microbatch, so "
@@ -165,8 +168,8 @@ def _read_error(modules: Sequence[nn.Module], mode: _Marking) -> PipelineConfigE
                "batch's, and computes other outputs and gradients")
     else:
         why = (": the stages run the microbatches in turn, so it reads whichever microbatch "
-               f"stage {keeper} ran last (on threads: as they happen to run) where one device "
-               "reads the whole batch's")
+               f"stage {first + keeper} ran last (on threads: as they happen to run) where "
+               "one device reads the whole batch's")
     return PipelineConfigError(
         f"{where}{why}. Compute it from the whole batch before the step and pass it in "
         "(or set it once, outside the forward), hand it to the next stage as an output, "

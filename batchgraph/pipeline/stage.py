@@ -38,6 +38,7 @@ from batchgraph.pipeline.actions import Action, ActionKind
 from batchgraph.pipeline.backward import BackwardTape, TwoStageBackward
 from batchgraph.pipeline.comm import COORDINATOR, Communicator, MessageKey, MessageKind, Payload
 from batchgraph.pipeline.errors import PipelineAbortedError, StageError
+from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from batchgraph.pipeline.rng import StageRandom
 
 __all__ = ["Stage"]
@@ -155,6 +156,9 @@ class Stage:
         # Reproducible random numbers on a thread of its own (see pipeline.rng); a runtime
         # that plans it (rng.begin_step) makes the stage lock and seed its actions.
         self.random = StageRandom(index, self.device)
+        # The input signatures its forward was checked for reading back what it kept of
+        # its inputs (kept_inputs), where the runtime checks no whole pipeline: None, none.
+        self.kept_checks: set[tuple[object, ...]] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -195,6 +199,8 @@ class Stage:
             TypeError: if the module returns something other than tensors.
         """
         xs = tuple([self._prepare(t, train) for t in inputs])
+        if self.kept_checks is not None:
+            self._check_kept(xs)
         if not train:
             with torch.no_grad():
                 return self._as_outputs(self.module(*xs))
@@ -435,6 +441,14 @@ class Stage:
         if self.autocast is None:
             return self.random.forward(microbatch)
         return _nested(self.random.forward(microbatch), in_autocast_state(self.autocast))
+
+    def _check_kept(self, xs: tuple[Tensor | None, ...]) -> None:
+        checked = self.kept_checks
+        assert checked is not None
+        signature = tuple(None if x is None else (x.shape, x.dtype) for x in xs)
+        if signature not in checked and all(x is not None for x in xs):
+            check_inputs_kept([self.module], [x for x in xs if x is not None], self.index)
+        checked.add(signature)
 
     @staticmethod
     def _alias(x: Tensor | None) -> Tensor | None:
