@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from batchgraph.handle import ResultHandle
     from batchgraph.specs import TensorSpec
 
-__all__ = ["Handout", "check", "hand_out_views", "note_handed", "rederive"]
+__all__ = ["Handout", "check", "hand_out_views", "note_handed", "reads_changed_view", "rederive"]
 
 # A value handed out for a node's output while calls were pending: the value (weakly),
 # its version then (None: an inference tensor, which keeps none) and the number of
@@ -70,6 +70,53 @@ def note_handed(graph: Graph, node: int, leaf: int, value: Any, version: Any,
     mark = graph.handed_mark = len(graph.node_key) if mark is None else mark
     graph.handed_views.setdefault((node, leaf), []).append(
         (weakref.ref(value), version if type(version) is int else None, mark))
+
+
+def reads_changed_view(graph: Graph, refs: tuple[Ref, ...], node: int) -> bool:
+    """Whether a call reading ``refs``, identical to ``node`` (recorded before a
+    hand-out), reads a pending view recorded before that hand-out of a value changed in
+    place since: merged with ``node``, it would read the value as it was, where eagerly
+    it reads the change (``s = h[:, 1]; s2 = s * 2``, ``y = bg.compute(h)``,
+    ``y.add_(1)``, ``s * 2``); kept apart, ``check`` refuses it as it does where
+    identical calls are not merged.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as policy:
+        ...     h = bg.batched_value(torch.ones(2, 2)) * 1
+        ...     s = h[:, 1]
+        ...     s2 = s * 2
+        ...     y = bg.compute(h)
+        ...     before = s * 2
+        ...     _ = y.add_(1)
+        ...     after = s * 2
+        >>> before.node == s2.node, after.node == s2.node
+        (True, False)
+    """
+    if node >= graph.handed_mark or not graph.handed_views:
+        return False
+    return any(_early_view_changed(graph, ref[0]) for ref in refs)
+
+
+def _early_view_changed(graph: Graph, n: int) -> bool:
+    """Whether pending node ``n`` is a view (or a view of a view) of a value handed out
+    after ``n`` was recorded, and that value changed in place since (``_changed``)."""
+    table, loc, keys, node_key = graph.handed_views, graph.node_loc, graph.keys, graph.node_key
+    todo, seen = [n], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n >= graph.handed_mark or loc[n] >= 0 or n in graph.constants:
+            continue
+        seen.add(n)
+        key = keys[node_key[n]]
+        if not makes_view(key.fn, key):
+            continue
+        for ref in graph.node_inputs[n]:
+            if (loc[ref[0]] >= 0 or ref[0] in graph.constants) and any(
+                    n < o[2] and _changed(graph, o, ref) for o in table.get(ref, ())):
+                return True
+            todo.append(ref[0])  # a view of a view
+    return False
 
 
 def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:

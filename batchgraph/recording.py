@@ -29,6 +29,7 @@ from batchgraph.autocasting import (
 from batchgraph.buffers import buffers_kept
 from batchgraph.entries import Entry
 from batchgraph.graph import INFERENCE, RecordedGrad
+from batchgraph.handed_views import reads_changed_view
 from batchgraph.handle import ResultHandle, unchanged
 from batchgraph.hooks import hooks_of
 from batchgraph.inference import infer_spec
@@ -322,6 +323,9 @@ class CallSite:
                     graph.shared.add(node)  # Graph.merge's usual case, inlined
                 else:
                     node = graph.merge(node, (kid, refs), fresh)
+                if node != fresh and graph.handed_views and reads_changed_view(
+                        graph, refs, node):
+                    node = graph.dedupe_table[(kid, refs)] = fresh
         if node != fresh:
             graph.merged_calls += 1
         else:
