@@ -100,6 +100,10 @@ class Graph(KeyReads):
         self.handed_views: dict[Ref, list[Any]] = {}
         self.handed_mark = 0
         self.handed_kept = 64  # the table's size after its last scan (or the least)
+        # Such views computed since (their rows copies of the value as it was), with
+        # what they view: calls reading them are checked as those on pending ones.
+        self.early_views: dict[int, Any] = {}
+        self.early_kept = 64
         self.keys: list[BatchKey] = []
         self.key_ids: dict[tuple[Any, ...], int] = {}
         self.keys_used: set[int] = set()  # since ids were last forgotten (key_forgetting)

@@ -35,9 +35,11 @@ from batchgraph.handing_out import reading
 if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
     from batchgraph.handle import ResultHandle
+    from batchgraph.passes import LiveGraph
     from batchgraph.specs import TensorSpec
 
-__all__ = ["Handout", "check", "hand_out_views", "note_handed", "reads_changed_view", "rederive"]
+__all__ = ["Handout", "check", "hand_out_views", "note_handed", "note_views_computed_with",
+           "reads_changed_view", "rederive"]
 
 # A value handed out for a node's output while calls were pending: the value (weakly),
 # its version then (None: an inference tensor, which keeps none) and the number of
@@ -93,18 +95,23 @@ def reads_changed_view(graph: Graph, refs: tuple[Ref, ...], node: int) -> bool:
         >>> before.node == s2.node, after.node == s2.node
         (True, False)
     """
-    if node >= graph.handed_mark or not graph.handed_views:
+    if not (graph.handed_views or graph.early_views):
         return False
-    return any(_early_view_changed(graph, ref[0]) for ref in refs)
+    return any(_early_view_changed(graph, ref[0], node) for ref in refs)
 
 
-def _early_view_changed(graph: Graph, n: int) -> bool:
-    """Whether pending node ``n`` is a view (or a view of a view) of a value handed out
-    after ``n`` was recorded, and that value changed in place since (``_changed``)."""
+def _early_view_changed(graph: Graph, n: int, node: int) -> bool:
+    """Whether node ``n`` is a view (or a view of a view) of a value handed out after
+    ``n`` and ``node`` were recorded, and that value changed in place since
+    (``_changed``)."""
     table, loc, keys, node_key = graph.handed_views, graph.node_loc, graph.keys, graph.node_key
     todo, seen = [n], set()
     while todo:
         n = todo.pop()
+        if (early := graph.early_views.get(n)) is not None:  # computed already
+            if any(node < o[2] and _changed(graph, o, early[1]) for o in early[0]):
+                return True
+            continue
         if n in seen or n >= graph.handed_mark or loc[n] >= 0 or n in graph.constants:
             continue
         seen.add(n)
@@ -113,7 +120,7 @@ def _early_view_changed(graph: Graph, n: int) -> bool:
             continue
         for ref in graph.node_inputs[n]:
             if (loc[ref[0]] >= 0 or ref[0] in graph.constants) and any(
-                    n < o[2] and _changed(graph, o, ref) for o in table.get(ref, ())):
+                    node < o[2] and _changed(graph, o, ref) for o in table.get(ref, ())):
                 return True
             todo.append(ref[0])  # a view of a view
     return False
@@ -127,21 +134,22 @@ def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
         TypeError: where a call recorded after the hand-out reads such a view and the
             value was changed in place since (see the module docstring).
     """
-    table = graph.handed_views
-    if not table:
+    table, early = graph.handed_views, graph.early_views
+    if not table and not early:
         return {}
     _forget_settled(graph)
-    if not table or not nodes or nodes[0] >= graph.handed_mark:
+    if not nodes or (not early and (not table or nodes[0] >= graph.handed_mark)):
         return {}
     loc, inputs, node_key, keys = graph.node_loc, graph.node_inputs, graph.node_key, graph.keys
     mark = graph.handed_mark
     tracked: dict[int, _Tracked] = {}
     for n in nodes:
-        if n >= mark and not tracked:
+        if n >= mark and not tracked and not early:
             break
         for ref in inputs[n]:
             src = ref[0]
-            viewed = tracked.get(src)
+            # One computed already (by an earlier compute) reads as a pending one.
+            viewed = tracked.get(src) or early.get(src)
             if viewed is None:
                 # A value as computed, or as it was when a view reading a handle not
                 # computed yet was recorded (a constant: aliasing._record_pending_view).
@@ -156,7 +164,8 @@ def check(graph: Graph, nodes: list[int]) -> dict[int, _Tracked]:
             key = keys[node_key[n]]
             # A view of the view is a view of the value too; an operation that copies
             # the view as it is laid out (reshape of a transpose) reads it.
-            if makes_view(key.fn, key) and _views_as_laid_out(graph, n, tracked, viewed):
+            if makes_view(key.fn, key) and _views_as_laid_out(
+                    graph, n, {**early, **tracked} if early else tracked, viewed):
                 tracked[n] = viewed
                 continue
             handouts, base = viewed
@@ -249,8 +258,14 @@ def _leaf(out: Any, leaf: int) -> Any:
 
 
 def hand_out_views(graph: Graph, handles: list[ResultHandle], tracked: dict[int, _Tracked]) -> None:
-    """Hand the ``handles`` of ``tracked`` views their eager values (``rederive``): views
-    of the value handed out, following its later in-place changes as eagerly."""
+    """Hand the ``handles`` of ``tracked`` views (and of such views computed before,
+    ``graph.early_views``) their eager values (``rederive``): views of the value handed
+    out, following its later in-place changes as eagerly. The ``tracked`` ones, computed
+    now, join ``graph.early_views``: a call recorded on one later reads its row, the
+    value as it was."""
+    if graph.early_views:
+        tracked = {**graph.early_views, **tracked}
+    _keep_computed(graph, tracked)
     values: dict[int, Any] = {}
     for h in handles:
         if h.node in tracked and h._out is None:
@@ -260,6 +275,81 @@ def hand_out_views(graph: Graph, handles: list[ResultHandle], tracked: dict[int,
                 h.handed(_leaf(values[h.node], h.leaf))
 
 
+def note_views_computed_with(graph: Graph, handles: list[ResultHandle], live: LiveGraph,
+                             before: list[ResultHandle]) -> None:
+    """Keep in ``graph.early_views`` the computed views (and views of those) of a value
+    that ``handles`` were handed out now, not handed out themselves: views computed now
+    (``live``'s consumers of the handles' nodes), and for the ``before`` ones (computed
+    by an earlier compute), any computed since. Their rows are copies of the value as
+    it was (``s = h[:, 1]`` computed for ``s * 2``, then
+    ``y, _ = bg.compute([h, s * 2])``, ``y.add_(1)``): a call on one recorded after a
+    change of the value is refused, and computing one gives the view of the value, as
+    for views still pending at the hand-out.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as policy:
+        ...     h = bg.batched_value(torch.ones(2, 2)) * 1
+        ...     s = h[:, 1]
+        ...     y, _ = bg.compute([h, s * 2])
+        ...     _ = y.add_(1)
+        ...     bg.compute(s)
+        tensor([2., 2.])
+    """
+    base, consumers, loc = live.base, live.consumers, graph.node_loc
+    outs: dict[Ref, _Tracked] = {}
+    readers: list[int] = []
+    mark = len(graph.node_key)
+    size, earlier = len(consumers), {id(h) for h in before}
+    for h in handles:
+        i = h.node - base
+        users = consumers[i] if 0 <= i < size else None
+        if users is None and (not earlier or id(h) not in earlier):
+            continue  # no call computed now reads it (the usual case)
+        out = h._out
+        if out is not None and isinstance(out[0], torch.Tensor):
+            version = out[1] if type(out[1]) is int else None
+            outs[(h.node, h.leaf)] = (((weakref.ref(out[0]), version, mark),), (h.node, h.leaf))
+            readers += users or [n for n in range(h.node + 1, mark) if loc[n] >= 0]
+    if not outs:
+        return
+    handed = {h.node for h in handles}  # handed out themselves: copies (see README)
+    inputs, node_key, keys = graph.node_inputs, graph.node_key, graph.keys
+    found: dict[int, _Tracked] = {}
+    todo = sorted(set(readers), reverse=True)
+    while todo:
+        n = todo.pop()  # lowest first: a view's inputs are settled before it
+        if n in found or n in handed:
+            continue
+        key = keys[node_key[n]]
+        if not makes_view(key.fn, key):
+            continue
+        viewed = next((v for ref in inputs[n]
+                       if (v := outs.get(ref) or found.get(ref[0])) is not None), None)
+        if viewed is not None:
+            found[n] = viewed
+            i = n - base
+            more = consumers[i] if 0 <= i < len(consumers) else None
+            todo = sorted(set(todo) | set(more or [m for m in range(n + 1, mark)
+                                                   if loc[m] >= 0]), reverse=True)
+    if found:
+        _keep_computed(graph, found)
+
+
+def _keep_computed(graph: Graph, tracked: dict[int, _Tracked]) -> None:
+    """Keep ``tracked`` in ``graph.early_views``, less the views whose values handed out
+    are all gone (they can no longer change), scanned once the table has doubled."""
+    early = graph.early_views
+    early.update(tracked)
+    if len(early) >= 2 * graph.early_kept:
+        loc, stores = graph.node_loc, graph.stores
+        for n in [n for n, (outs, _) in early.items()
+                  if all(o[0]() is None for o in outs)  # can change no more
+                  or loc[n] < 0 or not stores[loc[n] >> STORE_SHIFT]]:  # released
+            del early[n]
+        graph.early_kept = max(len(early), 64)
+
+
 def _changed(graph: Graph, handout: Handout, base: Ref) -> bool:
     """Whether the value handed out differs from the stored one it is a copy of (a
     version count alone would also count ``y += 0``); one dropped is taken as is."""
@@ -267,6 +357,9 @@ def _changed(graph: Graph, handout: Handout, base: Ref) -> bool:
     value = ref()
     if value is None or (version is not None and value._version == version):
         return False
+    loc = graph.node_loc[base[0]]
+    if base[0] not in graph.constants and (loc < 0 or not graph.stores[loc >> STORE_SHIFT]):
+        return True  # the stored one released: a new version is all there is to tell
     return not torch.equal(value, _stored(graph, base, None))
 
 

@@ -243,10 +243,14 @@ class BatchingPolicy:
         example_of = (
             _ExampleIndex(graph, handles) if example is None else lambda _node: example
         )
+        # Handed out now: their views computed with them (or before) copy them as they
+        # were (see handed_views.note_views_computed_with).
+        fresh = [h for h in handles if h._out is None]
+        before = [h for h in fresh if graph.node_loc[h.node] >= 0]
         executor = Executor(graph, example_of=example_of)
         executor.run(schedule)
         executed = time.perf_counter()
-        if stale:
+        if stale or graph.early_views:
             handed_views.hand_out_views(graph, handles, stale)
         self.last_schedule = schedule
         self.computes += 1
@@ -256,6 +260,7 @@ class BatchingPolicy:
         # history keep it, even when read under no_grad or in inference mode (a call
         # recorded with grad has it, as eagerly): see graph.reading.
         result = _rebuild(obj, _row_views(graph, handles))
+        handed_views.note_views_computed_with(graph, fresh, live, before)
         # The caller still holds the handles in `obj` (and `result` holds its rows):
         # what this compute made for them stays until they are dropped.
         self.releaser.step()

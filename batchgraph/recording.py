@@ -323,8 +323,8 @@ class CallSite:
                     graph.shared.add(node)  # Graph.merge's usual case, inlined
                 else:
                     node = graph.merge(node, (kid, refs), fresh)
-                if node != fresh and graph.handed_views and reads_changed_view(
-                        graph, refs, node):
+                if node != fresh and (graph.handed_views or graph.early_views) and (
+                        reads_changed_view(graph, refs, node)):
                     node = graph.dedupe_table[(kid, refs)] = fresh
         if node != fresh:
             graph.merged_calls += 1
