@@ -79,11 +79,11 @@ class KeyReads:
         already, ``NOT_READ`` where not)."""
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
-        if isinstance(fn, torch.nn.Module) and (
-            _replaced(parts.params, fn) or _replaced_buffers(parts, fn)
-        ):
+        if (_replaced(parts.params, fn) or _replaced_buffers(parts, fn)) if isinstance(
+                fn, torch.nn.Module) else _replaced_in_read_modules(parts):
             # A parameter or buffer replaced (load_state_dict(assign=True), `lin.weight =
-            # nn.Parameter(...)`, `bn.running_mean = t`): list the module's parts anew.
+            # nn.Parameter(...)`, `bn.running_mean = t`), or for a function, a parameter
+            # or submodule of a module it reads: list the module's parts anew.
             self.forget_parts(fn)
             parts = self._parts_of(fn)
         if parts.params:
@@ -228,8 +228,16 @@ class KeyReads:
         if noted is None:
             return False
         params, fn = self.key_params[kid], self.keys[kid].fn
-        if isinstance(fn, torch.nn.Module) and _replaced(params, fn):
-            return True
+        if isinstance(fn, torch.nn.Module):
+            if _replaced(params, fn):
+                return True
+        else:
+            # A parameter of a module it reads replaced (lin.bias = nn.Parameter(...)):
+            # the batched calls would read the new one. Listed anew since, or now.
+            now = self._parts_of(fn)
+            if (len(now.params) != len(params) or any(a is not b for a, b in zip(now.params, params))
+                    or _replaced_in_read_modules(now)):
+                return True
         count = len(params)
         return (tuple([p._version for p in params]) != noted[:count]
                 or _pointers(params) != noted[2 * count:3 * count])
@@ -335,6 +343,31 @@ def _replaced_buffers(parts: ModuleParts, module: torch.nn.Module) -> list[str]:
     return [name for name in {**then, **now} if then.get(name) is not now.get(name)]
 
 
+def _replaced_in_read_modules(parts: ModuleParts) -> bool:
+    """For a function's ``parts``: whether a module it reads holds a parameter or a
+    submodule now that was not listed (``lin.bias = nn.Parameter(...)``, ``m.l =
+    nn.Linear(...)``).
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> parts = ModuleParts(lambda x: lin(x))
+        >>> before = _replaced_in_read_modules(parts)
+        >>> lin.bias = torch.nn.Parameter(torch.zeros(2))
+        >>> before, _replaced_in_read_modules(parts)
+        (False, True)
+    """
+    if not parts.submodules:
+        return False
+    if parts.listed is None:  # once per listing: this runs once per key and compute
+        parts.listed = ({id(p) for p in parts.params}, {id(m) for m in parts.submodules})
+    params, modules = parts.listed
+    return any(
+        any(p is not None and id(p) not in params for p in m._parameters.values())
+        or any(c is not None and id(c) not in modules for c in m._modules.values())
+        for m in parts.submodules)
+
+
 def _replaced(params: tuple[torch.Tensor, ...], module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters are other tensors than ``params`` now."""
     now = tuple(module.parameters())
@@ -348,8 +381,8 @@ class ModuleParts:
     (``captured_parts``)."""
 
     __slots__ = (
-        "attributes", "buffer_names", "buffers", "names", "params", "submodules", "watched",
-        "watched_names",
+        "attributes", "buffer_names", "buffers", "listed", "names", "params", "submodules",
+        "watched", "watched_names",
     )
 
     def __init__(self, module: Any) -> None:
@@ -371,6 +404,8 @@ class ModuleParts:
             self.watched_names = ["", *self.names]
         self.attributes = attribute_cache(self.watched)
         self.buffer_names, self.buffers = watches_of(named_buffers)
+        # The ids of params and submodules (``_replaced_in_read_modules``), once needed.
+        self.listed: tuple[set[int], set[int]] | None = None
 
 
 # Graphs that noted modules' parameters' versions: after an optimizer step, their
