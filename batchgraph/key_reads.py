@@ -80,7 +80,8 @@ class KeyReads:
         versions = submodes = buffers = None
         parts = self._parts_of(fn)
         if (_replaced(parts.params, fn) or _replaced_buffers(parts, fn)) if isinstance(
-                fn, torch.nn.Module) else _replaced_in_read_modules(parts):
+                fn, torch.nn.Module) else (
+                    _replaced_in_read_modules(parts) or _replaced_read_buffers(parts)):
             # A parameter or buffer replaced (load_state_dict(assign=True), `lin.weight =
             # nn.Parameter(...)`, `bn.running_mean = t`), or for a function, a parameter
             # or submodule of a module it reads: list the module's parts anew.
@@ -279,10 +280,10 @@ class KeyReads:
         if noted is None:
             return []
         parts, fn = self.key_buffer_parts[kid], self.keys[kid].fn
-        if isinstance(fn, torch.nn.Module):
-            replaced = _replaced_buffers(parts, fn)
-            if replaced:  # `bn.running_mean = t`: the batched calls would read t
-                return replaced
+        replaced = (_replaced_buffers(parts, fn) if isinstance(fn, torch.nn.Module)
+                    else _replaced_read_buffers(parts))
+        if replaced:  # `bn.running_mean = t`: the batched calls would read t
+            return replaced
         now = epochs(parts.buffers)
         if now is None:
             # A function's, replaced since (model.double(): refused as a conversion).
@@ -292,8 +293,9 @@ class KeyReads:
     def adopt_replaced_buffers(self, kid: int) -> None:
         """Take the buffers of module key ``kid`` replaced since they were noted as
         its own (a compute's steps replaced them: ``watching_buffers``)."""
-        fn = self.keys[kid].fn
-        if isinstance(fn, torch.nn.Module) and _replaced_buffers(self.key_buffer_parts[kid], fn):
+        fn, parts = self.keys[kid].fn, self.key_buffer_parts[kid]
+        if _replaced_buffers(parts, fn) if isinstance(fn, torch.nn.Module) else (
+                _replaced_read_buffers(parts)):
             self.forget_parts(fn)
             parts = self.key_buffer_parts[kid] = self._parts_of(fn)
             found = epochs(parts.buffers)
@@ -341,6 +343,25 @@ def _replaced_buffers(parts: ModuleParts, module: torch.nn.Module) -> list[str]:
     now = {name: b for name, b in module.named_buffers() if not b.is_inference()}
     then = {name: w.ref() for name, w in zip(parts.buffer_names, parts.buffers)}
     return [name for name in {**then, **now} if then.get(name) is not now.get(name)]
+
+
+def _replaced_read_buffers(parts: ModuleParts) -> list[str]:
+    """For a function's ``parts``: the buffers (``Class.name``) of the modules it reads
+    that are not those listed (``bn.running_mean = t``).
+
+    Example:
+        >>> import torch
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> parts = ModuleParts(lambda x: norm(x))
+        >>> norm.running_mean = torch.ones(2)
+        >>> _replaced_read_buffers(parts)
+        ['BatchNorm1d.running_mean']
+    """
+    listed = {id(b) for w in parts.buffers if (b := w.ref()) is not None}
+    listed.update(id(p) for p in parts.params)  # a buffer it reads itself
+    return [f"{type(m).__name__}.{name}" for m in parts.submodules
+            for name, b in m._buffers.items()
+            if b is not None and not b.is_inference() and id(b) not in listed]
 
 
 def _replaced_in_read_modules(parts: ModuleParts) -> bool:

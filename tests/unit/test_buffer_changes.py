@@ -215,6 +215,29 @@ def test_a_function_reading_a_module_watches_its_buffers() -> None:
         policy.compute(h)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["old dropped", "old kept"])
+def test_a_function_reading_a_module_watches_its_buffers_replaced(kept: bool) -> None:
+    # `norm.running_mean = t` went unseen for a function reading norm (its calls
+    # computed with t, silently); and calls recorded after it compute with t.
+    model = _model(train=False)
+    norm = model.bn
+    f = bg.batched_func(lambda x: norm(x.unsqueeze(0)).squeeze(0))
+    x = _vectors(1)[0]
+    old = [norm.running_mean]
+    with bg.BatchingPolicy() as policy:
+        h = f(x)
+    norm.running_mean = torch.ones(3, dtype=F64)
+    if not kept:
+        old.clear()
+    with pytest.raises(bg.BufferChangedError,
+                       match=r"'BatchNorm1d\.running_mean' \(of modules it reads\)"):
+        policy.compute(h)
+    with bg.BatchingPolicy() as fresh:
+        again = f(x + 1)
+    torch.testing.assert_close(fresh.compute(again), norm((x + 1).unsqueeze(0)).squeeze(0),
+                               rtol=0, atol=1e-12)
+
+
 def test_a_buffer_passed_as_an_argument_is_a_watched_constant() -> None:
     class Scaled(bg.BatchedModule):
         def __init__(self) -> None:
