@@ -40,6 +40,7 @@ from batchgraph.specs import (
     InputSlot,
     tuple_parts,
 )
+from batchgraph.tie_reductions import EVEN_REDUCTIONS, EvenReductionKey
 
 __all__ = [
     "BatchedHooksWarning", "KeyFactory", "RandomDraws", "choose_key", "may_be_random", "rule_table",
@@ -198,6 +199,8 @@ def _function_key(fn: Any, call: CallSignature) -> KeyFactory:
         return PaddedEmbeddingKey
     if fn in ELEMENTWISE_FUNCTIONS:
         return ElementwiseKey
+    if fn in EVEN_REDUCTIONS and call.args == (InputSlot(0),) and not call.kwargs:
+        return EvenReductionKey
     if fn in REDUCTION_FUNCTIONS and call.args[:1] == (InputSlot(0),):
         if len(call.args) == 1 and not call.kwargs and fn not in _NEEDS_DIM:
             return ReductionKey
