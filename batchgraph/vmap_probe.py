@@ -18,6 +18,7 @@ from batchgraph.dtype_trace import vmap_traced
 from batchgraph.keys import BatchKey, VmapKey
 from batchgraph.module_state import state_kept
 from batchgraph.specs import OutSpec, TensorSpec, flatten_output, spec_leaves
+from batchgraph.tie_reductions import EVEN_REDUCTIONS
 
 __all__ = ["probe_vmap"]
 
@@ -125,11 +126,18 @@ class _WrongShapesUnderVmap(TorchFunctionMode):
     * ``torch.roll(x, 1)`` of a 0-d ``x`` with no dims (a roll over all the elements)
       leaves it as it is eagerly; vmap's batching rule rolled the batch, so each
       example got another example's value, silently.
+    * ``x.max()`` (``min``, ``median``, ``nanmedian``) of a floating ``x``, no dim:
+      eagerly its gradient is shared by the elements tied for the result; under vmap
+      one of them got it all, silently (a call of its own on a handle batches with
+      eager's gradient: ``tie_reductions``).
     """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if (func in EVEN_REDUCTIONS and len(args) == 1 and not kwargs
+                and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+            raise RuntimeError("vmap gives a whole-tensor max's gradient to one of its ties")
         if func in _ROLLS and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 0:
             dims = args[2] if len(args) > 2 else kwargs.get("dims")
             if dims is None or (isinstance(dims, (tuple, list)) and not dims):

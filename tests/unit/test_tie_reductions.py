@@ -43,7 +43,7 @@ def _run(op: Callable[[Any], Any], xs: list[torch.Tensor], batched: bool
         values = bg.compute(handles)
     else:
         values = [op(leaf * 1) for leaf in leaves]
-    loss = sum((v * (i + 2) * leaf.sum()) for i, (v, leaf) in enumerate(zip(values, leaves)))
+    loss = sum((v * (i + 2) * leaf.sum()).sum() for i, (v, leaf) in enumerate(zip(values, leaves)))
     assert isinstance(loss, torch.Tensor)
     grads = torch.autograd.grad(loss, leaves, create_graph=True)
     second = torch.autograd.grad(sum(g.sum() for g in grads), leaves, allow_unused=True)
@@ -91,3 +91,30 @@ def test_integer_values_batch_as_eagerly(name: str) -> None:
     for got, x in zip(bg.compute(handles), xs):
         assert _same(got, OPS[name](x))
     assert policy.stats.unbatched_calls == 0
+
+
+class _MaxNormalized(torch.nn.Module):
+    def __init__(self, op: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.op, self.scale = op, torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (self.op(x * self.scale) + 10.0)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_a_function_or_module_reducing_whole_values_inside_computes_eager_gradients(
+        name: str) -> None:
+    # Through vmap (a VmapKey call), the ties' gradient went to one element.
+    op = OPS[name]
+    module = _MaxNormalized(op)
+    xs = [torch.tensor([[1.0, 2.0, 2.0], [2.0, 0.0, 2.0]], dtype=torch.float64),
+          torch.tensor([[3.0, 3.0, 1.0], [0.0, 3.0, 1.0]], dtype=torch.float64)]
+    for fn in (lambda v: op(v) * 2, module):
+        eager = _run(fn, xs, batched=False)
+        got = _run(bg.batched_func(fn), xs, batched=True)
+        for want, have in zip(eager, got):
+            for a, b in zip(want, have):
+                assert _same(a, b), f"{name}: {b} where eagerly {a}"
+    with torch.no_grad():
+        assert torch.equal(module.scale, torch.tensor(1.5, dtype=torch.float64))
