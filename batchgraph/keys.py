@@ -32,8 +32,10 @@ import torch
 
 from batchgraph.promotion import (
     run_reading_wide,
+    run_with_wide_gradient,
     scalar_tensor_casts,
     scalar_tensor_moves,
+    wide_gradient_input,
     wide_scalar_input,
 )
 from batchgraph.specs import CallSignature, InputSlot, TensorSpec, flatten_output
@@ -206,6 +208,10 @@ class ElementwiseKey(BatchKey):
         self._rounds_to: torch.dtype | None = None
         if casts is not None and self._wide is not None:
             self._rounds_to, casts[self._wide] = casts[self._wide], None
+        # c * x: c read rounded, but x's gradient (grad * c) reads it in float32.
+        self._wide_grad = wide_gradient_input(fn, call, casts)
+        if casts is not None and self._wide_grad is not None:
+            casts[self._wide_grad] = None
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
         moves = self._moves
@@ -219,6 +225,8 @@ class ElementwiseKey(BatchKey):
             inputs = [x if v is None else x.view(size, *v) for x, v in zip(inputs, views)]
         if self._rounds_to is not None and self._wide is not None:
             return run_reading_wide(self.call, fn, inputs, self._wide, self._rounds_to)
+        if self._wide_grad is not None:
+            return run_with_wide_gradient(self.call, fn, inputs, self._wide_grad)
         return self.call.apply(fn, inputs)
 
 

@@ -23,8 +23,8 @@ import torch
 from batchgraph.specs import CallSignature, InputSlot
 
 __all__ = [
-    "reads_wide", "run_reading_wide", "scalar_tensor_casts", "scalar_tensor_moves",
-    "wide_scalar_input",
+    "reads_wide", "run_reading_wide", "run_with_wide_gradient", "scalar_tensor_casts",
+    "scalar_tensor_moves", "wide_gradient_input", "wide_scalar_input",
 ]
 
 # Calls that compute in floats whatever integer inputs they get (true division). Their
@@ -201,6 +201,86 @@ def wide_scalar_input(fn: Any, call: CallSignature,
     return other.slot
 
 
+def wide_gradient_input(fn: Any, call: CallSignature,
+                        casts: list[torch.dtype | None] | None) -> int | None:
+    """The 0-d first operand of a product ``c * x`` (``x`` float16 or bfloat16 with
+    dimensions, ``c`` cast to its dtype by ``casts``), or None.
+
+    Eager code reads ``c`` rounded to ``x``'s dtype in ``c * x`` itself, but ``x``'s
+    gradient is ``grad * c``, where ``c`` is the second operand and read in float32
+    (``wide_scalar_input``): rounded first, as the batch's cast did, it was 1 ulp off
+    (``3 * c`` for ``c = 1.37`` in bfloat16: 4.09375 where eagerly 4.125).
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec as Spec
+        >>> specs = (Spec((3,), torch.bfloat16, torch.device("cpu")),
+        ...          Spec((), torch.float32, torch.device("cpu")))     # x, c
+        >>> c_times_x = CallSignature((InputSlot(1), InputSlot(0)), (), specs, None)
+        >>> wide_gradient_input(torch.mul, c_times_x, scalar_tensor_casts(torch.mul, c_times_x))
+        1
+    """
+    if casts is None or fn not in _PRODUCTS:
+        return None
+    first, other = call.static_arg(0, "input", None), call.static_arg(1, "other", None)
+    if type(first) is not InputSlot or type(other) is not InputSlot or (
+            casts[first.slot] not in _REDUCED or casts[other.slot] is not None):
+        return None
+    specs = call.input_specs
+    x = specs[other.slot]
+    if x is None or not x.shape or x.dtype != casts[first.slot] or any(
+            s is None or s.device.type != "cpu" for s in specs):
+        return None
+    return first.slot
+
+
+class _WideGradient(torch.autograd.Function):
+    """``c * x`` with ``c`` (stacked 0-d) read rounded to ``x``'s dtype, as eagerly, and
+    the gradients eager backward gives: ``grad * c`` for ``x`` with ``c`` read in
+    float32, ``grad * x`` in ``x``'s dtype for ``c``, summed to its shape and cast to
+    its dtype (as ``_ReadWide``'s, by differentiable operations)."""
+
+    @staticmethod
+    def forward(ctx: Any, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c, x)
+        return c.to(x.dtype) * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        c, x = ctx.saved_tensors
+        grad_c = grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_c = (grad * x).sum_to_size(c.shape).to(c.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_x = _wide(grad, c, False).to(x.dtype)
+        return grad_c, grad_x
+
+
+def run_with_wide_gradient(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor],
+                           first: int) -> torch.Tensor:
+    """Run ``c * x`` (``inputs[first]`` is ``c``, not cast yet; see
+    ``wide_gradient_input``) with eager's value and gradients.
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> x = TensorSpec((1,), torch.bfloat16, torch.device("cpu"))
+        >>> c = TensorSpec((), torch.float32, torch.device("cpu"))
+        >>> call = CallSignature((InputSlot(1), InputSlot(0)), (), (x, c), None)
+        >>> xs = torch.tensor([[3.0]], dtype=torch.bfloat16, requires_grad=True)
+        >>> out = run_with_wide_gradient(call, torch.mul, [xs, torch.tensor([[1.37]])], 1)
+        >>> torch.autograd.grad(out.sum(), xs)[0]   # as (1.37 * x[0]).sum() gives it
+        tensor([[1.3672]], dtype=torch.bfloat16)
+    """
+    other = call.static_arg(1, "other", None)
+    assert type(other) is InputSlot
+    c, x = inputs[first], inputs[other.slot]
+    if torch.is_grad_enabled() and (c.requires_grad or x.requires_grad):
+        out: torch.Tensor = _WideGradient.apply(c, x)  # type: ignore[no-untyped-call]
+        return out
+    cast = list(inputs)
+    cast[first] = c.to(x.dtype)
+    return call.apply(fn, cast)  # type: ignore[no-any-return]
+
+
 class _ValueOfFirst(torch.autograd.Function):
     """The first tensor's value; the gradient goes to both (one call run as two graphs)."""
 
@@ -300,13 +380,24 @@ def reads_wide(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> b
         >>> x = torch.ones(3, dtype=torch.float16)
         >>> reads_wide(torch.mul, (x, torch.tensor(1 / 3)), None)
         True
-        >>> reads_wide(torch.mul, (torch.tensor(1 / 3), x), None)   # read rounded
+        >>> reads_wide(torch.mul, (torch.tensor(1 / 3), x), None)   # in x's gradient
+        True
+        >>> reads_wide(torch.add, (torch.tensor(1 / 3), x), None)
         False
     """
     if fn not in _READ_WIDE or not args:
         return False
     first = args[0]
     other = args[1] if len(args) > 1 else (kwargs or {}).get("other")
+    # c * x reads c rounded, but x's gradient (grad * c) reads it wide: vmap's, where
+    # c is the example's, read it rounded (wide_gradient_input).
+    # (With or without grad: a call signature's probe is kept for both modes.)
+    return _wide_pair(first, other) or (fn in _PRODUCTS and _wide_pair(other, first))
+
+
+def _wide_pair(first: Any, other: Any) -> bool:
+    """Whether ``first`` is a float16 or bfloat16 tensor with dimensions on the CPU and
+    ``other`` a 0-d CPU tensor of a dtype it does not hold every value of."""
     return (isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor)
             and first.dim() > 0 and other.dim() == 0 and first.dtype in _REDUCED
             and other.dtype != first.dtype and other.dtype not in _EXACT_IN_REDUCED

@@ -119,6 +119,10 @@ def test_a_half_vector_times_a_third_is_eager(low: torch.dtype) -> None:
 
 _GRADIENT_OPS: dict[str, Callable[[Any, Any], Any]] = {
     "*": lambda a, b: a * b, "/": lambda a, b: a / b, "+": lambda a, b: a + b,
+    # The 0-d operand first: read rounded in the product, but in float32 in the
+    # vector's gradient (grad * c): rounded there too, it was 1 ulp off, silently.
+    "c *": lambda a, b: b * a, "c.mul": lambda a, b: b.mul(a),
+    "torch.mul(c, x)": lambda a, b: torch.mul(b, a),
 }
 
 
@@ -216,23 +220,34 @@ def _sine_of_scaled(x: Any, c: Any) -> Any:
 
 
 @pytest.mark.parametrize("low", _LOW)
-@pytest.mark.parametrize(("fn", "alone"), [(_scaled_sine, True), (_sine_of_scaled, False)])
+@pytest.mark.parametrize("fn", [_scaled_sine, _sine_of_scaled])
+@pytest.mark.parametrize("grad", [False, True])
 def test_a_user_function_reading_a_0d_operand_wide_is_eager(
-    low: torch.dtype, fn: Callable[[Any, Any], Any], alone: bool,
+    low: torch.dtype, fn: Callable[[Any, Any], Any], grad: bool,
 ) -> None:
     # vmap's mul casts a logical 0-d operand to float16 first: such a function runs
-    # one example at a time; with the operand first it batches (vmap rounds as eagerly).
+    # one example at a time. With the operand first too: the product reads it rounded,
+    # as vmap does, but x's gradient (grad * c) reads it wide eagerly, where vmap's
+    # read the example's c rounded (1 ulp off, silently; the probe is kept for calls
+    # with and without grad).
     batched = bg.batched_func(fn)
-    xs = [torch.tensor([7.0, 100.0, 3.0], dtype=low) * (i + 1) for i in range(3)]
+    xs = [(torch.tensor([7.0, 100.0, 3.0]) * (i + 1)).to(low).requires_grad_(grad)
+          for i in range(3)]
     cs = [torch.tensor(1 / 3 + i / 7) for i in range(3)]
-    with bg.BatchingPolicy() as policy:
+    weights = [torch.tensor([3.0, 1.0, 7.0], dtype=low) for _ in range(3)]
+    with torch.set_grad_enabled(grad), bg.BatchingPolicy() as policy:
         handles = [batched(bg.batched_value(x), bg.batched_value(c)) for x, c in zip(xs, cs)]
-    _assert_bitwise(bg.compute(handles), [fn(x, c) for x, c in zip(xs, cs)])
-    assert (policy.stats.unbatched_calls == 3) is alone
+        got = bg.compute(handles)
+    want = [fn(x, c) for x, c in zip(xs, cs)]
+    _assert_bitwise(got, want)
+    assert policy.stats.unbatched_calls == 3
+    if grad:
+        got_grads = torch.autograd.grad(got, xs, weights)
+        _assert_bitwise(list(got_grads), list(torch.autograd.grad(want, xs, weights)))
 
 
 @pytest.mark.parametrize("low", _LOW)
-@pytest.mark.parametrize("op", ["*", "/"])
+@pytest.mark.parametrize("op", ["*", "/", "c *"])
 def test_a_gradient_of_gradients_through_a_0d_operand_read_wide(low: torch.dtype,
                                                                 op: str) -> None:
     # x's gradient (grad * c, grad / c) depends on c: a second-order gradient with
