@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 import torch
 
 from batchgraph.promotion import (
+    gradient_reads_wide,
+    run_each_alone,
     run_reading_wide,
     run_with_wide_gradient,
     scalar_tensor_casts,
@@ -212,8 +214,12 @@ class ElementwiseKey(BatchKey):
         self._wide_grad = wide_gradient_input(fn, call, casts)
         if casts is not None and self._wide_grad is not None:
             casts[self._wide_grad] = None
+        self._alone_for_grad = gradient_reads_wide(fn, casts, call)
 
     def run(self, fn: Callable[..., Any], inputs: Sequence[Any], size: int) -> Any:
+        if self._alone_for_grad and torch.is_grad_enabled() and any(
+                x.requires_grad for x in inputs):
+            return run_each_alone(self.call, fn, inputs, size)
         moves = self._moves
         if moves is not None:
             inputs = [x if d is None else x.to(d) for x, d in zip(inputs, moves)]

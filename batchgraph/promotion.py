@@ -23,8 +23,9 @@ import torch
 from batchgraph.specs import CallSignature, InputSlot
 
 __all__ = [
-    "reads_wide", "run_reading_wide", "run_with_wide_gradient", "scalar_tensor_casts",
-    "scalar_tensor_moves", "wide_gradient_input", "wide_scalar_input",
+    "gradient_reads_wide", "reads_wide", "run_each_alone", "run_reading_wide",
+    "run_with_wide_gradient", "scalar_tensor_casts", "scalar_tensor_moves",
+    "wide_gradient_input", "wide_scalar_input",
 ]
 
 # Calls that compute in floats whatever integer inputs they get (true division). Their
@@ -233,6 +234,56 @@ def wide_gradient_input(fn: Any, call: CallSignature,
     return first.slot
 
 
+# Their gradients read a 0-d operand as the batch's cast does (a sum of the gradient,
+# times alpha; a mask), or there is none: nothing eager computes wider.
+_SUMS: frozenset[Any] = frozenset({
+    torch.add, torch.sub, torch.subtract, torch.rsub, torch.Tensor.add, torch.Tensor.sub,
+    torch.Tensor.subtract, torch.Tensor.__add__, torch.Tensor.__radd__,
+    torch.Tensor.__sub__, torch.Tensor.__rsub__, operator.add, operator.sub,
+    torch.where, torch.Tensor.where, torch.clamp, torch.clip, torch.Tensor.clamp,
+    torch.Tensor.clip, torch.maximum, torch.minimum, torch.fmax, torch.fmin,
+    torch.Tensor.maximum, torch.Tensor.minimum, torch.Tensor.to, torch.Tensor.type_as,
+    torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.Tensor.__eq__,
+    torch.Tensor.__ne__, torch.Tensor.__lt__, torch.Tensor.__le__, torch.Tensor.__gt__,
+    torch.Tensor.__ge__, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+    operator.ge,
+})
+
+
+def gradient_reads_wide(fn: Any, casts: list[torch.dtype | None] | None,
+                        call: CallSignature) -> bool:
+    """Whether ``casts`` rounds a 0-d float32 or float64 input to float16 or bfloat16
+    for a call whose eager backward may read it unrounded (``x.abs() ** c``'s gradient
+    ``c * x ** (c - 1)``, ``torch.xlogy(c, x)``, ``torch.atan2(x, c)``: 1 ulp off in
+    bfloat16, silently), other than those run wide (``wide_scalar_input``,
+    ``wide_gradient_input``) and sums. Such calls needing a gradient run each example
+    alone (``run_each_alone``); their values are eager's either way.
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec as Spec
+        >>> specs = (Spec((3,), torch.bfloat16, torch.device("cpu")),
+        ...          Spec((), torch.float32, torch.device("cpu")))     # x, c
+        >>> x_pow_c = CallSignature((InputSlot(0), InputSlot(1)), (), specs, None)
+        >>> gradient_reads_wide(torch.pow, scalar_tensor_casts(torch.pow, x_pow_c), x_pow_c)
+        True
+        >>> gradient_reads_wide(torch.add, scalar_tensor_casts(torch.add, x_pow_c), x_pow_c)
+        False
+    """
+    if casts is None or fn in _SUMS or fn in _READ_WIDE:
+        return False
+    specs = call.input_specs
+    return any(d in _REDUCED and s is not None and s.dtype in (torch.float32, torch.float64)
+               for d, s in zip(casts, specs))
+
+
+def run_each_alone(call: CallSignature, fn: Any, inputs: Sequence[torch.Tensor],
+                   size: int) -> Any:
+    """``call`` run on each example's inputs (rows of the stacked ``inputs``), as
+    eagerly, and the results stacked (see ``gradient_reads_wide``)."""
+    apply: Callable[..., Any] = call.apply
+    return torch.stack([apply(fn, [x[i] for x in inputs]) for i in range(size)])
+
+
 class _WideGradient(torch.autograd.Function):
     """``c * x`` with ``c`` (stacked 0-d) read rounded to ``x``'s dtype, as eagerly, and
     the gradients eager backward gives: ``grad * c`` for ``x`` with ``c`` read in
@@ -385,14 +436,23 @@ def reads_wide(fn: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> b
         >>> reads_wide(torch.add, (torch.tensor(1 / 3), x), None)
         False
     """
-    if fn not in _READ_WIDE or not args:
+    if not args:
         return False
-    first = args[0]
-    other = args[1] if len(args) > 1 else (kwargs or {}).get("other")
-    # c * x reads c rounded, but x's gradient (grad * c) reads it wide: vmap's, where
-    # c is the example's, read it rounded (wide_gradient_input).
-    # (With or without grad: a call signature's probe is kept for both modes.)
-    return _wide_pair(first, other) or (fn in _PRODUCTS and _wide_pair(other, first))
+    if fn in _READ_WIDE:
+        first = args[0]
+        other = args[1] if len(args) > 1 else (kwargs or {}).get("other")
+        # c * x reads c rounded, but x's gradient (grad * c) reads it wide: vmap's,
+        # where c is the example's, read it rounded (wide_gradient_input). (With or
+        # without grad: a call signature's probe is kept for both modes.)
+        return _wide_pair(first, other) or (fn in _PRODUCTS and _wide_pair(other, first))
+    if fn in _SUMS:
+        return False
+    # Other calls' gradients may read the example's 0-d float32 operand unrounded
+    # (torch.atan2(x, c), torch.xlogy(c, x): see gradient_reads_wide); vmap's, where it
+    # is the example's (batched), read it rounded.
+    tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    return any(c.dtype in (torch.float32, torch.float64) and _wide_pair(t, c)
+               and torch._C._functorch.is_batchedtensor(c) for t in tensors for c in tensors)
 
 
 def _wide_pair(first: Any, other: Any) -> bool:
