@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from batchgraph.aliasing import makes_view
-from batchgraph.graph import ROW_MASK, STORE_SHIFT
+from batchgraph.graph import INFERENCE, ROW_MASK, STORE_SHIFT
 from batchgraph.handing_out import reading
 
 if TYPE_CHECKING:
@@ -213,6 +213,13 @@ def _view(graph: Graph, node: int, tracked: dict[int, _Tracked], base: Ref,
             args.append(_leaf(_view(graph, ref[0], tracked, base, value), ref[1]))
         else:
             args.append(_stored(graph, ref, specs[i] if i < len(specs) else None))
+    if graph.key_grad.get(graph.node_key[node]) in (False, INFERENCE):
+        # Taken, as recorded, under no_grad (or in inference mode, which the executor
+        # runs without grad too): a view of a value that requires grad then requires
+        # grad but has no history. Taken under the handing-out's grad mode, it had
+        # some, and a gradient reached the value through it (x[i] with i a handle).
+        with torch.no_grad():
+            return key.call.apply(key.fn, args)
     return key.call.apply(key.fn, args)
 
 
