@@ -61,8 +61,9 @@ class ExampleOrder:
                 return BatchgraphError(
                     f"example {ex.index} called {graph.keys[kid].label} after example "
                     f"{last.index} did, and its forward keeps state of its own across "
-                    "calls (a tensor attribute it sets and reads back): eagerly example "
-                    f"{ex.index} runs to its end before example {last.index} starts, so "
+                    "calls (an attribute it sets and reads back: a tensor, a count): "
+                    f"eagerly example {ex.index} runs to its end before example "
+                    f"{last.index} starts, so "
                     "their calls would read another state than eagerly. Keep the state "
                     "out of the module (pass it in and return it), or run such examples "
                     "one at a time (bg.run_all([example]) each)."

@@ -41,7 +41,7 @@ from batchgraph.fake_mode import (
 from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
 from batchgraph.lifetimes import trim_fake_cache
-from batchgraph.module_state import state_kept
+from batchgraph.module_state import carries_state, state_kept
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
@@ -360,15 +360,22 @@ def _fake_apply(
     """Run ``call`` on fake tensors of its input specs (the slots in ``as_zero``
     get the int 0 instead; with ``grad``, floating fakes require grad)."""
     # state_kept: a forward keeping a tensor it makes (self.mask = ...) keeps no fake.
-    with state_kept(fn), on_fake_tensors(), draws, draws.calls():
-        slots = [(i, s) for i, s in enumerate(call.input_specs) if s is not None]
-        fakes = [
+    slots = [(i, s) for i, s in enumerate(call.input_specs) if s is not None]
+
+    def inputs() -> list[Any]:
+        return [
             0 if i in as_zero else torch.empty(
                 s.shape, dtype=s.dtype, device=s.device,
                 requires_grad=grad and (s.dtype.is_floating_point or s.dtype.is_complex))
             for i, s in slots
         ]
+
+    with state_kept(fn) as kept, on_fake_tensors(), draws, draws.calls():
+        fakes = inputs()
         out = call.apply(fn, fakes)
+        # A forward changing its state again each call (self.n += 1) gives each call
+        # another value: its calls run one at a time, in order (see module_state).
+        carries_state(kept, lambda: call.apply(fn, inputs()))
     for (i, spec), fake in zip(slots, fakes):
         # (Made in inference mode, a fake keeps no version counter: not seen there.)
         if isinstance(fake, torch.Tensor) and not fake.is_inference() and fake._version:

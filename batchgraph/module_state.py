@@ -10,8 +10,22 @@ tensors. ``state_kept`` puts such a module's attributes back as they were before
 the run, all those the run changed (a ``cached_len`` with its ``cos``, so they stay
 consistent), and notes them as state the forward keeps itself
 (``attributes.note_own_names``), as a run that changed them would have been.
-Changes holding no tensor (a call counter) are left as they were before this file:
-they are not settings either way.
+Changes holding no tensor are put back too: a call counter (``self.n += 1``) counted
+each of batchgraph's runs, and its calls computed with another count than eagerly.
+
+A forward whose run changes the state again each time (a counter, ``self.n += 1`` or
+``self.step = self.step + 1``, not made from its input) gives each call another value
+than the one before it: ``carries_state`` runs such a call a second time and tells
+(its calls run one at a time in recorded order), where a cache filled once (a table
+per length) is left alone by the second run, and its calls still batch. A count
+that changes but that no operation reads (``self.calls += 1``) gives a third run the
+same operations as the second: its calls batch too.
+
+Looked into (``python_state.SavedAttributes``, which the pipeline's probe and rerun
+save and put back too): the modules' attributes, the lists, deques, dicts, sets and
+tuples in them, plain objects of the user's in them (a ``SimpleNamespace``, a dataclass
+instance: ``plain_objects``), 3 deep, and the modules' buffers (one registered in
+forward).
 
 It also tells whether a tensor kept was one of vmap's batched tensors
 (``Kept.batched``): under ``torch.func.vmap`` such a forward keeps the whole batch
@@ -25,17 +39,18 @@ eagerly later calls read the first one's: other values, silently. The vmap probe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from batchgraph.attributes import MODULE_OWN, note_own_names
 from batchgraph.buffers import buffers_of_kept
 from batchgraph.fake_mode import watching_changes
-from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
+from batchgraph.python_state import PLAIN, SavedAttributes, tensors_in
 
-__all__ = ["Kept", "changed_count", "kept_count", "state_kept"]
+__all__ = ["Kept", "carries_state", "changed_count", "kept_count", "state_kept"]
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # Runs that kept a tensor in a module (see kept_count).
@@ -48,11 +63,12 @@ class Kept:
     """What a run inside ``state_kept`` kept (and was undone): ``names``, each as
     ``Class.attribute``, and whether one of them held a batched tensor of vmap's."""
 
-    __slots__ = ("batched", "names")
+    __slots__ = ("batched", "names", "saved")
 
-    def __init__(self) -> None:
+    def __init__(self, saved: list[SavedAttributes]) -> None:
         self.names: list[str] = []
         self.batched = False
+        self.saved = saved  # the modules' attributes before the run
 
 
 @contextlib.contextmanager
@@ -78,8 +94,7 @@ def state_kept(fn: Any) -> Iterator[Kept]:
         (True, ['Caching.mask'])
     """
     modules = _modules(fn)
-    saved = [SavedAttributes(m, MODULE_OWN) for m in modules]
-    kept = Kept()
+    kept = Kept(_saved(modules))
     with watching_changes() as changed, buffers_of_kept(modules):
         start = len(changed)
         try:
@@ -87,7 +102,7 @@ def state_kept(fn: Any) -> Iterator[Kept]:
         finally:
             skipped = {id(t) for t in changed[start:]}
             del changed[start:]
-            for attrs in saved:
+            for attrs in kept.saved:
                 _put_back(attrs, kept)
                 _note_changed_in_place(attrs.module, attrs.before, skipped, kept)
 
@@ -114,14 +129,91 @@ def _modules(fn: Any) -> list[torch.nn.Module]:
     return [m for _, m in captured_parts(fn)[2]]
 
 
-def _put_back(attrs: SavedAttributes, kept: Kept) -> None:
-    changed = attrs.changed(MODULE_OWN)
-    now = vars(attrs.module)
-    tensors = [t for name in changed for t in tensors_in(now.get(name), DEPTH)]
-    if not tensors:
-        return  # no tensor of the run kept: a counter, as before
+def _saved(modules: list[torch.nn.Module]) -> list[SavedAttributes]:
+    return [SavedAttributes(m, MODULE_OWN) for m in modules]
+
+
+def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
+    """Inside ``state_kept``: where the run so far changed the modules' attributes,
+    whether ``run`` (the call once more) changes them again and reads them: a total or
+    step kept in a tensor (``self.step = self.step + 1``) does, and so does a count
+    its operations read (``x * self.n`` after ``self.n += 1``); a cache filled once
+    is left alone by a second run, and a count no operation reads (``self.calls +=
+    1``) gives a third run the same operations as the second. Such a call reads state
+    each call before it changed (counted as in-place changes are:
+    ``changed_count``), and is run one at a time in recorded order.
+
+    Example:
+        >>> from batchgraph.inference import on_fake_tensors
+        >>> class Counting(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.n = 0
+        ...     def forward(self, x):
+        ...         self.n += 1
+        ...         return x * self.n
+        >>> m = Counting()
+        >>> with state_kept(m) as kept, on_fake_tensors():
+        ...     _ = m(torch.empty(3))
+        ...     again = carries_state(kept, lambda: m(torch.empty(3)))
+        >>> again, m.n
+        (True, 0)
+    """
+    if not any(attrs.changed() for attrs in kept.saved):
+        return False
+    then = _saved([attrs.module for attrs in kept.saved])
+    first = _traced(run)
+    changed = [(vars(attrs.module), names) for attrs in then if (names := attrs.changed())]
+    if not changed:
+        return False
+    if not any(tensors_in(now.get(name)) for now, names in changed for name in names):
+        # Numbers only: state its values depend on where they change the operations.
+        if _traced(run) == first:
+            return False
     _kept[0] += 1
-    kept.batched = kept.batched or any(_wrapped(t) for t in tensors)
+    _changed[0] += 1
+    return True
+
+
+class _Trace(TorchFunctionMode):
+    """The torch operations a run makes, each with its arguments' shapes and plain
+    values (a count read by ``x * self.n`` shows as its value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, ...]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops.append((func, _shown(args), _shown(tuple(kwargs.items()))))
+        return func(*args, **kwargs)
+
+
+def _traced(run: Callable[[], object]) -> list[tuple[Any, ...]]:
+    trace = _Trace()
+    with trace:
+        run()
+    return trace.ops
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_shown(v) for v in value)
+    return value if type(value) in PLAIN else type(value)
+
+
+def _put_back(attrs: SavedAttributes, kept: Kept) -> None:
+    changed = attrs.changed()
+    if not changed:
+        return
+    now = vars(attrs.module)
+    tensors = [t for name in changed for t in tensors_in(now.get(name))]
+    if tensors:  # a counter alone is put back, and taken for no kept tensor
+        _kept[0] += 1
+        kept.batched = kept.batched or any(_wrapped(t) for t in tensors)
     kept.names.extend(f"{type(attrs.module).__name__}.{name}" for name in sorted(changed))
     attrs.put_back(changed)
     note_own_names(attrs.module, changed)

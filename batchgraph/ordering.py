@@ -70,8 +70,8 @@ def check(graph: Graph, steps: Sequence[tuple[int, list[int]]]) -> None:
                 if n < last:
                     raise BatchgraphError(
                         f"calls of {graph.keys[k].label} keep state of their own across "
-                        "calls (a tensor attribute the forward sets and reads back), so "
-                        "they must run in the order they were recorded, and this "
+                        "calls (an attribute the forward sets and reads back: a tensor, a "
+                        "count), so they must run in the order they were recorded, and this "
                         "scheduler orders them by depth. Compute with the default "
                         "scheduler (BatchingPolicy(scheduler='agenda'))."
                     )

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import batchgraph as bg
 
 
-class _Keeping(nn.Module):
+class Keeping(nn.Module):
     """A linear layer and the attributes ``fresh`` gives, set anew per instance."""
 
     def __init__(self) -> None:
@@ -41,7 +41,7 @@ class _Keeping(nn.Module):
         return {}
 
 
-class Mask(_Keeping):
+class Mask(Keeping):
     """A mask made at the first call, from the input's shape only."""
 
     def fresh(self) -> dict[str, Any]:
@@ -53,7 +53,7 @@ class Mask(_Keeping):
         return self.lin(x) * self.mask
 
 
-class Reference(_Keeping):
+class Reference(Keeping):
     """A reference taken from the first call's values, read by the later ones."""
 
     def fresh(self) -> dict[str, Any]:
@@ -65,7 +65,7 @@ class Reference(_Keeping):
         return self.lin(x - self.ref)
 
 
-class Bound(_Keeping):
+class Bound(Keeping):
     """As ``Reference``, with no torch op in the branch (the example's input itself)."""
 
     def fresh(self) -> dict[str, Any]:
@@ -77,7 +77,7 @@ class Bound(_Keeping):
         return self.lin(x - self.ref[:1])
 
 
-class Last(_Keeping):
+class Last(Keeping):
     """Keeps its last output (for inspection)."""
 
     def fresh(self) -> dict[str, Any]:
@@ -89,7 +89,7 @@ class Last(_Keeping):
         return out
 
 
-class Rotary(_Keeping):
+class Rotary(Keeping):
     """A table cached per length, grown when a longer input comes."""
 
     def fresh(self) -> dict[str, Any]:
@@ -104,7 +104,7 @@ class Rotary(_Keeping):
         return self.lin(x) * self.cos[:n]
 
 
-class Tables(_Keeping):
+class Tables(Keeping):
     """Tables kept in a dict by length."""
 
     def fresh(self) -> dict[str, Any]:
@@ -117,7 +117,7 @@ class Tables(_Keeping):
         return self.lin(x) + self.tables[n]
 
 
-class History(_Keeping):
+class History(Keeping):
     """Appends each output to a list of its own."""
 
     def fresh(self) -> dict[str, Any]:
@@ -129,7 +129,7 @@ class History(_Keeping):
         return out
 
 
-class Recent(_Keeping):
+class Recent(Keeping):
     """Keeps its last two outputs in a deque."""
 
     def fresh(self) -> dict[str, Any]:
@@ -141,7 +141,7 @@ class Recent(_Keeping):
         return out
 
 
-class Nested(_Keeping):
+class Nested(Keeping):
     """A reference kept in a dict inside a dict (a per-layer cache): only the inner
     dict changes."""
 
@@ -155,7 +155,7 @@ class Nested(_Keeping):
         return self.lin(x - inner["ref"])
 
 
-class Running(_Keeping):
+class Running(Keeping):
     """A total carried from call to call (each call reads the earlier ones')."""
 
     def fresh(self) -> dict[str, Any]:
@@ -167,7 +167,7 @@ class Running(_Keeping):
         return out
 
 
-class RunningInPlace(_Keeping):
+class RunningInPlace(Keeping):
     """A total carried from call to call in place (the tensor attribute stays the same
     object): runs on fake tensors skip the change, so nothing is left to put back, but
     batched calls of another length ran before it, silently (outputs off)."""
@@ -216,7 +216,7 @@ def _function(model: Holder) -> Callable[[Any], Any]:
 ENTRIES = ["stub", "method", "function", "coroutine"]
 
 
-def _run(model: Holder, entry: str, xs: list[torch.Tensor], batched: bool) -> list[torch.Tensor]:
+def run_entry(model: Holder, entry: str, xs: list[torch.Tensor], batched: bool) -> list[torch.Tensor]:
     if entry == "coroutine":
         if batched:
             return list(bg.run_all([model.coroutine(x) for x in xs]))
@@ -232,7 +232,7 @@ def _run(model: Holder, entry: str, xs: list[torch.Tensor], batched: bool) -> li
     return list(bg.compute(handles))
 
 
-def _assert_like(got: Any, want: Any, where: str) -> None:
+def assert_like(got: Any, want: Any, where: str) -> None:
     """An attribute left as eager code leaves it: a real tensor of its shape and
     values (no fake tensor, none of vmap's), or the same numbers and containers."""
     if isinstance(want, torch.Tensor):
@@ -243,39 +243,68 @@ def _assert_like(got: Any, want: Any, where: str) -> None:
     elif isinstance(want, (list, tuple, collections.deque)):
         assert type(got) is type(want) and len(got) == len(want), where
         for i, (a, b) in enumerate(zip(got, want)):
-            _assert_like(a, b, f"{where}[{i}]")
+            assert_like(a, b, f"{where}[{i}]")
     elif isinstance(want, dict):
         assert got.keys() == want.keys(), where
         for k in want:
-            _assert_like(got[k], want[k], f"{where}[{k!r}]")
+            assert_like(got[k], want[k], f"{where}[{k!r}]")
+    elif hasattr(want, "__dict__") or hasattr(type(want), "__slots__"):  # a plain object
+        assert type(got) is type(want), where
+        assert_like(_fields(got), _fields(want), where)
     else:
         assert got == want, where
 
 
-def _state(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+def _fields(obj: Any) -> dict[str, Any]:
+    return {**getattr(obj, "__dict__", {}),
+            **{name: getattr(obj, name) for name in getattr(type(obj), "__slots__", ())}}
 
 
-@pytest.mark.parametrize("entry", ENTRIES)
-@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
-@settings(max_examples=3, deadline=None)
-@given(lengths=st.lists(st.integers(1, 3), min_size=1, max_size=4), seed=st.integers(0, 99))
-def test_a_forward_keeping_tensors_computes_and_leaves_them_as_eagerly(
-    entry: str, pattern: type[nn.Module], lengths: list[int], seed: int,
-) -> None:
+def state_of(module: nn.Module) -> dict[str, Any]:
+    """The attributes and buffers a forward may keep (not the module's own)."""
+    return {**{k: v for k, v in vars(module).items()
+               if not k.startswith("_") and k != "training"},
+            **{f"buffer {k}": v for k, v in module.named_buffers(recurse=False)}}
+
+
+def as_eagerly_test(patterns: list[type[nn.Module]], in_order: tuple[type[nn.Module], ...]
+                    ) -> Callable[..., None]:
+    """The test that each of ``patterns``, through each entry, computes as eagerly
+    (``check_as_eagerly``), over lists of lengths."""
+
+    @pytest.mark.parametrize("entry", ENTRIES)
+    @pytest.mark.parametrize("pattern", patterns, ids=lambda p: p.__name__)
+    @settings(max_examples=3, deadline=None)
+    @given(lengths=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+           seed=st.integers(0, 99))
+    def test(entry: str, pattern: type[nn.Module], lengths: list[int], seed: int) -> None:
+        check_as_eagerly(entry, pattern, lengths, seed, pattern in in_order)
+
+    return test
+
+
+test_a_forward_keeping_tensors_computes_and_leaves_them_as_eagerly = as_eagerly_test(
+    PATTERNS, IN_ORDER)
+
+
+def check_as_eagerly(entry: str, pattern: type[nn.Module], lengths: list[int], seed: int,
+                     in_order: bool) -> None:
+    """Two rounds of ``pattern``'s calls through ``entry``, batched and eagerly: the
+    same values, gradients and state left (``in_order``: coroutine examples are
+    refused, as their calls keep state of their own)."""
     torch.manual_seed(seed)
     eager = Holder(pattern()).double()
     model = copy.deepcopy(eager)
     xs = [torch.randn(n, 4, dtype=torch.float64) for n in lengths]
-    if entry == "coroutine" and pattern in IN_ORDER and len(xs) > 1:
+    if entry == "coroutine" and in_order and len(xs) > 1:
         # run_all interleaves the examples' calls, where eagerly each example runs
         # to its end first: with state carried across calls, refused.
         with pytest.raises(bg.CoroutineExampleError, match="keeps state of its own"):
-            _run(model, entry, xs, batched=True)
+            run_entry(model, entry, xs, batched=True)
         return
     for round_ in range(2):  # the second round starts from what the first left
-        want = _run(eager, entry, xs, batched=False)
-        got = _run(model, entry, xs, batched=True)
+        want = run_entry(eager, entry, xs, batched=False)
+        got = run_entry(model, entry, xs, batched=True)
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w)
         torch.autograd.backward([w.sum() for w in want])
@@ -283,7 +312,7 @@ def test_a_forward_keeping_tensors_computes_and_leaves_them_as_eagerly(
         for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
             assert b.grad is not None and a.grad is not None
             torch.testing.assert_close(b.grad, a.grad, msg=f"{name}, round {round_}")
-        _assert_like(_state(model.inner), _state(eager.inner), f"round {round_}")
+        assert_like(state_of(model.inner), state_of(eager.inner), f"round {round_}")
     # and a later eager call computes with it as eagerly
     x = torch.randn(lengths[0], 4, dtype=torch.float64)
     torch.testing.assert_close(model.inner(x), eager.inner(x))
