@@ -148,27 +148,43 @@ class ResultHandle(TensorOperators):
         return _record(operator.getitem, (self, index), {})
 
     # -- tensor-like metadata ----------------------------------------------------------
-    def _tensor_spec(self) -> TensorSpec:
-        if not isinstance(self.spec, TensorSpec):
-            raise TypeError(f"{self!r} does not stand for a single tensor")
-        return self.spec
+    def _tensor_spec(self, what: str) -> TensorSpec:
+        spec = self.spec
+        if isinstance(spec, TensorSpec):
+            return spec
+        if spec is None:
+            # A run on fake tensors could not tell the output: its shape depends on
+            # the values (a mask's selection), or the call returns another structure.
+            raise TypeError(
+                f"the {what} of {self!r} is not known while recording: its call's output "
+                "(or that of a call it reads) depends on values only computing tells "
+                "(h[h > 0], h.nonzero(), torch.unique(h)). Compute it first "
+                "(bg.compute(h) after the policy's block, or `await bg.value(h)` in a "
+                f"coroutine example) and ask the tensor; or ask the {what} of the handle "
+                "it was made from, where it is the same (h[h > 0] keeps h's dtype and "
+                "device)."
+            )
+        raise TypeError(
+            f"the {what} of {self!r}: it stands for several tensors, not one; ask one of "
+            "them (index the result first)"
+        )
 
     @property
     def shape(self) -> torch.Size:
         """Per-example shape (no batch dimension)."""
-        return torch.Size(self._tensor_spec().shape)
+        return torch.Size(self._tensor_spec("shape").shape)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._tensor_spec().dtype
+        return self._tensor_spec("dtype").dtype
 
     @property
     def device(self) -> torch.device:
-        return self._tensor_spec().device
+        return self._tensor_spec("device").device
 
     @property
     def ndim(self) -> int:
-        return len(self._tensor_spec().shape)
+        return len(self._tensor_spec("ndim").shape)
 
     def dim(self) -> int:
         return self.ndim

@@ -3,6 +3,7 @@ tensor does, so per-example code that asks (`x.nbytes`, `x.itemsize`) records al
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,3 +24,29 @@ def test_byte_sizes_match_the_eager_tensor(dtype: torch.dtype, shape: list[int])
         h = bg.batched_value(x)
         got = (h.itemsize, h.nbytes, h.element_size(), h.numel())
     assert got == (x.itemsize, x.nbytes, x.element_size(), x.numel())
+
+
+# What is asked, and what it is read from (named in the error).
+ASKED = {"shape": "shape", "dtype": "dtype", "device": "device", "ndim": "ndim",
+         "size": "shape", "numel": "shape", "is_floating_point": "dtype", "itemsize": "dtype"}
+
+
+@pytest.mark.parametrize("ask", ASKED)
+@pytest.mark.parametrize("make", ["mask", "nonzero", "read"])
+def test_metadata_of_a_data_dependent_result_says_why_and_what_to_write(
+    ask: str, make: str,
+) -> None:
+    # Before: "TypeError: <ResultHandle ...> does not stand for a single tensor",
+    # which said neither why (the shape depends on the values) nor what to write.
+    x = torch.randn(5)
+    with bg.BatchingPolicy():
+        h = bg.batched_value(x)
+        d = {"mask": lambda: h[h > 0], "nonzero": lambda: h.nonzero(),
+             "read": lambda: h[h > 0] * 2}[make]()  # a call reading one
+        with pytest.raises(TypeError, match=r"not known while recording.*bg\.compute") as err:
+            value = getattr(d, ask)
+            value() if callable(value) else value
+    assert f"the {ASKED[ask]} of" in str(err.value)
+    # and the computed value answers as eagerly
+    assert bg.compute(d).shape == {"mask": x[x > 0], "nonzero": x.nonzero(),
+                                   "read": x[x > 0] * 2}[make].shape
