@@ -136,10 +136,12 @@ def _saved(modules: list[torch.nn.Module]) -> list[SavedAttributes]:
 def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
     """Inside ``state_kept``: where the run so far changed the modules' attributes,
     whether ``run`` (the call once more) changes them again and reads them: a total or
-    step kept in a tensor (``self.step = self.step + 1``) does, and so does a count
-    its operations read (``x * self.n`` after ``self.n += 1``); a cache filled once
-    is left alone by a second run, and a count no operation reads (``self.calls +=
-    1``) gives a third run the same operations as the second. Such a call reads state
+    step kept in a tensor (``self.step = self.step + 1``: its operations read the
+    first run's step) does, and so does a count its operations read (``x * self.n``
+    after ``self.n += 1``: a third run's operations differ); a cache filled once is
+    left alone by a second run, and a count no operation reads (``self.calls += 1``)
+    or a tensor made anew from others (a weight a pre-hook recomputes) gives a third
+    run the same operations as the second. Such a call reads state
     each call before it changed (counted as in-place changes are:
     ``changed_count``), and is run one at a time in recorded order.
 
@@ -162,13 +164,17 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
     if not any(attrs.changed() for attrs in kept.saved):
         return False
     then = _saved([attrs.module for attrs in kept.saved])
-    first = _traced(run)
-    changed = [(vars(attrs.module), names) for attrs in then if (names := attrs.changed())]
-    if not changed:
-        return False
-    if not any(tensors_in(now.get(name)) for now, names in changed for name in names):
-        # Numbers only: state its values depend on where they change the operations.
-        if _traced(run) == first:
+    first = _Trace.of(run)
+    old: list[torch.Tensor] = []  # the tensors the second run changed, as they were
+    for attrs in then:
+        for name in attrs.changed():
+            old += tensors_in(attrs.before.get(name))
+            old += [t for _, copy in attrs.contents.get(name, ()) for t in tensors_in(copy, 1)]
+    if not any(id(t) in first.read for t in old):
+        # A tensor made anew from others at each call (a weight recomputed by a
+        # pre-hook, weight_norm's), or numbers: state the values depend on only
+        # where the operations change with it (x * self.n).
+        if not any(attrs.changed() for attrs in then) or _Trace.of(run).ops == first.ops:
             return False
     _kept[0] += 1
     _changed[0] += 1
@@ -177,32 +183,34 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
 
 class _Trace(TorchFunctionMode):
     """The torch operations a run makes, each with its arguments' shapes and plain
-    values (a count read by ``x * self.n`` shows as its value)."""
+    values (a count read by ``x * self.n`` shows as its value), and the tensors they
+    read (by id)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, ...]] = []
+        self.read: set[int] = set()
+
+    @classmethod
+    def of(cls, run: Callable[[], object]) -> _Trace:
+        trace = cls()
+        with trace:
+            run()
+        return trace
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.ops.append((func, _shown(args), _shown(tuple(kwargs.items()))))
+        self.ops.append((func, self._shown(args), self._shown(tuple(kwargs.items()))))
         return func(*args, **kwargs)
 
-
-def _traced(run: Callable[[], object]) -> list[tuple[Any, ...]]:
-    trace = _Trace()
-    with trace:
-        run()
-    return trace.ops
-
-
-def _shown(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return tuple(_shown(v) for v in value)
-    return value if type(value) in PLAIN else type(value)
+    def _shown(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            self.read.add(id(value))
+            return (tuple(value.shape), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return tuple(self._shown(v) for v in value)
+        return value if type(value) in PLAIN else type(value)
 
 
 def _put_back(attrs: SavedAttributes, kept: Kept) -> None:

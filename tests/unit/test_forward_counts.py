@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -239,7 +240,11 @@ def test_coroutine_examples_counting_one_call_each_compute_as_eagerly_or_are_ref
 def test_a_cache_or_a_count_no_operation_reads_still_batches(pattern: type[nn.Module]) -> None:
     # A second and a third run make the same operations: the calls batch (their values
     # do not depend on what was kept).
-    model = Holder(pattern())
+    _batches_as_eagerly(Holder(pattern()))
+
+
+def _batches_as_eagerly(model: Holder) -> None:
+    """Four calls of ``model.stub`` give eager's values, batched."""
     xs = [torch.randn(3, 4) for _ in range(4)]
     eager = [model.stub(x) for x in xs]
     policy = bg.BatchingPolicy()
@@ -262,3 +267,15 @@ def test_state_kept_leaves_counts_and_objects_as_they_were(pattern: type[nn.Modu
         module(torch.empty(2, 4))
     assert kept.names
     assert_like(state_of(module), before, "state")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::batchgraph.BatchedHooksWarning")
+@pytest.mark.parametrize("norm", [nn.utils.weight_norm, nn.utils.spectral_norm],
+                         ids=["weight_norm", "spectral_norm"])
+def test_a_weight_a_pre_hook_makes_anew_at_each_call_still_batches(
+    norm: Callable[[nn.Module], nn.Module],
+) -> None:
+    # The hook sets the module's weight anew at each call, from other tensors: no
+    # state each call reads back, so no reason to run the calls one at a time.
+    torch.manual_seed(0)
+    _batches_as_eagerly(Holder(norm(nn.Linear(4, 4)).eval()))
