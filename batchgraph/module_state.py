@@ -135,15 +135,17 @@ def _saved(modules: list[torch.nn.Module]) -> list[SavedAttributes]:
 
 def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
     """Inside ``state_kept``: where the run so far changed the modules' attributes,
-    whether ``run`` (the call once more) changes them again and reads them: a total or
-    step kept in a tensor (``self.step = self.step + 1``: its operations read the
-    first run's step) does, and so does a count its operations read (``x * self.n``
-    after ``self.n += 1``: a third run's operations differ); a cache filled once is
-    left alone by a second run, and a count no operation reads (``self.calls += 1``)
-    or a tensor made anew from others (a weight a pre-hook recomputes) gives a third
-    run the same operations as the second. Such a call reads state
-    each call before it changed (counted as in-place changes are:
-    ``changed_count``), and is run one at a time in recorded order.
+    whether ``run`` (the call once more) changes them again, with its output reading
+    them: a step kept in a tensor (``self.step = self.step + 1; return x *
+    self.step``: the output is computed from the step the first run left) does, and
+    so does a count its operations read (``x * self.n`` after ``self.n += 1``: a third
+    run's operations differ). A cache filled once is left alone by a second run; a
+    count the output does not read (``self.count = self.count + 1``, ``self.calls +=
+    1``) or a tensor made anew from others (a weight a pre-hook recomputes) gives an
+    output made of none of it, and a third run the same operations. Such a call
+    reads state each call before it changed (counted as in-place changes are:
+    ``changed_count``), and is run one at a time in recorded order; the others batch,
+    and change their state once per batched call.
 
     Example:
         >>> from batchgraph.inference import on_fake_tensors
@@ -163,19 +165,15 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
     """
     if not any(attrs.changed() for attrs in kept.saved):
         return False
+    # The state the first run left: the second run's output made from it reads it.
+    left = [t for attrs in kept.saved for name in attrs.changed()
+            for t in tensors_in(vars(attrs.module).get(name))]
     then = _saved([attrs.module for attrs in kept.saved])
-    first = _Trace.of(run)
-    old: list[torch.Tensor] = []  # the tensors the second run changed, as they were
-    for attrs in then:
-        for name in attrs.changed():
-            old += tensors_in(attrs.before.get(name))
-            old += [t for _, copy in attrs.contents.get(name, ()) for t in tensors_in(copy, 1)]
-    if not any(id(t) in first.read for t in old):
-        # A tensor made anew from others at each call (a weight recomputed by a
-        # pre-hook, weight_norm's), or numbers: state the values depend on only
-        # where the operations change with it (x * self.n).
-        if not any(attrs.changed() for attrs in then) or _Trace.of(run).ops == first.ops:
-            return False
+    second = _Trace.of(run, left)
+    if not any(attrs.changed() for attrs in then):
+        return False
+    if not second.made_of_state and _Trace.of(run, []).ops == second.ops:
+        return False
     _kept[0] += 1
     _changed[0] += 1
     return True
@@ -183,34 +181,44 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
 
 class _Trace(TorchFunctionMode):
     """The torch operations a run makes, each with its arguments' shapes and plain
-    values (a count read by ``x * self.n`` shows as its value), and the tensors they
-    read (by id)."""
+    values (a count read by ``x * self.n`` shows as its value), and whether its output
+    was computed from the tensors ``state`` (followed through the operations)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: list[torch.Tensor]) -> None:
         super().__init__()
         self.ops: list[tuple[Any, ...]] = []
-        self.read: set[int] = set()
+        self.made: list[Any] = list(state)  # held: their ids stay theirs
+        self.ids = {id(t) for t in state}
+        self.made_of_state = False
 
     @classmethod
-    def of(cls, run: Callable[[], object]) -> _Trace:
-        trace = cls()
+    def of(cls, run: Callable[[], object], state: list[torch.Tensor]) -> _Trace:
+        trace = cls(state)
         with trace:
-            run()
+            out = run()
+        trace.made_of_state = any(id(t) in trace.ids for t in tensors_in(out))
         return trace
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.ops.append((func, self._shown(args), self._shown(tuple(kwargs.items()))))
-        return func(*args, **kwargs)
+        read: list[int] = []
+        self.ops.append((func, _shown(args, read), _shown(tuple(kwargs.items()), read)))
+        out = func(*args, **kwargs)
+        if self.ids and any(i in self.ids for i in read):
+            made = tensors_in(out)
+            self.made += made
+            self.ids.update(id(t) for t in made)
+        return out
 
-    def _shown(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            self.read.add(id(value))
-            return (tuple(value.shape), value.dtype)
-        if isinstance(value, (list, tuple)):
-            return tuple(self._shown(v) for v in value)
-        return value if type(value) in PLAIN else type(value)
+
+def _shown(value: Any, read: list[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        read.append(id(value))
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_shown(v, read) for v in value)
+    return value if type(value) in PLAIN else type(value)
 
 
 def _put_back(attrs: SavedAttributes, kept: Kept) -> None:

@@ -199,6 +199,17 @@ class Calls(Keeping):
         return self.lin(x)
 
 
+class Counter(Keeping):
+    """A count kept in a tensor, which the output does not read."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"count": torch.zeros(())}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + 1
+        return self.lin(x)
+
+
 # Those whose calls run one at a time in recorded order (batchgraph.ordering).
 IN_ORDER = (Step, Count, Halving, Counts, Steps, Held, Boxed, Slots, Registered,
             Reregistered, BufferStep)
@@ -235,7 +246,7 @@ def test_coroutine_examples_counting_one_call_each_compute_as_eagerly_or_are_ref
     assert_like(state_of(model.inner[1]), state_of(eager.inner[1]), "state")
 
 
-@pytest.mark.parametrize("pattern", [Calls, Tables, Cached, Constant],
+@pytest.mark.parametrize("pattern", [Calls, Counter, Tables, Cached, Constant],
                          ids=lambda p: p.__name__)
 def test_a_cache_or_a_count_no_operation_reads_still_batches(pattern: type[nn.Module]) -> None:
     # A second and a third run make the same operations: the calls batch (their values
