@@ -114,3 +114,28 @@ def grid() -> dict[str, Any]:
 def chunks_for(schedule: str) -> int:
     """The chunks per device a grid's schedule runs: 2 interleaved, else 1."""
     return 2 if schedule == "interleaved-1f1b" else 1
+
+
+def step_per_microbatch(make: Callable[[int], nn.Module], state: Callable[[nn.Module], Any],
+                        stages: int, microbatches: int, schedule: str) -> nn.Module:
+    """One pipeline ``train_step`` of ``make(blocks)`` (a block per stage and chunk):
+    asserts its loss and gradients are one device's on the whole batch, and that
+    ``state`` of it is what the unsplit model's forwards keep run on each microbatch in
+    turn. Returns the pipelined model."""
+    from batchgraph.pipeline import Pipeline
+    from batchgraph.pipeline.microbatch import split_microbatches
+
+    blocks = stages * chunks_for(schedule)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    loss, grads = reference(make(blocks), x, y, nn.MSELoss())
+    kept = make(blocks)
+    with torch.no_grad():
+        for (part,) in split_microbatches(x, microbatches):
+            kept(part.clone())
+    model = make(blocks)
+    with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks_for(schedule)) as pipe:
+        torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, grads)
+    assert state(model) == state(kept)
+    return model
