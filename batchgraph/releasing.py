@@ -43,10 +43,12 @@ Example:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from batchgraph.eager_grad import eager_requires_grad
 from batchgraph.graph import STORE_SHIFT, Graph
 from batchgraph.key_forgetting import forget_keys
 
@@ -165,8 +167,6 @@ class StoreReleaser:
         graph.shared.difference_update([n for n in graph.shared if released(n)])
         for noted in (graph.dropped_tensors, graph.handed_out):
             noted.difference_update([n for n in noted if released(n)])
-        for n in [n for n in graph.node_grad if released(n)]:
-            del graph.node_grad[n]
         table = graph.dedupe_table
         for signature in [sig for sig, n in table.items() if released(n)]:
             del table[signature]
@@ -174,7 +174,8 @@ class StoreReleaser:
         stop = graph.first_uncomputed
         candidates = self._survivors + list(range(min(self._trimmed_to, stop), stop))
         self._trimmed_to = max(self._trimmed_to, stop)
-        self._survivors = []
+        self._survivors = [n for n in candidates if not released(n)]
+        _keep_grad_answers(graph, self._survivors, released)
         inputs, depth = graph.node_inputs, graph.node_depth
         for n in candidates:
             if released(n):
@@ -185,8 +186,6 @@ class StoreReleaser:
                 if self._released_at is None:
                     self._released_at = loc[n] >> STORE_SHIFT << STORE_SHIFT
                 loc[n] = self._released_at
-            else:
-                self._survivors.append(n)
         forget_keys(graph, self._survivors)
         self._forget_from = 2 * self._noted() + FORGET_SLACK if FORGET_SLACK else 0
         # Calls that are never merged (random ones, or dedupe off) note nothing, so
@@ -251,6 +250,22 @@ class StoreReleaser:
                 if isinstance(constants.pop(n), torch.Tensor):
                     dropped.add(n)  # bg.batched_value(t) += 1 is still refused
                 versions.pop(n, None)
+
+
+def _keep_grad_answers(graph: Graph, survivors: list[int],
+                       released: Callable[[int], bool]) -> None:
+    """Forget the gradient answers (``graph.node_grad``) of released nodes, but for
+    those a computed node still held reads: with its inputs trimmed, a released node
+    can no longer be walked, and a held value asked later (handed out again, or read
+    by a new call) must still hear that it requires grad through it. Those answers are
+    settled now, while their inputs are still there."""
+    held = [n for n in range(graph.first_uncomputed, len(graph)) if graph.node_loc[n] >= 0]
+    read = {s for n in (*survivors, *held) for s, _ in graph.node_inputs[n] if released(s)}
+    for n in read:
+        eager_requires_grad(graph, n)  # noted in graph.node_grad
+    answers = graph.node_grad
+    for n in [n for n in answers if n not in read and released(n)]:
+        del answers[n]
 
 
 _store_of = STORE_SHIFT.__rrshift__  # location -> store, as a C call

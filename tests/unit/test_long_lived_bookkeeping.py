@@ -173,3 +173,26 @@ def test_a_call_recorded_before_a_step_is_still_refused_after_forgetting() -> No
             opt.zero_grad()
             with pytest.raises(bg.ParameterChangedError):
                 policy.compute(pending)
+
+
+@pytest.mark.parametrize("handed_out", [True, False])
+def test_a_held_value_read_from_a_released_one_still_requires_grad(handed_out: bool) -> None:
+    # n = m * 2 is held while m's value is released and its notes forgotten: handed
+    # out again, n must still carry x's gradient, as eagerly (it came back detached).
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    site, tanh = bg.batched_func(lin), bg.batched_func(torch.tanh)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with _forgetting_every(0), bg.BatchingPolicy() as policy:
+        m = tanh(x)
+        policy.compute(m if handed_out else site(m))
+        n = m * 2
+        policy.compute(site(n))
+        del m
+        policy.releaser.step()
+        out = policy.compute(n)
+        again = policy.compute(n * 3)  # a new call on it
+    assert out.requires_grad and again.requires_grad
+    (out.sum() + again.sum()).backward()
+    expected = torch.autograd.grad((torch.tanh(x) * 2).sum() * 4, x)[0]
+    torch.testing.assert_close(x.grad, expected)
