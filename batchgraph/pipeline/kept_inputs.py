@@ -58,6 +58,9 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.marked: Any = WeakIdKeyDictionary()  # untyped in torch: Any for mypy
         self.kept: dict[int, tuple[int, str, int]] = {}
+        # The kept tensors themselves, alive to the end: a forward replacing one
+        # (self.last = out) frees it, and the next tensor made could take its id.
+        self.alive: list[Tensor] = []
         self.stage = self.run = 0
         self.read: tuple[int, str, int] | None = None  # (stage, name, run) read wrongly
 
@@ -147,6 +150,7 @@ def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
                 for t in tensors_in(now.get(name), DEPTH):
                     if t in mode.marked:
                         mode.kept[id(t)] = (k, f"{type(attrs.module).__name__}.{name}", mode.run)
+                        mode.alive.append(t)
         items = result if isinstance(result, (tuple, list)) else (result,)
         if not all(isinstance(v, Tensor) for v in items):
             return False

@@ -15,6 +15,7 @@ from hypothesis import example, given, settings
 from torch import Tensor, nn
 
 from batchgraph.pipeline import Pipeline, PipelineConfigError
+from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from batchgraph.pipeline.microbatch import split_microbatches
 from tests.pipeline_models import SCHEDULES, assert_grads_equal, chunks_for, grid, reference
 
@@ -159,3 +160,35 @@ def test_a_no_grad_forward_reading_back_what_it_kept_is_refused_too() -> None:
     with Pipeline(model, stages=2, microbatches=1, loss_fn=nn.MSELoss()) as pipe:
         out = pipe.forward(x)
     torch.testing.assert_close(out, _model(2, Centred)(x), rtol=1e-12, atol=1e-12)
+
+
+class Inspected(nn.Linear):
+    """Keeps each call's output for inspection (replacing the last one), never reads it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        self.last = out.detach()
+        return torch.tanh(out) * 2
+
+
+def test_a_tensor_kept_and_replaced_at_each_call_is_not_taken_for_one_read_back() -> None:
+    # Replaced in the second run, the first run's tensor was freed, and a tensor made
+    # next could take its id: read, it was refused as the kept one (8 to 10 checks of
+    # 10 raised, at random).
+    torch.manual_seed(0)
+    stages = [nn.Sequential(Inspected(8, 8), nn.ReLU(), Inspected(8, 8)),
+              nn.Sequential(nn.Linear(8, 8), Inspected(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))]
+    for _ in range(10):
+        check_inputs_kept(stages, [torch.zeros(4, 8)])
+    model = nn.Sequential(*stages).double()
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    loss, grads = reference(model, x, y, nn.MSELoss())
+    for schedule in SCHEDULES:
+        chunks = chunks_for(schedule)
+        if chunks > 1:
+            continue  # two blocks: one per stage
+        with Pipeline(model, stages=2, microbatches=3, schedule=schedule,
+                      loss_fn=nn.MSELoss()) as pipe:
+            torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+        assert_grads_equal(model, grads)
+        model.zero_grad(set_to_none=True)
