@@ -7,12 +7,16 @@ batch's, and a forward reading it back computes other values, silently:
 * ``if self.ref is None: self.ref = x.mean(0)`` centres every later call on microbatch
   0's mean where one device centres on the batch's: other outputs, loss and gradients;
 * a stage reading what another stage's forward kept (``self.encoder.cache``) reads
-  whichever microbatch that stage ran last, which on threads depends on their timing.
+  whichever microbatch that stage ran last, which on threads depends on their timing;
+* a buffer updated in place from the inputs and read (a running mean to centre on)
+  holds the microbatches before, where one device reads it as it was.
 
 :func:`check_inputs_kept` runs the stages twice in sequence on meta tensors (nothing is
 computed; the modules' attributes are put back afterwards), marking the tensors
 computed from each run's inputs (a dispatch mode), and notes which attributes the
-forwards bind to, or put into containers of, marked tensors. It refuses a read of
+forwards bind to, or put into containers of, marked tensors, and which buffers they
+update in place from marked ones (one set of meta buffers for both runs; an update
+alone, as BatchNorm's in training, is no read). It refuses a read of
 such a tensor by another stage, or by the second run (a later microbatch). A tensor
 made without reading the inputs' values (a rotary table per length, ``ones_like(x)``)
 is not marked: it is the same whatever the batch. A tensor kept and never read
@@ -69,15 +73,18 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        written = [t for a, t in zip(func._schema.arguments, args)
+                   if isinstance(t, Tensor) and a.alias_info is not None
+                   and a.alias_info.is_write]
         for t in tensors:
             keeper = self.kept.get(id(t))
+            # Updated in place only (a total; BatchNorm's running statistics in
+            # training) is no read of it.
             if keeper is not None and self.read is None and (
-                    keeper[0] != self.stage or keeper[2] != self.run):
+                    keeper[0] != self.stage or keeper[2] != self.run) and not any(
+                    t is w for w in written):
                 self.read = keeper
         if func not in _LAYOUT_ONLY and any(t in self.marked for t in tensors):
-            written = [t for a, t in zip(func._schema.arguments, args)
-                       if isinstance(t, Tensor) and a.alias_info is not None
-                       and a.alias_info.is_write]
             for t in [*tree_leaves(out), *written]:
                 if isinstance(t, Tensor):
                     self.marked[t] = True
@@ -113,11 +120,15 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         True
     """
     saved = [[SavedAttributes(m, _SWAPPED) for m in root.modules()] for root in modules]
+    # One set of meta parameters and buffers per stage for both runs: a buffer the
+    # first run updates from its inputs in place is what the second run reads.
+    states = [{name: torch.empty_like(t, device="meta")
+               for name, t in [*m.named_parameters(), *m.named_buffers()]} for m in modules]
     mode = _Marking()
     try:
         for run in (1, 2):
             mode.run = run
-            if not _run_marked(modules, sample, saved, mode):
+            if not _run_marked(modules, sample, saved, states, mode):
                 break
     finally:
         for stage in saved:
@@ -128,15 +139,15 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
 
 
 def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
-                saved: list[list[SavedAttributes]], mode: _Marking) -> bool:
+                saved: list[list[SavedAttributes]], states: list[dict[str, Tensor]],
+                mode: _Marking) -> bool:
     """One run of the stages in sequence; False where one could not run on meta."""
     values: tuple[Any, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
     for t in values:
         mode.marked[t] = True
     for k, module in enumerate(modules):
         mode.stage = k
-        state = {name: torch.empty_like(t, device="meta")
-                 for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        state = states[k]
         try:
             with torch.no_grad(), saved_tensors_hooks_enabled(), mode:
                 result = functional_call(module, state, values)
@@ -144,6 +155,11 @@ def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
             return False  # the real run reports it, with the stage named
         if mode.read is not None:
             return False
+        for name, t in state.items():
+            if t in mode.marked and id(t) not in mode.kept:  # changed in place from inputs
+                owner = module.get_submodule(name.rpartition(".")[0])
+                mode.kept[id(t)] = (k, f"{type(owner).__name__}.{name.rpartition('.')[2]}",
+                                    mode.run)
         for attrs in saved[k]:
             now = vars(attrs.module)
             for name in attrs.changed(_SWAPPED):
