@@ -208,6 +208,7 @@ class RunningCentre(nn.Module):
         self.lin = nn.Linear(4, 4, dtype=torch.float64)
         self.register_buffer("mean", torch.zeros(4, dtype=torch.float64))
 
+
     def forward(self, x: Tensor) -> Tensor:
         out = self.lin(x - self.mean)
         with torch.no_grad():
@@ -215,19 +216,31 @@ class RunningCentre(nn.Module):
         return torch.tanh(out)
 
 
+class PlainRunningCentre(RunningCentre):
+    """The same with the mean a plain tensor attribute, not a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.mean
+        self.mean = torch.zeros(4, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("layer", [RunningCentre, PlainRunningCentre])
 def test_a_buffer_updated_from_the_inputs_in_place_and_read_back_is_refused(
-    schedule: str
+    schedule: str, layer: type[RunningCentre]
 ) -> None:
     # Microbatch 1 centred on the mean microbatch 0 left where one device centres on
-    # zeros: loss 0.9185 where one device's is 0.9432, silently.
+    # zeros: loss 0.9185 where one device's is 0.9432, silently. (A plain attribute
+    # failed on the meta inputs, which ended the check.)
     chunks = chunks_for(schedule)
-    x, y, _, loss, grads, model = _one_device_and_model(2 * chunks, RunningCentre)
+    x, y, _, loss, grads, model = _one_device_and_model(2 * chunks, layer)
     with Pipeline(model, stages=2, microbatches=2, schedule=schedule, loss_fn=nn.MSELoss(),
                   chunks=chunks) as pipe, pytest.raises(
-            PipelineConfigError, match=r"reads RunningCentre\.mean, .*next call"):
+            PipelineConfigError, match=r"reads \w*RunningCentre\.mean, .*next call"):
         pipe.train_step(x, y)
-    assert all(not m.mean.any() for m in model.modules() if isinstance(m, RunningCentre))
+    means = [m.mean for m in model.modules() if isinstance(m, RunningCentre)]
+    assert all(t.device.type == "cpu" and not t.any() for t in means)  # as they were
     with Pipeline(model, stages=2, microbatches=1, schedule=schedule,
                   loss_fn=nn.MSELoss(), chunks=chunks) as pipe:
         torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
@@ -246,3 +259,33 @@ def test_batch_norm_updating_its_running_statistics_in_place_still_runs(schedule
         pipe.train_step(x, y)
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
     assert all(int(m.num_batches_tracked) == 2 for m in norms)
+
+
+class Scaled(nn.Module):
+    """Scales by a table made once, a plain tensor attribute (not a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.table = torch.linspace(0.5, 1.5, 4, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x)) * self.table
+
+
+def test_a_plain_tensor_attribute_does_not_end_the_check() -> None:
+    # x * self.table failed on meta inputs, which ended the check silently, so a
+    # Centred beside it ran per microbatch (loss 0.91426 where one device's 0.91400).
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(), Centred(), Scaled(), Scaled())
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe, \
+            pytest.raises(PipelineConfigError, match=r"stage 0 .* reads Centred\.ref"):
+        pipe.train_step(x, y)
+    assert model[0].table.device.type == "cpu"
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(), Scaled(), Scaled())
+    loss, grads = reference(model, x, y, nn.MSELoss())
+    with Pipeline(model, stages=2, microbatches=3, loss_fn=nn.MSELoss()) as pipe:
+        torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, grads)
