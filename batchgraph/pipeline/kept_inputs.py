@@ -50,6 +50,10 @@ _LAYOUT_ONLY = frozenset({
     _aten.full_like.default, _aten.new_empty.default, _aten.new_zeros.default,
     _aten.new_ones.default, _aten.new_full.default,
 })
+# Ops that overwrite their first argument whole without reading it: what a run reads
+# after one is that run's own.
+_OVERWRITES = frozenset({_aten.copy_.default, _aten.fill_.Scalar, _aten.fill_.Tensor,
+                         _aten.zero_.default})
 # Module state that functional_call swaps and restores itself.
 _SWAPPED = frozenset({"_parameters", "_buffers", "_modules"})
 
@@ -84,6 +88,8 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     keeper[0] != self.stage or keeper[2] != self.run) and not any(
                     t is w for w in written):
                 self.read = keeper
+        if func in _OVERWRITES and id(args[0]) in self.kept:
+            self.kept[id(args[0])] = (self.stage, self.kept[id(args[0])][1], self.run)
         if func not in _LAYOUT_ONLY and any(t in self.marked for t in tensors):
             for t in [*tree_leaves(out), *written]:
                 if isinstance(t, Tensor):

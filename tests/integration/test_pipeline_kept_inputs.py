@@ -289,3 +289,25 @@ def test_a_plain_tensor_attribute_does_not_end_the_check() -> None:
     with Pipeline(model, stages=2, microbatches=3, loss_fn=nn.MSELoss()) as pipe:
         torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, grads)
+
+
+class Overwritten(nn.Module):
+    """Overwrites a buffer whole from its inputs, then reads it: its own call's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.register_buffer("last", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.last.copy_(x.mean(0))
+        return torch.tanh(self.lin(x)) + self.last
+
+
+def test_a_buffer_overwritten_before_it_is_read_is_no_read_back() -> None:
+    x, y, _, loss, grads, model = _one_device_and_model(2, Overwritten)
+    with Pipeline(model, stages=2, microbatches=1, loss_fn=nn.MSELoss()) as pipe:
+        torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(model, grads)
+    check_inputs_kept([model[:2], model[2:]], [x[:3]])  # several microbatches: runs
