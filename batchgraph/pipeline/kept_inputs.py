@@ -125,42 +125,59 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         >>> Centred(3, 2).ref is None  # nothing is left in the modules
         True
     """
+    # Plain tensor attributes on meta first; where a forward cannot run so (it reads
+    # one's values: float(self.scale)), as they are.
+    for plain_on_meta in (True, False):
+        mode, ran, swapped = _check(modules, sample, plain_on_meta)
+        if mode.read is not None:
+            raise _read_error(modules, mode, first)
+        if ran or not swapped:
+            return
+
+
+def _check(modules: Sequence[nn.Module], sample: Sequence[Tensor],
+           plain_on_meta: bool) -> tuple[_Marking, bool, bool]:
+    """The two runs: their mode, whether both ran, and whether any plain tensor
+    attribute was put on meta."""
     saved = [[SavedAttributes(m, _SWAPPED) for m in root.modules()] for root in modules]
     # One set of meta parameters and buffers per stage for both runs: a buffer the
     # first run updates from its inputs in place is what the second run reads.
     states = [{name: torch.empty_like(t, device="meta")
                for name, t in [*m.named_parameters(), *m.named_buffers()]} for m in modules]
     mode = _Marking()
+    ran = swapped = False
     try:
-        for stage in saved:
-            _plain_tensors_on_meta(stage)
-        for run in (1, 2):
-            mode.run = run
-            if not _run_marked(modules, sample, saved, states, mode):
-                break
+        if plain_on_meta:
+            swapped = any([_plain_tensors_on_meta(stage) for stage in saved])
+        ran = all(_run_marked(modules, sample, saved, states, mode, run) for run in (1, 2))
     finally:
         for stage in saved:
             for attrs in stage:
                 attrs.put_back(attrs.changed(_SWAPPED))
-    if mode.read is not None:
-        raise _read_error(modules, mode, first)
+    return mode, ran, swapped
 
 
-def _plain_tensors_on_meta(saved: list[SavedAttributes]) -> None:
+def _plain_tensors_on_meta(saved: list[SavedAttributes]) -> bool:
     """Bind the modules' plain tensor attributes (not 0-d: those mix with meta ones) to
     meta copies, put back with the rest: a real one updated in place from the meta
-    inputs (``self.mean.mul_(0.5).add_(x.mean(0))``) failed, and ended the check."""
+    inputs (``self.mean.mul_(0.5).add_(x.mean(0))``) failed, and ended the check.
+    Whether there was one."""
+    found = False
     for attrs in saved:
         now = vars(attrs.module)
         for name, value in attrs.before.items():
             if type(value) is Tensor and value.dim() > 0 and value.device.type != "meta":
                 now[name] = torch.empty_like(value, device="meta")
+                found = True
+    return found
 
 
 def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
                 saved: list[list[SavedAttributes]], states: list[dict[str, Tensor]],
-                mode: _Marking) -> bool:
-    """One run of the stages in sequence; False where one could not run on meta."""
+                mode: _Marking, run: int) -> bool:
+    """Run ``run`` of the stages in sequence; False where one could not run on meta
+    (or read what it should not)."""
+    mode.run = run
     values: tuple[Any, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
     for t in values:
         mode.marked[t] = True

@@ -311,3 +311,26 @@ def test_a_buffer_overwritten_before_it_is_read_is_no_read_back() -> None:
         torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
     assert_grads_equal(model, grads)
     check_inputs_kept([model[:2], model[2:]], [x[:3]])  # several microbatches: runs
+
+
+class ReadsItsScale(nn.Module):
+    """Reads a plain tensor attribute's value in Python (no meta tensor can give one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.scale = torch.tensor([0.5], dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x)) * float(self.scale)
+
+
+def test_a_forward_reading_a_plain_tensors_value_still_gets_the_check() -> None:
+    # On meta, float(self.scale) fails: the check runs again with it as it is.
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = nn.Sequential(ReadsItsScale(), Centred(), ReadsItsScale())
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe, \
+            pytest.raises(PipelineConfigError, match=r"stage \d .* reads Centred\.ref"):
+        pipe.train_step(x, y)
+    assert model[0].scale.device.type == "cpu"
