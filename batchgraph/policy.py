@@ -248,7 +248,14 @@ class BatchingPolicy:
         fresh = [h for h in handles if h._out is None]
         before = [h for h in fresh if graph.node_loc[h.node] >= 0]
         executor = Executor(graph, example_of=example_of)
-        executor.run(schedule)
+        try:
+            executor.run(schedule)
+        except BaseException:
+            # Refused (a parameter replaced since its calls were recorded) or failed:
+            # calls recorded next go through key_id again, which notes what they read
+            # now under a key id of their own, not their site's memo of the refused one.
+            graph.new_stamp()
+            raise
         executed = time.perf_counter()
         if stale or graph.early_views:
             handed_views.hand_out_views(graph, handles, stale)

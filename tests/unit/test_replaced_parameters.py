@@ -109,3 +109,25 @@ def test_a_long_lived_policy_watches_the_new_parameters(how: str, site_name: str
         opt.step()
         with pytest.raises(bg.ParameterChangedError):
             policy.compute(stale)
+
+
+@pytest.mark.parametrize("reads", ["module", "function"])
+def test_calls_recorded_after_a_refused_compute_compute_with_the_new_parameter(
+    reads: str
+) -> None:
+    # The refused compute left the graph's stamp as it was, so the site's memo gave the
+    # next call the refused calls' key id, and it was refused too, though recorded
+    # after the replacement ("record the calls again" did not help).
+    lin = nn.Linear(3, 3)
+    site = bg.batched_func(lin) if reads == "module" else bg.batched_func(lambda x: lin(x) * 2)
+    scale = 1 if reads == "module" else 2
+    with bg.BatchingPolicy() as policy:
+        policy.compute(site(torch.zeros(3)))
+        lin.bias = nn.Parameter(torch.zeros(3))
+        stale = site(torch.ones(3))
+        lin.bias = nn.Parameter(torch.ones(3))
+        with pytest.raises(bg.ParameterChangedError):
+            policy.compute(stale)
+        x = torch.randn(3)
+        again = policy.compute(site(x))
+    torch.testing.assert_close(again, lin(x) * scale)
