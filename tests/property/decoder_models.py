@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Coroutine
 from typing import Any
-from unittest import mock
 
 import torch
 from hypothesis import strategies as st
@@ -12,6 +11,7 @@ from torch import nn
 
 import batchgraph as bg
 from batchgraph import releasing
+from tests.releaser_slack import forgetting_every
 
 
 class Decoder(bg.BatchedModule):
@@ -78,7 +78,7 @@ class TokenModel(nn.Module):
         (``forget_every_step``: released nodes are forgotten after every step, not
         only once a long run has noted thousands)."""
         slack = 0 if forget_every_step else releasing.FORGET_SLACK
-        with torch.no_grad(), mock.patch.object(releasing, "FORGET_SLACK", slack):
+        with torch.no_grad(), forgetting_every(slack):
             eager = [run_eagerly(self.run(p)) for p in batch]
             got = bg.run_all([self.run(p) for p in batch], groups=groups, overlap="inline")
         assert len(got) == len(eager)

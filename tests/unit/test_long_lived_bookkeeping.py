@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from collections.abc import Iterator
-from contextlib import contextmanager
-from unittest import mock
 
 import pytest
 import torch
@@ -23,15 +20,7 @@ from torch import nn
 
 import batchgraph as bg
 from batchgraph.graph import STORE_SHIFT
-
-
-@contextmanager
-def _forgetting_every(slack: int) -> Iterator[None]:
-    # The releasers' own module: pytest's doctest collection may import another copy
-    # of batchgraph.releasing, which a policy does not use.
-    where = type(bg.BatchingPolicy().releaser).step.__globals__
-    with mock.patch.dict(where, {"FORGET_SLACK": slack}):
-        yield
+from tests.releaser_slack import forgetting_every
 
 
 def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
@@ -84,14 +73,14 @@ def _train(policy: bg.BatchingPolicy, steps: int, examples: int = 5,
 def test_a_training_loop_in_one_policy_keeps_its_notes_bounded(dedupe: bool, slack: int) -> None:
     # dedupe=False: nothing is noted for merging, so only the nodes recorded since
     # the last pass bring the next one on.
-    with _forgetting_every(slack):
+    with forgetting_every(slack):
         counts = _train(bg.BatchingPolicy(dedupe=dedupe), steps=60)
     assert max(counts[30:]) <= max(counts[:30])  # bounded, not one more set a step
     assert counts[-1] < 60
 
 
 def test_released_stores_and_their_locations_are_one_object_each() -> None:
-    with _forgetting_every(0):
+    with forgetting_every(0):
         policy = bg.BatchingPolicy()
         _train(policy, steps=20)
     graph = policy.graph
@@ -106,7 +95,7 @@ def test_released_stores_and_their_locations_are_one_object_each() -> None:
 
 def test_bytes_a_recorded_call_leaves_behind_in_a_long_training_loop() -> None:
     traced = {100: (0, 0), 400: (0, 0)}  # from step 100 on: one-off costs are paid
-    with _forgetting_every(256):
+    with forgetting_every(256):
         tracemalloc.start()
         try:
             policy = bg.BatchingPolicy()
@@ -127,7 +116,7 @@ def test_a_module_left_unused_until_its_key_is_forgotten_computes_and_batches_ag
     site_a, site_b = bg.batched_func(a), bg.batched_func(b)
     opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
     xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
-    with _forgetting_every(0), bg.BatchingPolicy() as policy:
+    with forgetting_every(0), bg.BatchingPolicy() as policy:
         first = policy.compute([site_b(x) for x in xs])
         for _ in range(5):  # b's key id is forgotten meanwhile; a's change every step
             loss = sum(o.sum() for o in policy.compute([site_a(x) for x in xs]))
@@ -148,7 +137,7 @@ def test_a_handle_kept_across_steps_that_forget_keys_still_reads_and_records() -
     site = bg.batched_func(lin)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     x = torch.randn(3, dtype=torch.float64)
-    with _forgetting_every(0), bg.BatchingPolicy() as policy:
+    with forgetting_every(0), bg.BatchingPolicy() as policy:
         kept = site(x)
         old = policy.compute(kept).detach().clone()
         for _ in range(4):
@@ -165,7 +154,7 @@ def test_a_call_recorded_before_a_step_is_still_refused_after_forgetting() -> No
     lin = nn.Linear(3, 3)
     site = bg.batched_func(lin)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    with _forgetting_every(0), bg.BatchingPolicy() as policy:
+    with forgetting_every(0), bg.BatchingPolicy() as policy:
         for _ in range(3):  # passes of forgetting run, with this call pending
             pending = site(torch.ones(3))
             policy.compute(site(torch.zeros(3))).sum().backward()
@@ -183,7 +172,7 @@ def test_a_held_value_read_from_a_released_one_still_requires_grad(handed_out: b
     lin = nn.Linear(3, 3).double()
     site, tanh = bg.batched_func(lin), bg.batched_func(torch.tanh)
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    with _forgetting_every(0), bg.BatchingPolicy() as policy:
+    with forgetting_every(0), bg.BatchingPolicy() as policy:
         m = tanh(x)
         policy.compute(m if handed_out else site(m))
         n = m * 2

@@ -11,16 +11,15 @@ import asyncio
 import contextlib
 import time
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import batchgraph as bg
-from batchgraph import releasing
 from batchgraph.graph import STORE_SHIFT
 from tests.property.decoder_models import run_eagerly
+from tests.releaser_slack import forgetting_every
 
 WIDE = 256  # per-example output width of a "logits" call: what must not pile up
 
@@ -143,7 +142,7 @@ def test_a_long_run_forgets_released_nodes_and_still_merges_live_ones() -> None:
         return tokens, again.node == start.node if isinstance(again, bg.ResultHandle) else True
 
     made, make = _policies()
-    with torch.no_grad(), mock.patch.object(releasing, "FORGET_SLACK", 0):
+    with torch.no_grad(), forgetting_every(0):
         got = bg.run_all([example(t, 40) for t in (1, 2, 1)], make_policy=make)
         assert got == [run_eagerly(example(t, 40)) for t in (1, 2, 1)]
     assert all(merged for _, merged in got)
