@@ -20,7 +20,18 @@ from tests.integration.dist_check_workers import Total, _last_with
 LINGER = 8.0  # seconds each rank lives on after its step failed
 
 
+def _warm() -> None:
+    """Pay, before any timing, the one-off cost of each rank's first check of its stage
+    on meta tensors (kept_inputs, at a stage's first forward with several
+    microbatches): importing torch's meta kernels, 1-6 s per process on a loaded
+    2-core machine. The tests time how fast a failure reaches the ranks, not that."""
+    from batchgraph.pipeline.kept_inputs import check_inputs_kept
+
+    check_inputs_kept([nn.Linear(2, 2)], [torch.zeros(1, 2)])
+
+
 def _timed_step(pipe: Any, x: torch.Tensor | None, y: torch.Tensor | None) -> dict[str, Any]:
+    _warm()
     start = time.monotonic()
     try:
         pipe.train_step(x, y)
@@ -78,6 +89,7 @@ def job_leave_on_error(rank: int, world: int) -> dict[str, Any]:
                                    microbatches=4, loss_fn=nn.MSELoss(),
                                    backend="torch.distributed", timeout=20),
     }  # fmt: skip
+    _warm()
     for name, build in builds.items():
         start = time.monotonic()
         try:
