@@ -19,7 +19,11 @@ than the one before it: ``carries_state`` runs such a call a second time and tel
 (its calls run one at a time in recorded order), where a cache filled once (a table
 per length) is left alone by the second run, and its calls still batch. A count
 that changes but that no operation reads (``self.calls += 1``) gives a third run the
-same operations as the second: its calls batch too.
+same operations as the second: its calls batch too. The first run is made once more,
+traced, and the operations computing its output (the modules' state a leaf) are
+compared with the second's: a first-call flag (``x * (2 if self.seen else 1)``) or a
+count read until it stops changing (``min(self.step, 2)``) computes the second
+otherwise, where a cache filled by the first is only read by both.
 
 Looked into (``python_state.SavedAttributes``, which the pipeline's probe and rerun
 save and put back too): the modules' attributes, the lists, deques, dicts, sets and
@@ -165,14 +169,23 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
     """
     if not any(attrs.changed() for attrs in kept.saved):
         return False
+    modules = [attrs.module for attrs in kept.saved]
+    # The first run once more, traced, from the state before it: a first-call flag
+    # (x * (2 if self.seen else 1); self.seen = True) or a count read until it stops
+    # changing (min(self.step, 2)) leaves a second run that changes nothing, or a
+    # third that repeats it, yet the second's output was computed otherwise.
+    for attrs in kept.saved:
+        attrs.put_back(attrs.changed())
+    first = _Trace.of(run, [], modules)
     # The state the first run left: the second run's output made from it reads it.
     left = [t for attrs in kept.saved for name in attrs.changed()
             for t in tensors_in(vars(attrs.module).get(name))]
-    then = _saved([attrs.module for attrs in kept.saved])
-    second = _Trace.of(run, left)
-    if not any(attrs.changed() for attrs in then):
+    then = _saved(modules)
+    second = _Trace.of(run, left, modules)
+    alike = second.to_output == first.to_output  # else the second computed otherwise
+    if alike and not any(attrs.changed() for attrs in then):  # a cache filled once
         return False
-    if not second.made_of_state and _Trace.of(run, []).ops == second.ops:
+    if alike and not second.made_of_state and _Trace.of(run, [], modules).ops == second.ops:
         return False
     _kept[0] += 1
     _changed[0] += 1
@@ -181,23 +194,42 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
 
 class _Trace(TorchFunctionMode):
     """The torch operations a run makes, each with its arguments' shapes and plain
-    values (a count read by ``x * self.n`` shows as its value), and whether its output
-    was computed from the tensors ``state`` (followed through the operations)."""
+    values (a count read by ``x * self.n`` shows as its value), whether its output
+    was computed from the tensors ``state`` (followed through the operations), and
+    the operations its output was computed by (``to_output``), from the modules'
+    state as a leaf: a cache filled by the first run and read by the second gives
+    both the same, a first-call flag read by the output does not."""
 
     def __init__(self, state: list[torch.Tensor]) -> None:
         super().__init__()
         self.ops: list[tuple[Any, ...]] = []
+        self.flow: list[tuple[list[int], list[int]]] = []  # each op's inputs, outputs
         self.made: list[Any] = list(state)  # held: their ids stay theirs
         self.ids = {id(t) for t in state}
         self.made_of_state = False
+        self.to_output: list[tuple[Any, ...]] = []
 
     @classmethod
-    def of(cls, run: Callable[[], object], state: list[torch.Tensor]) -> _Trace:
+    def of(cls, run: Callable[[], object], state: list[torch.Tensor],
+           modules: list[torch.nn.Module]) -> _Trace:
         trace = cls(state)
+        held = _state_of(modules)
         with trace:
             out = run()
+        held += _state_of(modules)
         trace.made_of_state = any(id(t) in trace.ids for t in tensors_in(out))
+        trace.to_output = trace._reaching([id(t) for t in tensors_in(out)],
+                                          {id(t) for t in held})
         return trace
+
+    def _reaching(self, wanted: list[int], leaves: set[int]) -> list[tuple[Any, ...]]:
+        need = set(wanted) - leaves
+        ops = []
+        for op, (read, made) in zip(reversed(self.ops), reversed(self.flow)):
+            if need.intersection(made):
+                ops.append(op)
+                need.update(i for i in read if i not in leaves)
+        return ops[::-1]
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -205,11 +237,16 @@ class _Trace(TorchFunctionMode):
         read: list[int] = []
         self.ops.append((func, _shown(args, read), _shown(tuple(kwargs.items()), read)))
         out = func(*args, **kwargs)
+        made = tensors_in(out)
+        self.made += made
+        self.flow.append((read, [id(t) for t in made]))
         if self.ids and any(i in self.ids for i in read):
-            made = tensors_in(out)
-            self.made += made
             self.ids.update(id(t) for t in made)
         return out
+
+
+def _state_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    return [t for m in modules for v in vars(m).values() for t in tensors_in(v)]
 
 
 def _shown(value: Any, read: list[int]) -> Any:
