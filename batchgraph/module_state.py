@@ -23,7 +23,9 @@ same operations as the second: its calls batch too. The first run is made once m
 traced, and the operations computing its output (the modules' state a leaf) are
 compared with the second's: a first-call flag (``x * (2 if self.seen else 1)``) or a
 count read until it stops changing (``min(self.step, 2)``) computes the second
-otherwise, where a cache filled by the first is only read by both.
+otherwise, where a cache filled by the first is only read by both. A buffer changed
+in place (skipped on fake tensors) and read by the output (``self.step.add_(1); return
+x + self.step``, ``spectral_norm``'s power iteration in training) carries state too.
 
 Looked into (``python_state.SavedAttributes``, which the pipeline's probe and rerun
 save and put back too): the modules' attributes, the lists, deques, dicts, sets and
@@ -67,12 +69,14 @@ class Kept:
     """What a run inside ``state_kept`` kept (and was undone): ``names``, each as
     ``Class.attribute``, and whether one of them held a batched tensor of vmap's."""
 
-    __slots__ = ("batched", "names", "saved")
+    __slots__ = ("batched", "changed", "names", "saved")
 
     def __init__(self, saved: list[SavedAttributes]) -> None:
         self.names: list[str] = []
         self.batched = False
         self.saved = saved  # the modules' attributes before the run
+        # the real tensors whose in-place changes the run skipped (watching_changes)
+        self.changed: list[torch.Tensor] = []
 
 
 @contextlib.contextmanager
@@ -101,6 +105,7 @@ def state_kept(fn: Any) -> Iterator[Kept]:
     kept = Kept(_saved(modules))
     with watching_changes() as changed, buffers_of_kept(modules):
         start = len(changed)
+        kept.changed = changed
         try:
             yield kept
         finally:
@@ -167,9 +172,11 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
         >>> again, m.n
         (True, 0)
     """
+    modules = [attrs.module for attrs in kept.saved]
+    if _reads_buffer_changed(kept, run, modules):
+        return True
     if not any(attrs.changed() for attrs in kept.saved):
         return False
-    modules = [attrs.module for attrs in kept.saved]
     # The first run once more, traced, from the state before it: a first-call flag
     # (x * (2 if self.seen else 1); self.seen = True) or a count read until it stops
     # changing (min(self.step, 2)) leaves a second run that changes nothing, or a
@@ -208,6 +215,8 @@ class _Trace(TorchFunctionMode):
         self.ids = {id(t) for t in state}
         self.made_of_state = False
         self.to_output: list[tuple[Any, ...]] = []
+        self.reads: set[int] = set()  # the ids the output's operations read, to the inputs
+        self.written: set[int] = set()  # the ids changed in place (add_, out=)
 
     @classmethod
     def of(cls, run: Callable[[], object], state: list[torch.Tensor],
@@ -218,12 +227,17 @@ class _Trace(TorchFunctionMode):
             out = run()
         held += _state_of(modules)
         trace.made_of_state = any(id(t) in trace.ids for t in tensors_in(out))
-        trace.to_output = trace._reaching([id(t) for t in tensors_in(out)],
-                                          {id(t) for t in held})
+        outputs = [id(t) for t in tensors_in(out)]
+        trace.to_output = trace._reaching(outputs, {id(t) for t in held})
+        trace._reaching(outputs, set(), trace.reads)
         return trace
 
-    def _reaching(self, wanted: list[int], leaves: set[int]) -> list[tuple[Any, ...]]:
-        need = set(wanted) - leaves
+    def _reaching(self, wanted: list[int], leaves: set[int],
+                  need: set[int] | None = None) -> list[tuple[Any, ...]]:
+        """The operations ``wanted`` is computed by, back to ``leaves``; ``need`` gets
+        the ids they read."""
+        need = set() if need is None else need
+        need.update(i for i in wanted if i not in leaves)
         ops = []
         for op, (read, made) in zip(reversed(self.ops), reversed(self.flow)):
             if need.intersection(made):
@@ -236,6 +250,10 @@ class _Trace(TorchFunctionMode):
         kwargs = kwargs or {}
         read: list[int] = []
         self.ops.append((func, _shown(args, read), _shown(tuple(kwargs.items()), read)))
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
+            self.written.update(read[:1])
+        self.written.update(id(t) for t in tensors_in(kwargs.get("out")))
         out = func(*args, **kwargs)
         made = tensors_in(out)
         self.made += made
@@ -243,6 +261,28 @@ class _Trace(TorchFunctionMode):
         if self.ids and any(i in self.ids for i in read):
             self.ids.update(id(t) for t in made)
         return out
+
+
+def _reads_buffer_changed(kept: Kept, run: Callable[[], object],
+                          modules: list[torch.nn.Module]) -> bool:
+    """Whether the run changed a buffer in place (skipped on fake tensors) that its
+    output is computed from (``self.step.add_(1); return x + self.step``, a
+    ``spectral_norm`` pre-hook's power iteration in training): eagerly each call reads
+    the step the one before left, where a batched call reads one step for all. A
+    buffer only updated (BatchNorm's running statistics, a count of calls) is no read.
+    Such calls are noted as changing state in place (``changed_count``)."""
+    buffers = {id(b) for m in modules for b in m._buffers.values() if b is not None}
+    skipped = buffers.intersection(id(t) for t in kept.changed)
+    # (a run changing none of the state needs no trace: a pre-hook's out= into a
+    # buffer is not skipped but sets the weight anew)
+    if not skipped and not any(attrs.changed() for attrs in kept.saved):
+        return False
+    trace = _Trace.of(run, [], modules)
+    if not buffers.intersection(trace.reads, trace.written | skipped):
+        return False
+    _kept[0] += 1
+    _changed[0] += 1
+    return True
 
 
 def _state_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
