@@ -56,7 +56,7 @@ from batchgraph.buffers import buffers_of_kept
 from batchgraph.fake_mode import watching_changes
 from batchgraph.python_state import PLAIN, SavedAttributes, tensors_in
 
-__all__ = ["Kept", "carries_state", "changed_count", "kept_count", "state_kept"]
+__all__ = ["Kept", "carries_state", "changed_count", "kept_count", "output_ops", "state_kept"]
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # Runs that kept a tensor in a module (see kept_count).
@@ -217,6 +217,7 @@ class _Trace(TorchFunctionMode):
         self.to_output: list[tuple[Any, ...]] = []
         self.reads: set[int] = set()  # the ids the output's operations read, to the inputs
         self.written: set[int] = set()  # the ids changed in place (add_, out=)
+        self.out: object = None
 
     @classmethod
     def of(cls, run: Callable[[], object], state: list[torch.Tensor],
@@ -227,6 +228,7 @@ class _Trace(TorchFunctionMode):
             out = run()
         held += _state_of(modules)
         trace.made_of_state = any(id(t) in trace.ids for t in tensors_in(out))
+        trace.out = out
         outputs = [id(t) for t in tensors_in(out)]
         trace.to_output = trace._reaching(outputs, {id(t) for t in held})
         trace._reaching(outputs, set(), trace.reads)
@@ -283,6 +285,22 @@ def _reads_buffer_changed(kept: Kept, run: Callable[[], object],
     _kept[0] += 1
     _changed[0] += 1
     return True
+
+
+def output_ops(run: Callable[[], object], modules: list[torch.nn.Module]
+               ) -> tuple[object, list[tuple[Any, ...]]]:
+    """``run``'s output, and the torch operations computing it (their arguments' shapes
+    and plain values), from ``modules``' state as a leaf: two calls of a forward that
+    differ read state an earlier call changed (a first-call flag, a count).
+
+    Example:
+        >>> lin, x = torch.nn.Linear(2, 2), torch.ones(2)
+        >>> out, ops = output_ops(lambda: lin(x) * 3, [lin])
+        >>> [op[0].__name__ for op in ops], ops[-1][1][1]
+        (['linear', 'mul'], 3)
+    """
+    trace = _Trace.of(run, [], modules)
+    return trace.out, trace.to_output
 
 
 def _state_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:

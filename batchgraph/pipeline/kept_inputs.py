@@ -27,6 +27,7 @@ check silently, as the shape check does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from batchgraph.module_state import output_ops
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
@@ -71,6 +73,8 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.alive: list[Tensor] = []
         self.stage = self.run = 0
         self.read: tuple[int, str, int] | None = None  # (stage, name, run) read wrongly
+        # each (run, stage)'s operations computing its output (module_state.output_ops)
+        self.ops: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -131,6 +135,9 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         mode, ran, swapped = _check(modules, sample, plain_on_meta)
         if mode.read is not None:
             raise _read_error(modules, mode, first)
+        for k in range(len(modules)):
+            if ran and mode.ops[1, k] != mode.ops[2, k]:
+                raise _state_error(modules, k, first)
         if ran or not swapped:
             return
 
@@ -186,7 +193,9 @@ def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         state = states[k]
         try:
             with torch.no_grad(), saved_tensors_hooks_enabled(), mode:
-                result = functional_call(module, state, values)
+                result, mode.ops[run, k] = output_ops(
+                    functools.partial(functional_call, module, state, values),
+                    list(module.modules()))
         except Exception:
             return False  # the real run reports it, with the stage named
         if mode.read is not None:
@@ -208,6 +217,18 @@ def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
             return False
         values = tuple(items)
     return True
+
+
+def _state_error(modules: Sequence[nn.Module], k: int, first: int) -> PipelineConfigError:
+    return PipelineConfigError(
+        f"stage {first + k} ({type(modules[k]).__name__}) computes its output otherwise at "
+        "its second call than at its first, from state its forward changed (a first-call "
+        "flag, self.n += 1 read by the output): a pipeline runs each stage once per "
+        "microbatch, so microbatch 1 on reads what microbatch 0 left where one device's "
+        "single call reads it as it was, and computes other outputs and gradients. Set "
+        "it outside the forward (before the step), or use microbatches=1, which runs as "
+        "one device"
+    )
 
 
 def _read_error(modules: Sequence[nn.Module], mode: _Marking,
