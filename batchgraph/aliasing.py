@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NOT_VIEWED", "alias_group", "check_changed", "holds_handed", "makes_view", "note_change",
-    "view_of", "view_of_handed",
+    "unmerge_viewed", "view_of", "view_of_handed",
 ]
 
 # Modules of the functions recorded in place of tensor operations (h.T, as_strided).
@@ -97,6 +97,43 @@ def alias_group(graph: Graph, node: int) -> set[int]:
                 and _aliases(keys[node_key[n]])):
             group.add(n)
     return group if len(group) > 1 else set()
+
+
+def unmerge_viewed(graph: Graph, node: int) -> None:
+    """Note that ``node``'s value was handed out: where it is a view, identical calls
+    recorded from now on no longer merge with the values it views.
+
+    Eagerly such a call makes a tensor of its own, no view of which the caller holds;
+    merged, it would share the handed-out view's alias group, and changing it in place
+    would be refused for the view (``c = y.clone(); r = c.reshape(-1)``, ``r`` handed
+    out, then ``z = y.clone(); z.add_(x)``: z merged into c's node).
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy():
+        ...     y = bg.batched_value(torch.zeros(2, 2))
+        ...     c = y.clone()
+        ...     row = bg.compute(c[0])  # a view of c's value, handed out
+        ...     z = y.clone()
+        ...     _ = z.add_(1.0)
+        ...     bg.compute(z).sum().item()
+        4.0
+    """
+    keys, node_key, inputs, table = graph.keys, graph.node_key, graph.node_inputs, graph.dedupe_table
+    stack = [node]
+    while stack:  # up through view calls, as alias_group's first half
+        n = stack.pop()
+        key = keys[node_key[n]]
+        # Whether a call is a view is worked out by running it once (_aliases): only
+        # torch's own operations are run for this; the user's functions and modules
+        # may have effects (a hook keeping outputs), and are taken for no view.
+        if inputs[n] and (getattr(key, "_aliases", None) is not None
+                          or _tensor_operation(key.fn)) and _aliases(key):
+            for src, _ in inputs[n]:
+                signature = (node_key[src], inputs[src])
+                if inputs[src] and table.get(signature) == src:
+                    del table[signature]
+                stack.append(src)
 
 
 def note_change(graph: Graph, group: set[int], changed: int, how: str) -> None:

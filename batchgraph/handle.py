@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from batchgraph import handle_operators
+from batchgraph.aliasing import unmerge_viewed
 from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
 from batchgraph.errors import ConstantChangedError, NotComputedError
 from batchgraph.handed_views import note_handed
@@ -274,7 +275,14 @@ class ResultHandle(TensorOperators):
         give it again, and calls recorded on the handle after it changed in place read
         it as it is then (``unchanged``)."""
         spec = self.spec
-        self._graph.handed_out.add(self.node)
+        graph = self._graph
+        graph.handed_out.add(self.node)
+        inputs = graph.node_inputs
+        # (A graph rebuilt for binding may hold values of nodes it does not record.)
+        # (Known no view, as most calls are: no call made; see aliasing._aliases.)
+        if (self.node < len(inputs) and inputs[self.node] and graph.dedupe and getattr(
+                graph.keys[graph.node_key[self.node]], "_aliases", True)):
+            unmerge_viewed(graph, self.node)
         if isinstance(value, torch.Tensor):
             if type(spec) is TensorSpec or spec is None:
                 # Inference tensors keep no version: they count as changed (None).

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from batchgraph import gcpause, handed_views
-from batchgraph.aliasing import check_changed
+from batchgraph.aliasing import check_changed, unmerge_viewed
 from batchgraph.eager_grad import eager_requires_grad, reads_grad
 from batchgraph.errors import PolicyMismatchError
 from batchgraph.executor import Executor
@@ -449,6 +449,9 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
                     return obj.handed(own_copy(row))
                 obj._out = (row, version)  # ResultHandle.handed, inlined
                 graph.handed_out.add(obj.node)
+                if graph.node_inputs[obj.node] and graph.dedupe and getattr(
+                        graph.keys[graph.node_key[obj.node]], "_aliases", True):
+                    unmerge_viewed(graph, obj.node)
                 if graph.first_uncomputed < len(graph.node_key):  # calls still pending
                     handed_views.note_handed(graph, obj.node, obj.leaf, row, version)
                 return row
