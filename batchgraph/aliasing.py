@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from batchgraph.keys import BatchKey
 
 __all__ = [
-    "NOT_VIEWED", "alias_group", "check_changed", "holds_handed", "makes_view", "note_change",
-    "unmerge_viewed", "view_of", "view_of_handed",
+    "NOT_VIEWED", "alias_group", "check_changed", "holds_handed", "known_view", "makes_view",
+    "note_change", "unmerge_viewed", "view_of", "view_of_handed",
 ]
 
 # Modules of the functions recorded in place of tensor operations (h.T, as_strided).
@@ -99,6 +99,32 @@ def alias_group(graph: Graph, node: int) -> set[int]:
     return group if len(group) > 1 else set()
 
 
+def known_view(graph: Graph, node: int) -> bool:
+    """Whether ``node``'s call is a view of (or returns) one of its inputs, as far as
+    can be told without running the user's code: whether a call is a view is worked
+    out by running it once (``_aliases``), which is done here only for torch's own
+    operations; the user's functions and modules may have effects (a hook keeping its
+    outputs), and are taken for no view unless known already.
+
+    Example:
+        >>> import batchgraph as bg, torch
+        >>> with bg.BatchingPolicy() as policy:
+        ...     h = bg.batched_value(torch.ones(2, 2)) * 1
+        ...     row = h[0]
+        >>> known_view(policy.graph, row.node), known_view(policy.graph, h.node)
+        (True, False)
+    """
+    key = graph.keys[graph.node_key[node]]
+    known: bool | None = getattr(key, "_known_view", None)
+    if known is None:
+        known = (getattr(key, "_aliases", None) is not None or _tensor_operation(key.fn)) and (
+            _aliases(key))
+        # Kept on the key: asked at every hand-out (callers check ``_known_view`` first).
+        with contextlib.suppress(AttributeError):
+            key._known_view = known  # type: ignore[attr-defined]
+    return known
+
+
 def unmerge_viewed(graph: Graph, node: int) -> None:
     """Note that ``node``'s value was handed out: where it is a view, identical calls
     recorded from now on no longer merge with the values it views.
@@ -119,16 +145,11 @@ def unmerge_viewed(graph: Graph, node: int) -> None:
         ...     bg.compute(z).sum().item()
         4.0
     """
-    keys, node_key, inputs, table = graph.keys, graph.node_key, graph.node_inputs, graph.dedupe_table
+    node_key, inputs, table = graph.node_key, graph.node_inputs, graph.dedupe_table
     stack = [node]
     while stack:  # up through view calls, as alias_group's first half
         n = stack.pop()
-        key = keys[node_key[n]]
-        # Whether a call is a view is worked out by running it once (_aliases): only
-        # torch's own operations are run for this; the user's functions and modules
-        # may have effects (a hook keeping outputs), and are taken for no view.
-        if inputs[n] and (getattr(key, "_aliases", None) is not None
-                          or _tensor_operation(key.fn)) and _aliases(key):
+        if inputs[n] and known_view(graph, n):
             for src, _ in inputs[n]:
                 signature = (node_key[src], inputs[src])
                 if inputs[src] and table.get(signature) == src:

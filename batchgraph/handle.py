@@ -279,9 +279,9 @@ class ResultHandle(TensorOperators):
         graph.handed_out.add(self.node)
         inputs = graph.node_inputs
         # (A graph rebuilt for binding may hold values of nodes it does not record.)
-        # (Known no view, as most calls are: no call made; see aliasing._aliases.)
+        # (Known no view, as most calls are: no call made; see aliasing.known_view.)
         if (self.node < len(inputs) and inputs[self.node] and graph.dedupe and getattr(
-                graph.keys[graph.node_key[self.node]], "_aliases", True)):
+                graph.keys[graph.node_key[self.node]], "_known_view", True)):
             unmerge_viewed(graph, self.node)
         if isinstance(value, torch.Tensor):
             if type(spec) is TensorSpec or spec is None:

@@ -51,6 +51,7 @@ from batchgraph.specs import (
     rebuild_mapping,
     rebuild_sequence,
 )
+from batchgraph.views_together import hand_out_together
 
 __all__ = ["UNTRAVERSED", "BatchingPolicy", "refuse_hidden_handles"]
 
@@ -266,6 +267,8 @@ class BatchingPolicy:
         # The caller gets its own copies (graph.private_rows); rows of values with
         # history keep it, even when read under no_grad or in inference mode (a call
         # recorded with grad has it, as eagerly): see graph.reading.
+        # A view computed with the value it views is handed out as a view of it.
+        hand_out_together(graph, fresh)
         result = _rebuild(obj, _row_views(graph, handles))
         handed_views.note_views_computed_with(graph, fresh, live, before)
         # The caller still holds the handles in `obj` (and `result` holds its rows):
@@ -450,7 +453,7 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
                 obj._out = (row, version)  # ResultHandle.handed, inlined
                 graph.handed_out.add(obj.node)
                 if graph.node_inputs[obj.node] and graph.dedupe and getattr(
-                        graph.keys[graph.node_key[obj.node]], "_aliases", True):
+                        graph.keys[graph.node_key[obj.node]], "_known_view", True):
                     unmerge_viewed(graph, obj.node)
                 if graph.first_uncomputed < len(graph.node_key):  # calls still pending
                     handed_views.note_handed(graph, obj.node, obj.leaf, row, version)
