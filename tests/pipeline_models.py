@@ -41,6 +41,15 @@ def assert_grads_equal(model: nn.Module, expected: list[Tensor | None]) -> None:
             torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
 
 
+def stacked(blocks: int, layer: Callable[[], nn.Module]) -> nn.Sequential:
+    """``blocks`` of a float64 Linear(4, 4) and ``layer()``, seeded alike every time."""
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(blocks):
+        mods += [nn.Linear(4, 4, dtype=torch.float64), layer()]
+    return nn.Sequential(*mods)
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, seconds: float, back: float) -> Tensor:

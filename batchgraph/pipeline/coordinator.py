@@ -397,13 +397,15 @@ class Coordinator:
         if self._closed:
             raise PipelineClosedError("this pipeline is closed; build a new one")
 
-    def _probe(self, sample: tuple[Tensor, ...], microbatches: int) -> None:
+    def _probe(self, mbs: list[tuple[Tensor, ...]]) -> None:
+        sample = mbs[0]
         signature = tuple((tuple(t.shape), t.dtype) for t in sample)
         if self.check_shapes and signature not in self._checked:
             modules = [s.module for s in self.stages]
             check_stages_fit(modules, sample)
-            if microbatches > 1:  # one microbatch runs as one device: nothing to refuse
-                check_inputs_kept(modules, sample)
+            if len(mbs) > 1:  # one microbatch runs as one device: nothing to refuse
+                check_inputs_kept(modules, sample, later=mbs[1],
+                                  devices=[s.device for s in self.stages])
             self._checked.add(signature)
 
     def _run(
@@ -420,7 +422,7 @@ class Coordinator:
         state = ThreadState.capture()
         if train and state.inference:
             raise inference_mode_error()
-        self._probe(mbs[0], len(mbs))
+        self._probe(mbs)
         self._reset()
         for stage in self.stages:
             stage.autocast = state.autocast

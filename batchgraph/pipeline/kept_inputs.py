@@ -21,8 +21,19 @@ such a tensor by another stage, or by the second run (a later microbatch). A ten
 made without reading the inputs' values (a rotary table per length, ``ones_like(x)``)
 is not marked: it is the same whatever the batch. A tensor kept and never read
 back (``self.last = out.detach()``, for inspection) holds the last microbatch's after
-a step: documented, not refused. A stage that cannot run on meta tensors ends the
-check silently, as the shape check does.
+a step: documented, not refused.
+
+A stage that cannot run on meta tensors (it reads a value in Python: ``.item()``,
+``.tolist()``; it makes a shape from values: ``x[x > 0]``, ``torch.nonzero``) ended the
+check silently, so such a stage keeping a mean of microbatch 0 trained otherwise than
+one device. The stages then run on real tensors (``no_grad``), three times: on a
+microbatch, on a later one after it, and on the later one again on the state as it was
+before (:mod:`batchgraph.pipeline.real_runs` undoes the state tensors' in-place writes
+and sets the random generators back for each run; the attributes are put back here).
+Tensors are marked as on meta, and the operations computing the second and third runs'
+outputs must be alike: they differ where the second read what the first left (a first-call
+flag, a count, a float of microbatch 0 from ``.item()``). The runs cost three forwards of a
+microbatch once per input signature; a stage failing there fails again at the step, named.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from batchgraph.module_state import output_ops
 from batchgraph.pipeline.errors import PipelineConfigError
+from batchgraph.pipeline.real_runs import Generators, WriteGuard
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
 
@@ -75,15 +87,19 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.read: tuple[int, str, int] | None = None  # (stage, name, run) read wrongly
         # each (run, stage)'s operations computing its output (module_state.output_ops)
         self.ops: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+        self.guard: WriteGuard | None = None  # on real tensors: undoes writes to state
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        written = [t for i, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write
+                   for t in tree_leaves(args[i] if i < len(args) else kwargs.get(a.name))
+                   if isinstance(t, Tensor)]
+        if self.guard is not None and written:
+            self.guard.before_write(written)
         out = func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        written = [t for a, t in zip(func._schema.arguments, args)
-                   if isinstance(t, Tensor) and a.alias_info is not None
-                   and a.alias_info.is_write]
         for t in tensors:
             keeper = self.kept.get(id(t))
             # Updated in place only (a total; BatchNorm's running statistics in
@@ -102,7 +118,8 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
-                      first: int = 0) -> None:
+                      first: int = 0, later: Sequence[Tensor] | None = None,
+                      devices: Sequence[torch.device] | None = None) -> None:
     """Refuse stage forwards that read back what a forward kept from its inputs (see
     the module's docstring), for a pipeline of several microbatches.
 
@@ -110,6 +127,10 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         modules: the stage modules, in order.
         sample: one microbatch of inputs for the first stage.
         first: the index of the first stage (a rank's own stage, on torch.distributed).
+        later: a later microbatch's inputs (the runs on real tensors: ``sample`` again
+            if not given).
+        devices: each stage's device (the runs on real tensors move its inputs there;
+            ``sample``'s if not given).
 
     Raises:
         PipelineConfigError: naming the stage that read it, the attribute and what to
@@ -132,36 +153,74 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
     # Plain tensor attributes on meta first; where a forward cannot run so (it reads
     # one's values: float(self.scale)), as they are.
     for plain_on_meta in (True, False):
-        mode, ran, swapped = _check(modules, sample, plain_on_meta)
-        if mode.read is not None:
-            raise _read_error(modules, mode, first)
-        for k in range(len(modules)):
-            if ran and mode.ops[1, k] != mode.ops[2, k]:
-                raise _state_error(modules, k, first)
-        if ran or not swapped:
+        mode, ran, swapped = _check(modules, [sample, sample], plain_on_meta, None)
+        _refuse(modules, mode, first, (1, 2) if ran else None)
+        if ran:
             return
+        if not swapped:
+            break
+    # A forward that cannot run on meta (.item(), x[x > 0]) runs on real tensors: a
+    # microbatch, a later one after it, and that later one again on the state as it
+    # was (undone: real_runs), whose operations the second's must be.
+    runs = [sample, sample if later is None else later, sample if later is None else later]
+    mode, ran, _ = _check(modules, runs, False, devices)
+    _refuse(modules, mode, first, (2, 3) if ran else None)
 
 
-def _check(modules: Sequence[nn.Module], sample: Sequence[Tensor],
-           plain_on_meta: bool) -> tuple[_Marking, bool, bool]:
-    """The two runs: their mode, whether both ran, and whether any plain tensor
-    attribute was put on meta."""
+def _refuse(modules: Sequence[nn.Module], mode: _Marking, first: int,
+            compared: tuple[int, int] | None) -> None:
+    """Raise where a run read what it should not, or the ``compared`` runs' operations
+    computing a stage's output differ."""
+    if mode.read is not None:
+        raise _read_error(modules, mode, first)
+    for k in range(len(modules)):
+        if compared is not None and mode.ops[compared[0], k] != mode.ops[compared[1], k]:
+            raise _state_error(modules, k, first)
+
+
+def _check(modules: Sequence[nn.Module], runs: Sequence[Sequence[Tensor]],
+           plain_on_meta: bool, devices: Sequence[torch.device] | None
+           ) -> tuple[_Marking, bool, bool]:
+    """The runs (two on meta; three on real tensors, moved to ``devices``: see
+    real_runs): their mode, whether all ran, and whether any plain tensor attribute
+    was put on meta."""
+    real = len(runs) > 2
     saved = [[SavedAttributes(m, _SWAPPED) for m in root.modules()] for root in modules]
-    # One set of meta parameters and buffers per stage for both runs: a buffer the
-    # first run updates from its inputs in place is what the second run reads.
-    states = [{name: torch.empty_like(t, device="meta")
+    # One set of parameters and buffers per stage for all runs: a buffer the first run
+    # updates from its inputs in place is what the second run reads (real: the
+    # modules' own, the writes undone).
+    states = [{name: t if real else torch.empty_like(t, device="meta")
                for name, t in [*m.named_parameters(), *m.named_buffers()]} for m in modules]
     mode = _Marking()
+    generators = None
     ran = swapped = False
     try:
-        if plain_on_meta:
+        if real:
+            mode.guard = WriteGuard(modules)
+            generators = Generators(devices or [t.device for t in runs[0]])
+        elif plain_on_meta:
             swapped = any([_plain_tensors_on_meta(stage) for stage in saved])
-        ran = all(_run_marked(modules, sample, saved, states, mode, run) for run in (1, 2))
+        ran = True
+        for run, sample in enumerate(runs, 1):
+            if run == 3:  # on the state as it was
+                _put_back(saved, mode)
+            if generators is not None:
+                generators.reset()
+            ran = ran and _run_marked(modules, sample, saved, states, mode, run, devices,
+                                      real)
     finally:
-        for stage in saved:
-            for attrs in stage:
-                attrs.put_back(attrs.changed(_SWAPPED))
+        _put_back(saved, mode)
+        if generators is not None:
+            generators.reset()
     return mode, ran, swapped
+
+
+def _put_back(saved: list[list[SavedAttributes]], mode: _Marking) -> None:
+    for stage in saved:
+        for attrs in stage:
+            attrs.put_back(attrs.changed(_SWAPPED))
+    if mode.guard is not None:
+        mode.guard.undo()
 
 
 def _plain_tensors_on_meta(saved: list[SavedAttributes]) -> bool:
@@ -181,16 +240,24 @@ def _plain_tensors_on_meta(saved: list[SavedAttributes]) -> bool:
 
 def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
                 saved: list[list[SavedAttributes]], states: list[dict[str, Tensor]],
-                mode: _Marking, run: int) -> bool:
-    """Run ``run`` of the stages in sequence; False where one could not run on meta
-    (or read what it should not)."""
+                mode: _Marking, run: int, devices: Sequence[torch.device] | None,
+                real: bool) -> bool:
+    """Run ``run`` of the stages in sequence; False where one could not run (on meta)
+    or read what it should not."""
     mode.run = run
-    values: tuple[Any, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
+    values: tuple[Any, ...] = tuple(t.detach() if real else torch.empty_like(t, device="meta")
+                                    for t in sample)
     for t in values:
         mode.marked[t] = True
     for k, module in enumerate(modules):
         mode.stage = k
         state = states[k]
+        if devices is not None:  # a copy to the stage's device is the value it was
+            moved = tuple(v.to(devices[k]) for v in values)
+            for v, to in zip(values, moved):
+                if to is not v and v in mode.marked:
+                    mode.marked[to] = True
+            values = moved
         try:
             with torch.no_grad(), saved_tensors_hooks_enabled(), mode:
                 result, mode.ops[run, k] = output_ops(

@@ -447,7 +447,8 @@ class Stage:
         assert checked is not None
         signature = tuple(None if x is None else (x.shape, x.dtype) for x in xs)
         if signature not in checked and all(x is not None for x in xs):
-            check_inputs_kept([self.module], [x for x in xs if x is not None], self.index)
+            check_inputs_kept([self.module], [x for x in xs if x is not None], self.index,
+                              devices=[self.device])
         checked.add(signature)
 
     @staticmethod

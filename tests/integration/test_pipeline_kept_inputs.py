@@ -17,7 +17,14 @@ from torch import Tensor, nn
 from batchgraph.pipeline import Pipeline, PipelineConfigError
 from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from batchgraph.pipeline.microbatch import split_microbatches
-from tests.pipeline_models import SCHEDULES, assert_grads_equal, chunks_for, grid, reference
+from tests.pipeline_models import (
+    SCHEDULES,
+    assert_grads_equal,
+    chunks_for,
+    grid,
+    reference,
+    stacked,
+)
 
 
 class Centred(nn.Module):
@@ -32,6 +39,21 @@ class Centred(nn.Module):
         if self.ref is None:
             self.ref = x.detach().mean(0)
         return torch.tanh(self.lin(x - self.ref))
+
+
+def _finite(x: Tensor) -> None:
+    # A value read in Python: such a forward cannot run on meta tensors, and the check
+    # ended there, silently (ItemCentred: loss 1.6751 where one device's 1.6757).
+    if not x.isfinite().all().item():
+        raise ValueError("not finite")
+
+
+class ItemCentred(Centred):
+    """Centred, reading a value in Python first."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        _finite(x)
+        return super().forward(x)
 
 
 class Tables(nn.Module):
@@ -54,34 +76,27 @@ class Tables(nn.Module):
         return out
 
 
-def _model(blocks: int, layer: type[nn.Module]) -> nn.Sequential:
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for _ in range(blocks):
-        mods += [nn.Linear(4, 4, dtype=torch.float64), layer()]
-    return nn.Sequential(*mods)
-
-
 def _one_device_and_model(blocks: int, layer: type[nn.Module]) -> tuple[
         Tensor, Tensor, nn.Sequential, Tensor, list[Tensor | None], nn.Sequential]:
     """A batch, the model run on one device with its loss and gradients, and a fresh copy."""
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
-    one = _model(blocks, layer)
+    one = stacked(blocks, layer)
     loss, grads = reference(one, x, y, nn.MSELoss())
-    return x, y, one, loss, grads, _model(blocks, layer)
+    return x, y, one, loss, grads, stacked(blocks, layer)
 
 
+@pytest.mark.parametrize("layer", [Centred, ItemCentred])
 @settings(max_examples=16, deadline=None)
 @given(**grid())
 @example(stages=2, microbatches=2, schedule="1f1b")
 def test_a_forward_reading_back_what_it_kept_from_its_inputs(
-    stages: int, microbatches: int, schedule: str
+    layer: type[Centred], stages: int, microbatches: int, schedule: str
 ) -> None:
     chunks = chunks_for(schedule)
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
-    one = _model(stages * chunks, Centred)
+    one = stacked(stages * chunks, layer)
     loss, grads = reference(one, x, y, nn.MSELoss())
-    model = _model(stages * chunks, Centred)
+    model = stacked(stages * chunks, layer)
     with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
                   loss_fn=nn.MSELoss(), chunks=chunks) as pipe:
         if microbatches == 1:  # as one device, kept state included
@@ -91,7 +106,8 @@ def test_a_forward_reading_back_what_it_kept_from_its_inputs(
             expected = [m.ref for m in one.modules() if isinstance(m, Centred)]
             torch.testing.assert_close(refs, expected, rtol=1e-12, atol=1e-12)
             return
-        with pytest.raises(PipelineConfigError, match=r"reads Centred\.ref, .*next call"):
+        with pytest.raises(PipelineConfigError,
+                           match=rf"reads {layer.__name__}\.ref, .*next call"):
             pipe.train_step(x, y)
     # Refused before any work: nothing kept, no gradient.
     assert all(m.ref is None for m in model.modules() if isinstance(m, Centred))
@@ -121,11 +137,22 @@ class Reads(nn.Module):
         return self.lin(x) + self.source.cache["h"].mean(0)
 
 
+class ItemReads(Reads):
+    """Reads, reading a value in Python first."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        _finite(x)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("reader", [Reads, ItemReads])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_a_stage_reading_what_another_stage_kept_is_refused(schedule: str) -> None:
+def test_a_stage_reading_what_another_stage_kept_is_refused(
+    schedule: str, reader: type[Reads]
+) -> None:
     keeps = Keeps()
     model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), keeps,
-                          nn.Linear(4, 4, dtype=torch.float64), Reads(keeps))
+                          nn.Linear(4, 4, dtype=torch.float64), reader(keeps))
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     with Pipeline(model, stages=2, microbatches=3, schedule=schedule,
                   loss_fn=nn.MSELoss()) as pipe:
@@ -157,7 +184,7 @@ def test_tables_and_masks_kept_run_and_a_tensor_kept_holds_the_last_microbatch(
 
 
 def test_a_no_grad_forward_reading_back_what_it_kept_is_refused_too() -> None:
-    model = _model(2, Centred)
+    model = stacked(2, Centred)
     x = torch.randn(6, 4, dtype=torch.float64)
     with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe:
         with pytest.raises(PipelineConfigError, match=r"stage 0 .* reads Centred\.ref"):
@@ -165,7 +192,7 @@ def test_a_no_grad_forward_reading_back_what_it_kept_is_refused_too() -> None:
         assert all(m.ref is None for m in model.modules() if isinstance(m, Centred))
     with Pipeline(model, stages=2, microbatches=1, loss_fn=nn.MSELoss()) as pipe:
         out = pipe.forward(x)
-    torch.testing.assert_close(out, _model(2, Centred)(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, stacked(2, Centred)(x), rtol=1e-12, atol=1e-12)
 
 
 class Inspected(nn.Linear):

@@ -1,0 +1,108 @@
+"""Running stage forwards for a check on real tensors, leaving no trace of it.
+
+The kept-inputs check (:mod:`batchgraph.pipeline.kept_inputs`) runs the stages on meta
+tensors, where nothing is computed. A forward that reads a value in Python (``.item()``,
+``.tolist()``, ``if x.sum() > 0``) or makes a shape from values (``x[x > 0]``,
+``torch.nonzero``) cannot run there; the check then runs the stages on a real
+microbatch instead. What those runs would change is undone here:
+
+* :class:`WriteGuard`: a tensor of the modules' state (a parameter, a buffer, a plain
+  tensor attribute, in a container too) that an operation writes in place
+  (``self.total += x.sum(0)``, ``out=``, a view of it) is copied just before the first
+  write and copied back by :meth:`WriteGuard.undo`: no copy of the state up front;
+* :class:`Generators`: each run draws the same random numbers (a draw read in Python
+  then differs in no run), and the generators are as they were afterwards, so the step
+  draws what it would have without the check.
+
+The modules' Python attributes are put back by the check itself
+(:class:`batchgraph.python_state.SavedAttributes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from batchgraph.python_state import DEPTH, tensors_in
+
+__all__ = ["Generators", "WriteGuard"]
+
+
+def _storage(t: Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse or nested: no plain storage
+        return None
+
+
+class WriteGuard:
+    """Copies of the tensors of ``modules``' state taken just before a write (see the
+    module docstring); :meth:`undo` writes them back.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> guard, before = WriteGuard([lin]), lin.bias.detach().clone()
+        >>> with torch.no_grad():
+        ...     guard.before_write([lin.bias])
+        ...     _ = lin.bias.add_(1)
+        >>> guard.undo()
+        >>> torch.equal(lin.bias, before)
+        True
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._held: dict[int, list[Tensor]] = {}  # storage -> the state's tensors on it
+        for root in modules:
+            for m in root.modules():
+                found = [*m._parameters.values(), *m._buffers.values()]
+                found += [t for v in vars(m).values() for t in tensors_in(v, DEPTH)]
+                for t in found:
+                    if isinstance(t, Tensor) and (key := _storage(t)) is not None:
+                        held = self._held.setdefault(key, [])
+                        if not any(t is h for h in held):
+                            held.append(t)
+        self._copies: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+    def before_write(self, written: Sequence[Tensor]) -> None:
+        """Copy the state on the storage of ``written``, unless copied already."""
+        for t in written:
+            key = _storage(t)
+            if key is not None and key in self._held and key not in self._copies:
+                with torch.no_grad():
+                    self._copies[key] = [(h, h.detach().clone()) for h in self._held[key]]
+
+    def undo(self) -> None:
+        """Write the copies back: the state is as it was before the first write."""
+        with torch.no_grad():
+            for copies in self._copies.values():
+                for t, copy in copies:
+                    t.detach().copy_(copy)
+        self._copies.clear()
+
+
+class Generators:
+    """The CPU generator's state and those of ``devices``' CUDA generators: :meth:`reset`
+    sets them back to it (each run of a check draws the same numbers, and the step
+    after the check draws what it would have).
+
+    Example:
+        >>> gens = Generators([torch.device("cpu")])
+        >>> a = torch.rand(1)
+        >>> gens.reset()
+        >>> torch.equal(torch.rand(1), a)
+        True
+        >>> gens.reset()
+    """
+
+    def __init__(self, devices: Iterable[torch.device]) -> None:
+        self.cpu = torch.get_rng_state()
+        indices = {d.index if d.index is not None else torch.cuda.current_device()
+                   for d in devices if d.type == "cuda"}
+        self.cuda = {i: torch.cuda.get_rng_state(i) for i in sorted(indices)}
+
+    def reset(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for i, state in self.cuda.items():
+            torch.cuda.set_rng_state(state, i)
