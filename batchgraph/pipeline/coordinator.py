@@ -63,6 +63,7 @@ from batchgraph.pipeline.microbatch import (
     merge_microbatches,
     split_microbatches,
 )
+from batchgraph.pipeline.shared_modules import lock_shared
 from batchgraph.pipeline.stage import Stage
 from batchgraph.pipeline.stats import PipelineStats
 from batchgraph.pipeline.step_checks import (
@@ -157,6 +158,8 @@ class Coordinator:
         }
         for stage in self.stages:
             stage.split_backward = stage.index in split
+        # Stages on other threads sharing a module with state run one at a time.
+        lock_shared(self.stages, schedule.device_of)
         # Each device's thread runs its kernels with the caller's intra-op threads, and
         # on CUDA with its stages' GPU as its current device.
         where = {schedule.device_of(stage.index): stage.device for stage in self.stages}

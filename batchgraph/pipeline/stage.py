@@ -25,6 +25,7 @@ handles are kept by the communicator until the end of the step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from time import perf_counter
@@ -159,6 +160,9 @@ class Stage:
         # The input signatures its forward was checked for reading back what it kept of
         # its inputs (kept_inputs), where the runtime checks no whole pipeline: None, none.
         self.kept_checks: set[tuple[object, ...]] | None = None
+        # Held around each action where a stage on another thread shares a module that
+        # may keep state (see pipeline.shared_modules): None, none.
+        self.shared: threading.Lock | None = None
 
     def __repr__(self) -> str:
         return (
@@ -429,8 +433,13 @@ class Stage:
 
     def _context(self, kind: ActionKind, microbatch: int) -> AbstractContextManager[object]:
         """What an action runs in: a forward (and the loss, which the last stage's send
-        computes) in the caller's autocast, backwards follow autograd, outside it; and
-        when the stage draws random numbers, its own generator state (see pipeline.rng)."""
+        computes) in the caller's autocast, backwards follow autograd, outside it; when
+        the stage draws random numbers, its own generator state (see pipeline.rng); and
+        the lock of the stages sharing a module with state (taken first)."""
+        own = self._own_context(kind, microbatch)
+        return own if self.shared is None else _nested(self.shared, own)
+
+    def _own_context(self, kind: ActionKind, microbatch: int) -> AbstractContextManager[object]:
         forward = kind is ActionKind.FORWARD
         if not self.random.locked or not (forward or self.random.drew):
             if forward and self.autocast is not None:
