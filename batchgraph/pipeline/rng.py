@@ -24,6 +24,12 @@ every stage runs locked from then on.
 
 CUDA stages draw from their own device's generator, one thread per device, in schedule
 order: they are reproducible as they are and never locked.
+
+A stage whose forward runs another pipeline (a pipeline inside a pipeline) holds the
+lock while it waits for that pipeline's step, whose stages, on threads of their own,
+waited for the same lock: the step hung. A step planned in a thread holding a generator
+lock gives its stages a lock of their own (:func:`begin_step`): the holder waits for
+them, so they are alone with the generator but for each other.
 """
 
 from __future__ import annotations
@@ -38,8 +44,22 @@ from torch import Tensor, nn
 
 __all__ = ["StageRandom", "begin_step", "end_step", "microbatch_seed"]
 
-# The CPU generator is one per process, so is the lock, whichever pipeline runs.
+# The CPU generator is one per process, so is the lock, whichever pipeline runs (but
+# one inside a stage holding it: begin_step).
 _LOCK = threading.Lock()
+# The generator locks this thread holds (``locks``: a stage's action, innermost last).
+_HELD = threading.local()
+
+
+@contextmanager
+def _holding(lock: threading.Lock) -> Iterator[None]:
+    with lock:
+        held: list[threading.Lock] = _HELD.__dict__.setdefault("locks", [])
+        held.append(lock)
+        try:
+            yield
+        finally:
+            held.pop()
 _MASK = (1 << 64) - 1
 
 
@@ -91,6 +111,7 @@ class StageRandom:
         self._config: tuple[bool, ...] = ()
         self._seed = 0
         self._drew = False
+        self.lock = _LOCK  # another for a pipeline run by a locked stage (begin_step)
 
     def plan(self, module: nn.Module, train: bool) -> bool:
         """Whether this step's actions run locked (a CPU stage that may draw)."""
@@ -116,7 +137,7 @@ class StageRandom:
     def forward(self, microbatch: int) -> Iterator[None]:
         """A locked forward of ``microbatch`` on its own generator state."""
         generator = torch.default_generator
-        with _LOCK:
+        with _holding(self.lock):
             saved = generator.get_state()
             generator.manual_seed(microbatch_seed(self._seed, self.stage, microbatch))
             seeded = generator.get_state()
@@ -134,12 +155,27 @@ class StageRandom:
     @contextmanager
     def hold(self) -> Iterator[None]:
         """A locked backward: no new numbers, but it may set the state and restore it."""
-        with _LOCK:
+        with _holding(self.lock):
             yield
 
 
 def begin_step(stages: Sequence[StageRandom], modules: Sequence[nn.Module], train: bool) -> Tensor:
-    """Plan a step in the caller's thread; returns the generator state to check at its end."""
+    """Plan a step in the caller's thread; returns the generator state to check at its end.
+
+    Example:
+        >>> from batchgraph.pipeline import rng  # the module as imported (one lock)
+        >>> random, drop = rng.StageRandom(0, torch.device("cpu")), nn.Dropout()
+        >>> _ = rng.begin_step([random], [drop], train=True)
+        >>> outer = random.lock
+        >>> with random.forward(0):  # a stage's forward, running a pipeline
+        ...     _ = rng.begin_step([random], [drop], train=True)
+        ...     random.lock is not outer
+        True
+    """
+    held = _HELD.__dict__.get("locks")
+    lock = threading.Lock() if held else _LOCK
+    for r in stages:
+        r.lock = lock
     if any([r.plan(m, train) for r, m in zip(stages, modules)]):
         # One draw per step, in the caller's thread: a fixed seed fixes every stage's numbers.
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
