@@ -148,3 +148,26 @@ def step_per_microbatch(make: Callable[[int], nn.Module], state: Callable[[nn.Mo
     assert_grads_equal(model, grads)
     assert state(model) == state(kept)
     return model
+
+
+def refused_or_one_device(layer: Callable[[], nn.Module], stages: int, microbatches: int,
+                          schedule: str, match: str) -> None:
+    """A step of :func:`stacked` blocks of ``layer``: one device's with one microbatch,
+    else refused before any work (``PipelineConfigError`` matching ``match``, no
+    gradient)."""
+    import pytest
+
+    from batchgraph.pipeline import Pipeline, PipelineConfigError
+
+    if microbatches == 1:
+        step_per_microbatch(lambda blocks: stacked(blocks, layer), lambda m: None,
+                            stages, microbatches, schedule)
+        return
+    chunks = chunks_for(schedule)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    model = stacked(stages * chunks, layer)
+    with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks) as pipe, pytest.raises(
+            PipelineConfigError, match=match):
+        pipe.train_step(x, y)
+    assert all(p.grad is None for p in model.parameters())

@@ -21,7 +21,11 @@ such a tensor by another stage, or by the second run (a later microbatch). A ten
 made without reading the inputs' values (a rotary table per length, ``ones_like(x)``)
 is not marked: it is the same whatever the batch. A tensor kept and never read
 back (``self.last = out.detach()``, for inspection) holds the last microbatch's after
-a step: documented, not refused.
+a step: documented, not refused. A batch size kept (``if self.n is None: self.n =
+x.shape[0]``) is no marked value: the stages then run on an input one row longer after
+the first, and again on the state as it was, and the two runs' output operations must
+be alike but in their tensors' shapes (a mask kept of the first size and read as
+``mask[:1]`` is the same); a forward taking one size only skips these runs.
 
 A stage that cannot run on meta tensors (it reads a value in Python: ``.item()``,
 ``.tolist()``; it makes a shape from values: ``x[x > 0]``, ``torch.nonzero``) ended the
@@ -153,44 +157,80 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
     # Plain tensor attributes on meta first; where a forward cannot run so (it reads
     # one's values: float(self.scale)), as they are.
     for plain_on_meta in (True, False):
-        mode, ran, swapped = _check(modules, [sample, sample], plain_on_meta, None)
+        mode, ran, swapped = _check(modules, [sample, sample], plain_on_meta, None, False)
         _refuse(modules, mode, first, (1, 2) if ran else None)
         if ran:
+            # A microbatch of another size after the first, and again on the state as
+            # it was: a size kept (self.n = x.shape[0]) is microbatch 0's where one
+            # device's is the batch's. A forward taking no other size is not refused.
+            longer = _resized(sample)
+            mode, ran, _ = _check(modules, [sample, longer, longer], plain_on_meta, None,
+                                  False)
+            _refuse(modules, mode, first, (2, 3) if ran else None, shapes=False)
             return
         if not swapped:
             break
     # A forward that cannot run on meta (.item(), x[x > 0]) runs on real tensors: a
-    # microbatch, a later one after it, and that later one again on the state as it
-    # was (undone: real_runs), whose operations the second's must be.
-    runs = [sample, sample if later is None else later, sample if later is None else later]
-    mode, ran, _ = _check(modules, runs, False, devices)
-    _refuse(modules, mode, first, (2, 3) if ran else None)
+    # microbatch, a later one (one row longer, as above; as it is where it cannot run
+    # so) after it, and that later one again on the state as it was (undone:
+    # real_runs), whose operations the second's must be.
+    later = sample if later is None else later
+    for shapes in (False, True):
+        other = list(later) if shapes else [torch.cat([t, t[:1]]) if t.dim() else t
+                                            for t in later]
+        mode, ran, _ = _check(modules, [sample, other, other], False, devices, True)
+        _refuse(modules, mode, first, (2, 3) if ran else None, shapes)
+        if ran:
+            return
+
+
+def _resized(sample: Sequence[Tensor]) -> list[Tensor]:
+    """Meta inputs as ``sample``, one row longer along the batch dimension (dim 0)."""
+    return [torch.empty((t.shape[0] + 1, *t.shape[1:]) if t.dim() else (), dtype=t.dtype,
+                        device="meta") for t in sample]
 
 
 def _refuse(modules: Sequence[nn.Module], mode: _Marking, first: int,
-            compared: tuple[int, int] | None) -> None:
+            compared: tuple[int, int] | None, shapes: bool = True) -> None:
     """Raise where a run read what it should not, or the ``compared`` runs' operations
-    computing a stage's output differ."""
+    computing a stage's output differ (but in their tensors' shapes, unless ``shapes``:
+    a mask kept of the first size, read as mask[:1], is no other value)."""
     if mode.read is not None:
         raise _read_error(modules, mode, first)
     for k in range(len(modules)):
-        if compared is not None and mode.ops[compared[0], k] != mode.ops[compared[1], k]:
+        if compared is not None and _shown(mode.ops[compared[0], k], shapes) != _shown(
+                mode.ops[compared[1], k], shapes):
             raise _state_error(modules, k, first)
 
 
+def _shown(value: Any, shapes: bool) -> Any:
+    """``value`` (output_ops' operations), its tensors' shapes left out unless ``shapes``."""
+    if shapes:
+        return value
+    if isinstance(value, (tuple, list)):
+        if len(value) == 2 and isinstance(value[1], torch.dtype):  # a tensor: (shape, dtype)
+            return value[1]
+        return tuple(_shown(v, shapes) for v in value)
+    return value
+
+
 def _check(modules: Sequence[nn.Module], runs: Sequence[Sequence[Tensor]],
-           plain_on_meta: bool, devices: Sequence[torch.device] | None
+           plain_on_meta: bool, devices: Sequence[torch.device] | None, real: bool
            ) -> tuple[_Marking, bool, bool]:
-    """The runs (two on meta; three on real tensors, moved to ``devices``: see
-    real_runs): their mode, whether all ran, and whether any plain tensor attribute
-    was put on meta."""
-    real = len(runs) > 2
+    """The runs (on meta, or on real tensors moved to ``devices``: see real_runs; a
+    third on the state as it was before the first): their mode, whether all ran, and
+    whether any plain tensor attribute was put on meta."""
     saved = [[SavedAttributes(m, _SWAPPED) for m in root.modules()] for root in modules]
-    # One set of parameters and buffers per stage for all runs: a buffer the first run
-    # updates from its inputs in place is what the second run reads (real: the
-    # modules' own, the writes undone).
-    states = [{name: t if real else torch.empty_like(t, device="meta")
-               for name, t in [*m.named_parameters(), *m.named_buffers()]} for m in modules]
+
+    def fresh() -> list[dict[str, Tensor]]:
+        # One set of parameters and buffers per stage for the runs: a buffer the first
+        # run updates from its inputs in place is what the second run reads (real: the
+        # modules' own, the writes undone).
+        return [{name: t if real else torch.empty_like(t, device="meta")
+                 for name, t in [*m.named_parameters(), *m.named_buffers()]}
+                for m in modules]
+
+    states = fresh()
     mode = _Marking()
     generators = None
     ran = swapped = False
@@ -204,6 +244,11 @@ def _check(modules: Sequence[nn.Module], runs: Sequence[Sequence[Tensor]],
         for run, sample in enumerate(runs, 1):
             if run == 3:  # on the state as it was
                 _put_back(saved, mode)
+                # (the old ones held: a new one could take a kept one's id)
+                mode.alive += [t for state in states for t in state.values()]
+                states = fresh()
+                if swapped:
+                    any([_plain_tensors_on_meta(stage) for stage in saved])
             if generators is not None:
                 generators.reset()
             ran = ran and _run_marked(modules, sample, saved, states, mode, run, devices,
@@ -290,7 +335,8 @@ def _state_error(modules: Sequence[nn.Module], k: int, first: int) -> PipelineCo
     return PipelineConfigError(
         f"stage {first + k} ({type(modules[k]).__name__}) computes its output otherwise at "
         "its second call than at its first, from state its forward changed (a first-call "
-        "flag, self.n += 1 read by the output): a pipeline runs each stage once per "
+        "flag, self.n += 1 read by the output, a batch size kept: self.n = x.shape[0]): a "
+        "pipeline runs each stage once per "
         "microbatch, so microbatch 1 on reads what microbatch 0 left where one device's "
         "single call reads it as it was, and computes other outputs and gradients. Set "
         "it outside the forward (before the step), or use microbatches=1, which runs as "

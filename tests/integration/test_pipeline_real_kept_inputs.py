@@ -18,10 +18,9 @@ import torch
 from hypothesis import example, given, settings
 from torch import Tensor, nn
 
-from batchgraph.pipeline import Pipeline, PipelineConfigError
 from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from tests.integration.test_pipeline_kept_inputs import _finite
-from tests.pipeline_models import chunks_for, grid, stacked, step_per_microbatch
+from tests.pipeline_models import grid, refused_or_one_device, stacked, step_per_microbatch
 
 
 class ItemScaled(nn.Module):
@@ -82,19 +81,8 @@ class ItemTotals(ItemScaled):
 def test_a_forward_off_meta_computing_otherwise_later_is_refused(
     layer: type[nn.Module], stages: int, microbatches: int, schedule: str
 ) -> None:
-    if microbatches == 1:  # as one device
-        step_per_microbatch(lambda blocks: stacked(blocks, layer), lambda m: None,
-                            stages, microbatches, schedule)
-        return
-    chunks = chunks_for(schedule)
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
-    model = stacked(stages * chunks, layer)
-    with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
-                  loss_fn=nn.MSELoss(), chunks=chunks) as pipe, pytest.raises(
-            PipelineConfigError, match=r"stage 0 \(\w+\) computes its output otherwise "
-                                       r"at its second call"):
-        pipe.train_step(x, y)
-    assert all(p.grad is None for p in model.parameters())
+    refused_or_one_device(layer, stages, microbatches, schedule,
+                          r"stage 0 \(\w+\) computes its output otherwise at its second call")
 
 
 @settings(max_examples=12, deadline=None)
