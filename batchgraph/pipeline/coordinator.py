@@ -181,6 +181,7 @@ class Coordinator:
             for train in (True, False)
         }
         self._checked: set[tuple[object, ...]] = set()
+        self._checked_real = False  # the kept-inputs check ran on real tensors once
         self._events: list[TimelineEvent] = []
         self._stats = PipelineStats()
         self._closed = False
@@ -407,8 +408,9 @@ class Coordinator:
             modules = [s.module for s in self.stages]
             check_stages_fit(modules, sample)
             if len(mbs) > 1:  # one microbatch runs as one device: nothing to refuse
-                check_inputs_kept(modules, sample, later=mbs[1],
-                                  devices=[s.device for s in self.stages])
+                self._checked_real |= check_inputs_kept(
+                    modules, sample, later=mbs[1], devices=[s.device for s in self.stages],
+                    real=not self._checked_real)
             self._checked.add(signature)
 
     def _run(

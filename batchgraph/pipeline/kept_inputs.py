@@ -123,7 +123,8 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
                       first: int = 0, later: Sequence[Tensor] | None = None,
-                      devices: Sequence[torch.device] | None = None) -> None:
+                      devices: Sequence[torch.device] | None = None,
+                      real: bool = True) -> bool:
     """Refuse stage forwards that read back what a forward kept from its inputs (see
     the module's docstring), for a pipeline of several microbatches.
 
@@ -135,6 +136,12 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
             if not given).
         devices: each stage's device (the runs on real tensors move its inputs there;
             ``sample``'s if not given).
+        real: whether to run the stages on real tensors where they cannot run on meta
+            (a caller that ran them so for one input signature may skip it for others:
+            three forwards each).
+
+    Returns:
+        Whether the stages ran on real tensors.
 
     Raises:
         PipelineConfigError: naming the stage that read it, the attribute and what to
@@ -167,9 +174,11 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
             mode, ran, _ = _check(modules, [sample, longer, longer], plain_on_meta, None,
                                   False)
             _refuse(modules, mode, first, (2, 3) if ran else None, shapes=False)
-            return
+            return False
         if not swapped:
             break
+    if not real:
+        return False
     # A forward that cannot run on meta (.item(), x[x > 0]) runs on real tensors: a
     # microbatch, a later one (one row longer, as above; as it is where it cannot run
     # so) after it, and that later one again on the state as it was (undone:
@@ -181,7 +190,8 @@ def check_inputs_kept(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         mode, ran, _ = _check(modules, [sample, other, other], False, devices, True)
         _refuse(modules, mode, first, (2, 3) if ran else None, shapes)
         if ran:
-            return
+            break
+    return True
 
 
 def _resized(sample: Sequence[Tensor]) -> list[Tensor]:

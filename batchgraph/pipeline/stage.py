@@ -160,6 +160,7 @@ class Stage:
         # The input signatures its forward was checked for reading back what it kept of
         # its inputs (kept_inputs), where the runtime checks no whole pipeline: None, none.
         self.kept_checks: set[tuple[object, ...]] | None = None
+        self.kept_checked_real = False  # that check ran on real tensors once
         # Held around each action where a stage on another thread shares a module that
         # may keep state (see pipeline.shared_modules): None, none.
         self.shared: threading.Lock | None = None
@@ -456,8 +457,9 @@ class Stage:
         assert checked is not None
         signature = tuple(None if x is None else (x.shape, x.dtype) for x in xs)
         if signature not in checked and all(x is not None for x in xs):
-            check_inputs_kept([self.module], [x for x in xs if x is not None], self.index,
-                              devices=[self.device])
+            self.kept_checked_real |= check_inputs_kept(
+                [self.module], [x for x in xs if x is not None], self.index,
+                devices=[self.device], real=not self.kept_checked_real)
         checked.add(signature)
 
     @staticmethod

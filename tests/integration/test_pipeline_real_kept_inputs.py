@@ -18,6 +18,7 @@ import torch
 from hypothesis import example, given, settings
 from torch import Tensor, nn
 
+from batchgraph.pipeline import Pipeline
 from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from tests.integration.test_pipeline_kept_inputs import _finite
 from tests.pipeline_models import grid, refused_or_one_device, stacked, step_per_microbatch
@@ -122,3 +123,30 @@ def test_the_check_draws_alike_in_its_runs_and_leaves_the_generator() -> None:
     before = torch.get_rng_state()
     check_inputs_kept([model[:2], model[2:]], [x], later=later)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+_CALLS: list[int] = []  # rows of each call of Counted's forward, the check's too
+
+
+class Counted(ItemScaled):
+    """Notes its calls outside the module (nothing the check puts back)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        _CALLS.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_the_runs_on_real_tensors_are_made_for_one_input_signature() -> None:
+    # Three forwards per stage and signature would cost a step's worth of forwards for
+    # every new length; the check ran on real tensors once covers the pipeline.
+    model = stacked(1, Counted)
+    _CALLS.clear()
+    with Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss()) as pipe:
+        for rows in (6, 8, 6):
+            x, y = torch.randn(rows, 4, dtype=torch.float64), torch.randn(rows, 4,
+                                                                          dtype=torch.float64)
+            pipe.train_step(x, y)
+    # 6 rows: the shape probe's and the meta check's tries (3, 3: no value on meta),
+    # the real runs (3, then 4, one row longer, twice), the step (3, 3); 8 rows: the
+    # tries and the step, no real runs; 6 rows again: checked, the step.
+    assert _CALLS == [3, 3, 3, 4, 4, 3, 3, 4, 4, 4, 4, 3, 3]
