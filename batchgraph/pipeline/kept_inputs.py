@@ -56,6 +56,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from batchgraph.module_state import output_ops
 from batchgraph.pipeline.errors import PipelineConfigError
 from batchgraph.pipeline.real_runs import Generators, WriteGuard
+from batchgraph.pipeline.swapped_state import swapped_state
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
 
@@ -236,9 +237,7 @@ def _check(modules: Sequence[nn.Module], runs: Sequence[Sequence[Tensor]],
         # One set of parameters and buffers per stage for the runs: a buffer the first
         # run updates from its inputs in place is what the second run reads (real: the
         # modules' own, the writes undone).
-        return [{name: t if real else torch.empty_like(t, device="meta")
-                 for name, t in [*m.named_parameters(), *m.named_buffers()]}
-                for m in modules]
+        return [swapped_state(m, meta=not real) for m in modules]
 
     states = fresh()
     mode = _Marking()
@@ -316,7 +315,8 @@ def _run_marked(modules: Sequence[nn.Module], sample: Sequence[Tensor],
         try:
             with torch.no_grad(), saved_tensors_hooks_enabled(), mode:
                 result, mode.ops[run, k] = output_ops(
-                    functools.partial(functional_call, module, state, values),
+                    functools.partial(functional_call, module, state, values,
+                                      tie_weights=False),
                     list(module.modules()))
         except Exception:
             return False  # the real run reports it, with the stage named

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
+from batchgraph.pipeline.swapped_state import swapped_state
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 from batchgraph.python_state import SavedAttributes
 
@@ -268,16 +269,13 @@ def _python_state_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
 def _probe(modules: Sequence[nn.Module], sample: Sequence[Tensor]) -> None:
     values: tuple[Tensor | None, ...] = tuple(torch.empty_like(t, device="meta") for t in sample)
     for k, module in enumerate(modules):
-        state = {
-            name: torch.empty_like(t, device="meta")
-            for name, t in [*module.named_parameters(), *module.named_buffers()]
-        }
+        state = swapped_state(module)
         try:
             # No tensor is saved here, so the caller's disable_saved_tensors_hooks is
             # lifted: a layer that enters hooks of its own is refused by the real run,
             # with the stage named, not as a shape mismatch.
             with torch.no_grad(), saved_tensors_hooks_enabled():
-                result = functional_call(module, state, values)
+                result = functional_call(module, state, values, tie_weights=False)
         except StageMismatchError as exc:  # the stage's own words (a SequentialStage's)
             raise StageMismatchError(f"stage {k} ({type(module).__name__}): {exc}") from exc
         except Exception as exc:
