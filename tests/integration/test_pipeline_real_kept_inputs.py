@@ -18,7 +18,7 @@ import torch
 from hypothesis import example, given, settings
 from torch import Tensor, nn
 
-from batchgraph.pipeline import Pipeline
+from batchgraph.pipeline import Pipeline, PipelineConfigError
 from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from tests.integration.test_pipeline_kept_inputs import _finite
 from tests.pipeline_models import grid, refused_or_one_device, stacked, step_per_microbatch
@@ -150,3 +150,12 @@ def test_the_runs_on_real_tensors_are_made_for_one_input_signature() -> None:
     # the real runs (3, then 4, one row longer, twice), the step (3, 3); 8 rows: the
     # tries and the step, no real runs; 6 rows again: checked, the step.
     assert _CALLS == [3, 3, 3, 4, 4, 3, 3, 4, 4, 4, 4, 3, 3]
+
+
+def test_one_microbatch_is_enough_to_see_a_float_kept() -> None:
+    # What a torch.distributed rank checks at its first forward: no later microbatch.
+    # The later runs take it one row longer, so microbatch 0's float is another.
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(PipelineConfigError, match=r"computes its output otherwise"):
+        check_inputs_kept([stacked(1, ItemFloat)], [x])
+    assert check_inputs_kept([stacked(1, ItemScaled)], [x])  # ran on real tensors
