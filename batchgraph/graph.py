@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from batchgraph.attributes import Attributes
 from batchgraph.autocasting import AutocastState
 from batchgraph.eager_grad import eager_requires_grad
-from batchgraph.errors import ShapeMismatchError
+from batchgraph.equal_keys import check_stackable, statics_apart
 from batchgraph.handing_out import own_copy, reading
 from batchgraph.key_reads import NOT_READ, KeyReads, ModuleParts
 from batchgraph.keys import BatchKey, ConstantKey
@@ -239,10 +239,13 @@ class Graph(KeyReads):
         they never run as one call. ``attrs``: ``attributes_now(key.fn)``, where the
         caller read them already."""
         versions, submodes, buffers, hooks, attrs = self.reads_now(key.fn, attrs)
-        ident = (key, grad, autocast, training, versions, submodes, buffers, hooks, attrs)
+        # Static arguments a custom identity() leaves out still keep calls apart: a
+        # batch runs with one call's (batchgraph.equal_keys).
+        ident = (key, grad, autocast, training, versions, submodes, buffers, hooks, attrs,
+                 statics_apart(key))
         kid = self.key_ids.get(ident)
         if kid is not None and self.keys[kid] is not key:
-            _check_stackable(self.keys[kid], key)
+            check_stackable(self.keys[kid], key)
         if kid is None:
             kid = len(self.keys)
             self.keys.append(key)
@@ -432,35 +435,6 @@ class Graph(KeyReads):
             row = tree_map_only(torch.Tensor, torch.Tensor.detach, row)
         value: torch.Tensor = tree_map_only(torch.Tensor, own_copy, row)
         return value
-
-
-def _check_stackable(first: BatchKey, other: BatchKey) -> None:
-    """Refuse, where it is recorded, a call whose key equals ``first``'s (they would
-    run as one call) though its per-example inputs differ: a rule with
-    ``combine = "stack"`` gets each input as one tensor of shape ``(B, *spec)``, so
-    equal keys need equal input specs. Only a custom ``identity()`` that leaves them
-    out can do this (the default includes them); the gather would fail at compute
-    with torch.cat's "Sizes of tensors must match" or, for dtypes, promote silently.
-    """
-    here, there = other.call.input_specs, first.call.input_specs
-    if other.combine != "stack" or here == there:
-        return
-    if len(here) != len(there):
-        what = f"it has {len(here)} tensor inputs and the earlier call {len(there)}"
-    else:
-        i = next(i for i, (a, b) in enumerate(zip(here, there)) if a != b)
-        what = f"its input {i} is {_describe(here[i])} and the earlier call's {_describe(there[i])}"
-    raise ShapeMismatchError(
-        f"{other.label}: this call's key equals an earlier call's, so the two would run as "
-        f"one stacked call, but {what}. With combine = \"stack\", "
-        f"{type(other).__name__}.identity() must include the per-example input specs "
-        "(BatchKey.identity() does: return (super().identity(), ...) to add to it), or "
-        "set combine = \"list\" to receive each example's inputs as they are."
-    )
-
-
-def _describe(spec: TensorSpec | None) -> str:
-    return "of unknown structure" if spec is None else spec.describe()
 
 
 # Constants up to this many elements are merged by value; larger ones never.
