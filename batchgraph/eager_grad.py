@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import types
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -35,20 +34,12 @@ from torch.utils._pytree import tree_leaves
 
 from batchgraph.keys import BatchKey, ConstantKey
 from batchgraph.specs import CallSignature
+from batchgraph.torch_callables import torchs_own
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph
 
 __all__ = ["eager_requires_grad", "reads_grad"]
-
-# C functions and methods, which compute only from their arguments.
-_BUILTIN_TYPES = (
-    types.BuiltinFunctionType,
-    types.MethodDescriptorType,
-    types.WrapperDescriptorType,
-    types.MethodWrapperType,
-    types.ClassMethodDescriptorType,
-)
 
 # Per key (equal keys share it), across graphs: ``_hides_grad``. One fake run per key,
 # so not per batch; a tensor found so is taken to require grad for good.
@@ -155,14 +146,7 @@ def _hides_grad(key: BatchKey) -> bool:
 def _pure(fn: Any) -> bool:
     """Whether ``fn`` computes only from its arguments: C functions and methods, and
     torch's own Python functions (torch.nn.functional, Tensor.split...)."""
-    return isinstance(fn, _BUILTIN_TYPES) or _is_torch_function(fn)
-
-
-def _is_torch_function(fn: Any) -> bool:
-    if not isinstance(fn, types.FunctionType):
-        return False
-    module = fn.__module__ or ""
-    return module == "torch" or module.startswith("torch.")
+    return not isinstance(fn, torch.nn.Module) and torchs_own(fn)
 
 
 def _fake_run_requires_grad(fn: Any, call: CallSignature) -> bool:

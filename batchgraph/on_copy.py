@@ -23,11 +23,19 @@ from typing import Any
 
 import torch
 
+from batchgraph.buffers import buffers_kept
 from batchgraph.handle import ResultHandle
 from batchgraph.handle_operators import _rebind, _refuse_shared
+from batchgraph.inference import on_fake_tensors
+from batchgraph.module_state import state_kept
 from batchgraph.signatures import changes_input_in_place
+from batchgraph.specs import CallSignature, InputSlot
+from batchgraph.torch_callables import torchs_own
 
-__all__ = ["changes_handle_in_place", "in_place_of", "on_copy", "rebind_to_copy"]
+__all__ = [
+    "changes_handle_in_place", "changes_plain_tensor", "in_place_of", "on_copy", "rebind_to_copy",
+    "records_on_copy", "returns_changed_input",
+]
 
 
 def changes_handle_in_place(fn: Callable[..., Any], args: tuple[Any, ...],
@@ -36,6 +44,71 @@ def changes_handle_in_place(fn: Callable[..., Any], args: tuple[Any, ...],
     a handle (the calls this module records on a copy); ``out=`` calls are not."""
     return bool(args) and type(args[0]) is ResultHandle and changes_input_in_place(
         fn, args, kwargs)
+
+
+def records_on_copy(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    call: CallSignature) -> bool:
+    """Whether the call ``fn(*args, **kwargs)`` (signature ``call``) records on a copy
+    of its first argument, a handle: torch's own in-place calls, and a user's callable
+    named or flagged so that does change that argument and return it."""
+    if not changes_handle_in_place(fn, args, kwargs):
+        return False
+    if torchs_own(fn):
+        return True
+    from batchgraph.recording import not_recording  # it imports this module
+
+    with not_recording(), buffers_kept(fn):
+        return returns_changed_input(fn, call)
+
+
+def returns_changed_input(fn: Callable[..., Any], call: CallSignature) -> bool:
+    """Whether ``call`` changes its first argument in place and returns it, as torch's
+    in-place calls do, run once on fake tensors: what a user's callable named so
+    (``def clamp_(x): return x.clamp_(min=0)``) or flagged so (timm's
+    ``LayerScale(inplace=True)``) does, or not (``self.inplace`` kept for an activation
+    of an intermediate value; a ``masked_`` returning a new tensor). Where not, the
+    call records as any other: its result is its own, and a change it makes to an
+    input is refused (``inference._changes_its_input``).
+
+    Example:
+        >>> from batchgraph.specs import TensorSpec
+        >>> spec = TensorSpec((2,), torch.float32, torch.device("cpu"))
+        >>> call = CallSignature((InputSlot(0),), (), (spec,), (spec,))
+        >>> def clamp_(x):
+        ...     return x.clamp_(min=0)
+        >>> def masked_(x):
+        ...     return x.clamp(min=0)
+        >>> returns_changed_input(clamp_, call), returns_changed_input(masked_, call)
+        (True, False)
+    """
+    first = call.args[0] if call.args else None
+    if type(first) is not InputSlot or any(s is None for s in call.input_specs):
+        return False
+    try:
+        with state_kept(fn), on_fake_tensors():
+            fakes = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
+                     for s in call.input_specs if s is not None]
+            out = call.apply(fn, fakes)
+    except Exception:  # its run for the output spec reports what fails
+        return False
+    x = fakes[first.slot]
+    return out is x and not x.is_inference() and x._version > 0
+
+
+def changes_plain_tensor(name: str) -> TypeError:
+    """The error for a call of ``name``, found to change its first argument in place
+    where it got a handle (``returns_changed_input``), given a tensor of the caller's.
+
+    Example:
+        >>> str(changes_plain_tensor("clamp_")).split(":")[0]
+        'clamp_ changes its first argument in place'
+    """
+    return TypeError(
+        f"{name} changes its first argument in place: eagerly the change reaches the "
+        "tensor given and every name bound to it, which a recorded call cannot do. Give "
+        "it a copy (t.clone()) and use what it returns, or give it a handle, which then "
+        "stands for the changed value."
+    )
 
 
 def on_copy(fn: Callable[..., Any], name: str) -> Callable[..., torch.Tensor]:

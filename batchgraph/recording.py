@@ -37,7 +37,7 @@ from batchgraph.keys import UnbatchedKey, callable_name
 from batchgraph.lazy_modules import guard_lazy_reads, materialize_lazy
 from batchgraph.lifetimes import keep_signature
 from batchgraph.module_state import changed_count, kept_count
-from batchgraph.on_copy import changes_handle_in_place, on_copy, rebind_to_copy
+from batchgraph.on_copy import changes_plain_tensor, on_copy, rebind_to_copy, records_on_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.rules import choose_key
 from batchgraph.signatures import (
@@ -274,7 +274,8 @@ class CallSite:
             if entry.on_copy and type(args[0]) is not ResultHandle:
                 # Resolved for a handle changed in place (h.add_(g)); a tensor of the
                 # same spec (t.add_(g)) has its signature, but it may not change so.
-                raise cast(Exception, in_place_error(self._bg_fn, self._bg_name, args, kwargs))
+                raise (in_place_error(self._bg_fn, self._bg_name, args, kwargs)
+                       or changes_plain_tensor(self._bg_name))
             refs = tuple(inputs)
             if nested and not handed and (
                     entry.view if entry.view is not None else self._bg_note_view(entry)):
@@ -423,17 +424,17 @@ class CallSite:
         # on fake tensors, choose the key, and check that vmap can run it.
         policy.follow_default_dtype()  # the entry's token is of the default it is resolved in
         fn = self._bg_fn
-        if changes_handle_in_place(fn, args, kwargs):
+        specs: list[TensorSpec | None] = []
+        template_args = tuple(template_argument(a, specs) for a in args)
+        template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
+        call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
+        if records_on_copy(fn, args, kwargs, call):
             # Recorded on a copy, which the input handle then stands for.
             if self._bg_copying is None:
                 self._bg_copying = on_copy(fn, self._bg_name)
             fn = self._bg_copying
         elif (error := in_place_error(fn, self._bg_name, args, kwargs)) is not None:
             raise error
-        specs: list[TensorSpec | None] = []
-        template_args = tuple(template_argument(a, specs) for a in args)
-        template_kwargs = tuple((k, template_argument(v, specs)) for k, v in kwargs.items())
-        call = CallSignature(template_args, template_kwargs, tuple(specs), key_sig)
         if isinstance(fn, torch.nn.Module):
             with not_recording():
                 materialize_lazy(fn, call)

@@ -30,6 +30,7 @@ from batchgraph.errors import PolicyClosedError, PolicyMismatchError
 from batchgraph.graph import ROW_MASK, STORE_SHIFT, exact_number
 from batchgraph.handle import ResultHandle, snapshot, unchanged
 from batchgraph.specs import InputSlot, TensorSpec, intern_spec, make_map, make_seq
+from batchgraph.torch_callables import torchs_own
 
 if TYPE_CHECKING:
     from batchgraph.graph import Graph, Ref
@@ -183,6 +184,9 @@ def in_place_error(
     another order, so none of these can be recorded.
     """
     method = getattr(fn, "__name__", "")
+    # A user's callable named or flagged so may mean anything by it: what it changes
+    # is seen where it runs on fake tensors (inference._changes_its_input).
+    own = torchs_own(fn)
     if method == "__setitem__" and args and isinstance(args[0], torch.Tensor):
         # `t[h] = v` or `t[i] = h` on a tensor: recorded, it returned None, which nothing
         # computed, so `t` stayed as it was (silently, where eagerly it changes).
@@ -193,7 +197,7 @@ def in_place_error(
             "t = t.index_put((index,), value) (out of place), or compute the handle first "
             "(in a coroutine example: await bg.value(h))."
         )
-    if isinstance(method, str) and method.endswith("_") and not method.startswith("_"):
+    if own and isinstance(method, str) and method.endswith("_") and not method.startswith("_"):
         if args and isinstance(args[0], torch.Tensor):
             # A tensor changed in place with a recorded value: `t.add_(h)`, and `t += h`
             # (Tensor.__iadd__ calls add_). Not a TypeError: __iadd__ turns that into
@@ -223,7 +227,7 @@ def in_place_error(
             "never be written (eager code finds it filled). Use the returned value "
             f"instead: h = {short}(...) without out=."
         )
-    if _inplace_flag(fn, args, kwargs):
+    if own and _inplace_flag(fn, args, kwargs):
         return TypeError(
             f"{name} modifies its input in place, which cannot be recorded: the input "
             "handle stands for a value that other calls share, and batched calls run "
@@ -236,9 +240,10 @@ def in_place_error(
 def changes_input_in_place(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
-    """Whether ``fn`` changes its first argument in place (a method or function named
-    with a trailing underscore, ``inplace=True``, a module built with it), writing no
-    ``out=`` tensor."""
+    """Whether ``fn`` changes its first argument in place by its name or flag (a method
+    or function named with a trailing underscore, ``inplace=True``, a module built with
+    it), writing no ``out=`` tensor. For a callable not torch's own only a claim, which
+    ``on_copy.returns_changed_input`` checks."""
     method = getattr(fn, "__name__", "")
     if "out" in kwargs or method == "__setitem__":
         return False
