@@ -42,6 +42,7 @@ from batchgraph.handle_operators import set_item
 from batchgraph.keys import callable_name
 from batchgraph.lifetimes import trim_fake_cache
 from batchgraph.module_state import carries_state, state_kept
+from batchgraph.python_random import note_if_drawn, rng_states
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
@@ -198,8 +199,10 @@ def on_fake_tensors() -> Iterator[None]:
         torch.Size([3])
     """
     mode = fake_mode()
-    if not _QUIET.depth:
+    outermost = not _QUIET.depth
+    if outermost:
         begin_run(mode)
+        states = rng_states()  # a draw of Python's or NumPy's is one per batch
     _QUIET.depth += 1
     before = len(FakeTensorMode.cache)
     try:
@@ -207,9 +210,10 @@ def on_fake_tensors() -> Iterator[None]:
             yield
     finally:
         _QUIET.depth -= 1
-        if not _QUIET.depth:  # the outermost run: its entries, nested runs' included
+        if outermost:  # the outermost run: its entries, nested runs' included
             trim_fake_cache(before)
             end_run(mode)
+            note_if_drawn(states)
 
 
 def infer_spec(

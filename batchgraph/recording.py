@@ -39,6 +39,7 @@ from batchgraph.lifetimes import keep_signature
 from batchgraph.module_state import changed_count, kept_count
 from batchgraph.on_copy import changes_plain_tensor, on_copy, rebind_to_copy, records_on_copy
 from batchgraph.pinning import unpin_stubs
+from batchgraph.python_random import drawn_count
 from batchgraph.rules import choose_key
 from batchgraph.signatures import (
     encode_argument,
@@ -440,13 +441,16 @@ class CallSite:
                 materialize_lazy(fn, call)
         graph = policy.graph
         before, kept, changed = graph.attributes_now(fn), kept_count(), changed_count()
+        drew = drawn_count()
         with not_recording(), guard_lazy_reads(fn), buffers_kept(fn):
             spec, draws_random, kind = infer_spec(fn, callable_name(fn), call)
+        # Drawing from Python's random or NumPy's: each call its own (python_random).
+        draws_random = draws_random or drawn_count() != drew
         key = choose_key(fn, call, policy.rules)
         if key.batchable and spec is not None:
             with not_recording(), buffers_kept(fn):
                 batches = probe_vmap(key, spec)
-            if not batches or changed_count() != changed:
+            if not batches or changed_count() != changed or drawn_count() != drew:
                 # A total carried across calls in place (self.total += x): each call
                 # reads the one before it's, which no batched run gives.
                 key = UnbatchedKey(fn, call)
