@@ -270,7 +270,8 @@ def static_value(a: Any) -> Any:
     signature, a key or a merged node (and a float zero its sign: ``exact_number``).
     Lists and tuples become tagged tuples of the same (a list is otherwise
     unhashable, and its call could not be cached), a slice a tagged tuple of its
-    bounds (unhashable before Python 3.12); a NumPy array its dtype, shape and bytes.
+    bounds (unhashable before Python 3.12); a NumPy array its dtype, shape and bytes,
+    and a NumPy scalar its type, as a number does.
     """
     kind = type(a)
     if kind is float or kind is int or kind is bool or kind is complex:
@@ -281,8 +282,11 @@ def static_value(a: Any) -> Any:
         return (kind, tuple((static_value(k), static_value(v)) for k, v in a.items()))
     if kind is slice:  # unhashable before Python 3.12: each call would key on its own
         return (slice, static_value(a.start), static_value(a.stop), static_value(a.step))
-    if _is_ndarray(a):  # by value, as a list: held by reference, a change would reach it
-        return ("ndarray", a.dtype.str, a.shape, a.tobytes())
+    if kind.__module__ == "numpy":
+        if kind.__name__ == "ndarray":  # by value: held by reference, a change would reach it
+            return ("ndarray", a.dtype.str, a.shape, a.tobytes())
+        if getattr(a, "ndim", None) == 0:  # a NumPy scalar: np.float64(1.0) == np.int64(1)
+            return (kind, exact_number(a.item()))
     return a
 
 
