@@ -9,6 +9,7 @@ from batchgraph.attributes import Attributes
 from batchgraph.graph import RecordedGrad
 from batchgraph.hooks import Hooks
 from batchgraph.keys import BatchKey
+from batchgraph.result_kinds import ResultKind
 from batchgraph.rules import may_be_random
 from batchgraph.specs import OutSpec, TensorSpec
 
@@ -34,12 +35,12 @@ class Entry:
 
     def __init__(
         self, key: BatchKey, spec: OutSpec, rules_token: int, draws_random: bool,
-        kind: type | None = None,
+        kind: ResultKind = None,
     ) -> None:
         self.key = key
         self.spec = spec
-        # The eager result's sequence type when it is not a plain tuple (a list, a
-        # namedtuple, ``torch.return_types.max``): handles come back in that type.
+        # The eager result's sequence kinds where not plain tuples (a list, a
+        # namedtuple, ``torch.return_types.max``, at any depth): handles come back so.
         self.kind = kind
         # A call with several outputs returns a tuple of handles, as the eager call
         # returns a tuple of tensors: ``h, c = cell(...)`` is then a plain tuple

@@ -43,13 +43,13 @@ from batchgraph.keys import callable_name
 from batchgraph.lifetimes import trim_fake_cache
 from batchgraph.module_state import carries_state, state_kept
 from batchgraph.python_random import note_if_drawn, rng_states
+from batchgraph.result_kinds import ResultKind, result_kind
 from batchgraph.rules import RandomDraws
 from batchgraph.specs import (
     CallSignature,
     InputSlot,
     OutSpec,
     TensorSpec,
-    sequence_kind,
     spec_of,
     tuple_parts,
 )
@@ -218,10 +218,10 @@ def on_fake_tensors() -> Iterator[None]:
 
 def infer_spec(
     fn: Callable[..., Any], name: str, call: CallSignature
-) -> tuple[OutSpec, bool, type | None]:
+) -> tuple[OutSpec, bool, ResultKind]:
     """The call's output spec (None: unknowable before it runs), whether it
     draws random numbers (assumed when that cannot be told either), and the
-    result's sequence type (see ``sequence_kind``).
+    result's sequence kinds (see ``batchgraph.result_kinds``).
 
     Raises:
         ShapeMismatchError: the call does not accept these per-example inputs.
@@ -274,7 +274,7 @@ def infer_spec(
                 "dimension; check the shapes the per-example code passes to this call."
             ) from err
     try:
-        return spec_of(out), draws.seen, sequence_kind(out)
+        return spec_of(out), draws.seen, result_kind(out)
     except TypeError as err:
         if getattr(torch.Tensor, getattr(fn, "__name__", ""), None) is fn:
             # A tensor method called on a handle (h.is_contiguous(), h.stride()):

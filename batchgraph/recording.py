@@ -40,6 +40,7 @@ from batchgraph.module_state import changed_count, kept_count
 from batchgraph.on_copy import changes_plain_tensor, on_copy, rebind_to_copy, records_on_copy
 from batchgraph.pinning import unpin_stubs
 from batchgraph.python_random import drawn_count
+from batchgraph.result_kinds import ResultKind, rebuild_result
 from batchgraph.rules import choose_key
 from batchgraph.signatures import (
     encode_argument,
@@ -56,7 +57,6 @@ from batchgraph.specs import (
     TensorSpec,
     count_leaves,
     intern_spec,
-    rebuild_sequence,
 )
 from batchgraph.stale_entries import STALE, recheck
 from batchgraph.vmap_probe import probe_vmap
@@ -353,7 +353,7 @@ class CallSite:
         children = entry.children
         if children is None:
             out = handles_for(graph, node, 0, spec)
-            return out if entry.kind is None else rebuild_sequence(entry.kind, list(out))
+            return out if entry.kind is None else rebuild_result(entry.kind, out)
         if len(children) == 2:  # (h, c) and friends, without a comprehension frame
             h = _new_handle(ResultHandle)
             h._graph = graph
@@ -471,7 +471,7 @@ class CallSite:
         entry.on_copy = fn is not self._bg_fn
         return entry
 
-    def _bg_infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, type | None]:
+    def _bg_infer_spec(self, call: CallSignature) -> tuple[OutSpec, bool, ResultKind]:
         """See ``batchgraph.inference.infer_spec``."""
         return infer_spec(self._bg_fn, self._bg_name, call)
 

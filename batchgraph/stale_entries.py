@@ -111,7 +111,7 @@ def _spec_holds(site: CallSite, policy: BatchingPolicy, entry: Entry) -> bool:
     note_own_state(graph.watched_modules(fn), before, graph.attributes_now(fn))
     key = entry.key
     dedupe = key.deterministic and not draws_random and not may_be_random(key.fn)
-    return intern_spec(spec) is entry.spec and kind is entry.kind and dedupe == entry.dedupe
+    return intern_spec(spec) is entry.spec and kind == entry.kind and dedupe == entry.dedupe
 
 
 def switch_modes(
