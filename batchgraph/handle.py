@@ -11,6 +11,7 @@ per-example semantics. Reading its value needs ``compute`` first; branching on i
 
 from __future__ import annotations
 
+import copy
 import dis
 import operator
 import sys
@@ -346,13 +347,22 @@ class ResultHandle(TensorOperators):
     def retain_grad(self) -> None:
         raise _on_values_only(self, "retain_grad()")
 
-    # A handle stands for a value of one live graph, and never changes (in-place calls
-    # are refused): a copy is the handle itself. Pickling would need the graph.
+    # A shallow copy of a tensor shares its memory, as the handle itself does (an
+    # in-place call on it, h += g, rebinds the handle). Pickling would need the graph.
     def __copy__(self) -> ResultHandle:
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> ResultHandle:
-        return self
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Eagerly a new tensor of equal value, which an in-place change of either does
+        not reach (a beam's hypotheses copied, then one changed): a new handle of the
+        value (in-place calls rebind the handle they change), or, where the value is at
+        hand (handed out, or the tensor given to ``batched_value``), a deep copy of it."""
+        if self._out is not None:
+            return copy.deepcopy(self._out[0], memo)
+        twin = object.__new__(ResultHandle)
+        twin._graph, twin._gen, twin._out = self._graph, self._gen, None  # keeps its value
+        twin.node, twin.leaf, twin.spec = self.node, self.leaf, self.spec
+        return twin
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
