@@ -28,6 +28,7 @@ from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, propert
 from batchgraph.errors import ConstantChangedError, NotComputedError
 from batchgraph.handed_views import note_handed
 from batchgraph.handle_operators import TensorOperators
+from batchgraph.spec_answers import answer_from_specs
 from batchgraph.specs import OutSpec, TensorSpec
 
 if TYPE_CHECKING:
@@ -387,6 +388,9 @@ class ResultHandle(TensorOperators):
     ) -> Any:
         if func in _PYTHON_VALUED:
             raise _not_known(f"{getattr(func, '__name__', func)}(...) of a handle")
+        answer = answer_from_specs(func)  # torch.numel(h): known while recording
+        if answer is not None:
+            return answer(*args, **(kwargs or {}))
         if func in _DIFFERENTIATIONS:
             raise _not_differentiable(func)
         return _record(func, tuple(args), kwargs or {})
