@@ -25,7 +25,9 @@ compared with the second's: a first-call flag (``x * (2 if self.seen else 1)``) 
 count read until it stops changing (``min(self.step, 2)``) computes the second
 otherwise, where a cache filled by the first is only read by both. A buffer changed
 in place (skipped on fake tensors) and read by the output (``self.step.add_(1); return
-x + self.step``, ``spectral_norm``'s power iteration in training) carries state too.
+x + self.step``, ``spectral_norm``'s power iteration in training) carries state too,
+and so does a number set anew at each call and read by control flow alone (``if
+self.n > 2:``) or set from the input's shape (``number_reads``).
 
 Looked into (``python_state.SavedAttributes``, which the pipeline's probe and rerun
 save and put back too): the modules' attributes, the lists, deques, dicts, sets and
@@ -54,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from batchgraph.attributes import MODULE_OWN, note_own_names
 from batchgraph.buffers import buffers_of_kept
 from batchgraph.fake_mode import watching_changes
+from batchgraph.number_reads import numbers_carried, sets_attributes
 from batchgraph.python_state import PLAIN, SavedAttributes, tensors_in
 
 __all__ = ["Kept", "carries_state", "changed_count", "kept_count", "output_ops", "state_kept"]
@@ -174,6 +177,15 @@ def carries_state(kept: Kept, run: Callable[[], object]) -> bool:
     """
     modules = [attrs.module for attrs in kept.saved]
     if _reads_buffer_changed(kept, run, modules):
+        return True
+    # A number set anew at each call and read by control flow alone (if self.n > 2:)
+    # makes the same operations, or one set from the input's shape (self.n =
+    # x.shape[0], read by the next call) the same value, at a run of one length.
+    if (any(attrs.changed() for attrs in kept.saved) or sets_attributes(modules)) and (
+            carried := numbers_carried(run, modules)):
+        kept.names.extend(name for name in carried if name not in kept.names)
+        _kept[0] += 1
+        _changed[0] += 1
         return True
     if not any(attrs.changed() for attrs in kept.saved):
         return False

@@ -303,19 +303,26 @@ def check_as_eagerly(entry: str, pattern: type[nn.Module], lengths: list[int], s
             run_entry(model, entry, xs, batched=True)
         return
     for round_ in range(2):  # the second round starts from what the first left
-        want = run_entry(eager, entry, xs, batched=False)
-        got = run_entry(model, entry, xs, batched=True)
-        for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g, w)
-        torch.autograd.backward([w.sum() for w in want])
-        torch.autograd.backward([g.sum() for g in got])
-        for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
-            assert b.grad is not None and a.grad is not None
-            torch.testing.assert_close(b.grad, a.grad, msg=f"{name}, round {round_}")
-        assert_like(state_of(model.inner), state_of(eager.inner), f"round {round_}")
+        runs_alike(model, eager, entry, xs, f"round {round_}")
     # and a later eager call computes with it as eagerly
     x = torch.randn(lengths[0], 4, dtype=torch.float64)
     torch.testing.assert_close(model.inner(x), eager.inner(x))
+
+
+def runs_alike(model: Holder, eager: Holder, entry: str, xs: list[torch.Tensor],
+               where: str) -> None:
+    """``xs`` through ``entry`` of ``model`` batched and of ``eager`` eagerly: the same
+    values, gradients and state left in ``inner``."""
+    want = run_entry(eager, entry, xs, batched=False)
+    got = run_entry(model, entry, xs, batched=True)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w)
+    torch.autograd.backward([w.sum() for w in want])
+    torch.autograd.backward([g.sum() for g in got])
+    for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert b.grad is not None and a.grad is not None
+        torch.testing.assert_close(b.grad, a.grad, msg=f"{name}, {where}")
+    assert_like(state_of(model.inner), state_of(eager.inner), where)
 
 
 def test_the_shapes_only_cache_still_batches() -> None:

@@ -1,0 +1,145 @@
+"""A forward keeping a plain number it sets again at every call: a count read only
+by Python's control flow, a number taken from the input's shape.
+
+Before: a count read only by control flow (``self.n += 1; if self.n > 2: return
+lin(x) * 2``) makes the same operations at every call once its branch settles, so
+its calls batched and the count counted batched calls, not examples (eagerly 4 after
+4 calls, batched 2), and a ``bg.batched_func`` reading the module, resolved anew at
+each batch, batched where the module's own call ran in order. A number taken from
+the input's shape and read by the next call (``out = lin(x) * self.n; self.n =
+x.shape[0]``) was set to the value it had by a run of one length, so the calls of
+that length batched and ran before a longer call recorded ahead of them (outputs
+off, silently). Now both run one at a time in recorded order (``number_reads``);
+a count nothing reads and the modules' settings still batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import batchgraph as bg
+from tests.unit.test_forward_caches import (
+    Holder,
+    Keeping,
+    as_eagerly_test,
+    assert_like,
+    runs_alike,
+    state_of,
+)
+
+
+class BranchCount(Keeping):
+    """A count read by control flow alone: calls 3.. take the other branch."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"n": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        if self.n > 2:
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+class EveryOther(Keeping):
+    """A float count whose parity (through arithmetic) picks the branch."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"t": 0.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.t = self.t + 0.5
+        return self.lin(x) - 1 if (self.t * 2) % 2 else self.lin(x)
+
+
+class LastLength(Keeping):
+    """The length of the call before, read by the output."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"n": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * self.n
+        self.n = x.shape[0]
+        return out
+
+
+class Length(Keeping):
+    """The call's own length kept (the module holds the last call's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n = x.size(0)
+        return self.lin(x) * self.n
+
+
+PATTERNS: list[type[nn.Module]] = [BranchCount, EveryOther, LastLength, Length]
+
+test_a_number_set_at_every_call_and_read_computes_as_eagerly = as_eagerly_test(
+    PATTERNS, tuple(PATTERNS))
+
+
+@pytest.mark.parametrize("entry", ["stub", "method", "function"])
+@settings(max_examples=4, deadline=None)
+@given(before=st.integers(0, 4), lengths=st.lists(st.integers(1, 3), min_size=1, max_size=5))
+def test_a_count_read_by_control_flow_counts_every_call_once_its_branch_settled(
+        entry: str, before: int, lengths: list[int]) -> None:
+    # ``before`` eager calls first: from 2 on, every run takes the branch calls 3.. take
+    torch.manual_seed(0)
+    eager = Holder(BranchCount())
+    for _ in range(before):
+        eager.inner(torch.randn(2, 4))
+    model = copy.deepcopy(eager)
+    runs_alike(model, eager, entry, [torch.randn(n, 4) for n in lengths], "state")
+    assert model.inner.n == eager.inner.n == before + len(lengths)
+
+
+class Layers(nn.Module):
+    """Torch's usual layers under a module of the user's holding number settings and a
+    count nothing reads: its calls batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.width, self.scale, self.calls = 8, 0.5, 0
+        self.embed = nn.Embedding(10, 8)
+        self.lin = nn.Linear(8, 8)
+        self.cell = nn.GRUCell(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.bn = nn.BatchNorm1d(8).eval()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.norm(self.lin(self.embed(tokens))) * self.scale
+        h = self.cell(x, torch.zeros(tokens.shape[0], self.width))
+        return self.layer(self.bn(h)[None])[0]
+
+
+def test_usual_layers_under_a_module_with_number_settings_still_batch() -> None:
+    torch.manual_seed(0)
+    model = Holder(Layers())
+    xs = [torch.randint(0, 10, (3,)) for _ in range(6)]
+    want = [model.stub(x) for x in xs]
+    with bg.BatchingPolicy() as policy:
+        handles = [model.stub(x) for x in xs]
+    for g, w in zip(bg.compute(handles), want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert policy.stats is not None and policy.stats.unbatched_callables == ()
+    assert policy.stats.launches <= 3
+
+
+def test_numbers_carried_leaves_the_attributes_as_they_were() -> None:
+    from batchgraph.number_reads import numbers_carried
+
+    module = Length()
+    module.n, module.calls = 5, 1
+    before = copy.deepcopy(state_of(module))
+    assert numbers_carried(lambda: module(torch.ones(2, 4)), [module]) == ["Length.n"]
+    assert_like(state_of(module), before, "state")
+    assert type(module.n) is int and type(module.calls) is int
