@@ -82,6 +82,7 @@ _NUMPY, _ARRAY = torch.Tensor.numpy, torch.Tensor.__array__
 # fault) and ``map_``/``map2_`` fail with "not supported for tensor subclasses",
 # which read as a shape error. Value-dependent Python, as ``item()`` is.
 _PER_ELEMENT_PYTHON = frozenset({torch.Tensor.apply_, torch.Tensor.map_, torch.Tensor.map2_})
+_DATA = vars(torch._C.TensorBase)["data"]  # its getter is the call a mode sees
 
 
 # Python's in-place operators on tensors, besides the methods whose names end in "_".
@@ -113,28 +114,64 @@ class _FakeRunGuard(TorchFunctionMode):
       a fake copy, leaving the values, but moved the counter: a new signature's
       inference then read as an in-place change of the module's parameters
       (``ParameterChangedError`` at compute) and could fail an earlier backward.
+    * An in-place change through a view of a real tensor (``self.buf[:n].copy_(x)``,
+      ``self.buf[0].add_(1)``, ``self.buf.data[0] = ...``) is noted as a change of that
+      tensor: the view is a fake (or, for ``.data``, a real alias), whose change alone
+      was seen as none, so a buffer written so and read back batched (silently).
     """
 
     def __init__(self, mode: FakeTensorMode) -> None:
         super().__init__()
         self.mode = mode
+        # Fake views of real tensors, by their storage, and real aliases (.data), by
+        # id: the real tensor they view (the views held, so the keys stay theirs).
+        self.viewed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _real(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The real tensor that ``t``, a real alias or a fake view of it, changes."""
+        key = t.untyped_storage()._cdata if isinstance(t, FakeTensor) else id(t)
+        found = self.viewed.get(key)
+        return None if found is None else found[1]
+
+    def _real_of(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a real tensor, or the one it is an alias of (``.data``)."""
+        real = self._real(t)
+        return t if real is None else real
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        in_place = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
         if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], FakeTensor):
             if func is _NUMPY or func is _ARRAY:
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            name = getattr(func, "__name__", "")
-            if name in _IN_PLACE_DUNDERS:
-                changed_in_place(args[0])  # state kept? see module_state
-                return None if name == "__setitem__" else args[0]
-            if name.endswith("_") and not name.endswith("__"):
-                changed_in_place(args[0])
+            if in_place:
+                changed_in_place(self._real_of(args[0]))  # state kept? see module_state
+                if name == "__setitem__":
+                    return None
                 return args[0]  # an in-place method returns the tensor it changed
-        elif (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
+            out = self._run(func, args, kwargs)
+            if isinstance(out, torch.Tensor) and (
+                    getattr(func, "__self__", None) is _DATA or (
+                        isinstance(out, FakeTensor) and out._is_view())):
+                key = out.untyped_storage()._cdata if isinstance(out, FakeTensor) else id(out)
+                self.viewed[key] = (out, self._real_of(args[0]))
+            return out
+        if (func is _NUMPY or func is _ARRAY) and args and isinstance(args[0], FakeTensor):
             raise _HostRead(f"{func.__name__}() of a value only known when the call runs")
+        if self.viewed:
+            target = args[0] if in_place and args else kwargs.get("out")
+            real = self._real(target) if isinstance(target, FakeTensor) else None
+            if real is not None:
+                changed_in_place(real)
+                # (the fake of a real tensor moves the real one's version counter)
+                with _unsafe_preserve_version_counter((real,)):
+                    return self._run(func, args, kwargs)
+        return self._run(func, args, kwargs)
+
+    def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _PER_ELEMENT_PYTHON and any(
             isinstance(a, FakeTensor) for a in (*args, *kwargs.values())
         ):
