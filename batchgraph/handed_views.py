@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from batchgraph.aliasing import makes_view
 from batchgraph.graph import INFERENCE, ROW_MASK, STORE_SHIFT
+from batchgraph.handed_changes import keep_only
 from batchgraph.handing_out import reading
 
 if TYPE_CHECKING:
@@ -379,13 +380,7 @@ def _forget_settled(graph: Graph) -> None:
     if first >= graph.handed_mark:
         table.clear()
     elif len(table) >= 2 * graph.handed_kept:
-        for ref in list(table):
-            outs = [o for o in table[ref] if o[2] > first and o[0]() is not None]
-            if outs:
-                table[ref] = outs
-            else:
-                del table[ref]
-        graph.handed_kept = max(len(table), 64)
+        graph.handed_kept = keep_only(table, lambda o: o[2] > first and o[0]() is not None)
 
 
 def _label(graph: Graph, node: int) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from batchgraph import handle_operators
+from batchgraph import handed_changes, handle_operators
 from batchgraph.aliasing import unmerge_viewed
 from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
 from batchgraph.errors import ConstantChangedError, NotComputedError
@@ -289,6 +289,7 @@ class ResultHandle(TensorOperators):
             if type(spec) is TensorSpec or spec is None:
                 # Inference tensors keep no version: they count as changed (None).
                 self._out = (value, None if value.is_inference() else value._version)
+                handed_changes.note(self._graph, self.node, self.leaf, value, self._out[1])
                 if self._graph.first_uncomputed < len(self._graph.node_key):  # calls pending
                     note_handed(self._graph, self.node, self.leaf, value, self._out[1])
         elif spec is None:  # a structure known only once computed

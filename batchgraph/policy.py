@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from batchgraph import gcpause, handed_views
+from batchgraph import gcpause, handed_changes, handed_views
 from batchgraph.aliasing import check_changed, unmerge_viewed
 from batchgraph.eager_grad import eager_requires_grad, reads_grad
 from batchgraph.errors import PolicyMismatchError
@@ -239,6 +239,7 @@ class BatchingPolicy:
         live = prune(graph, [h.node for h in handles])
         # Views recorded before the value they view was handed out: see handed_views.
         stale = handed_views.check(graph, live.nodes)
+        handed_changes.check(graph, live)  # handed out, then changed through .data
         schedule = build_schedule(graph, live, self.scheduler)
         scheduled = time.perf_counter()
         example_of = (
@@ -432,6 +433,7 @@ def _row_views(graph: Graph, handles: list[ResultHandle]) -> dict[tuple[int, int
                 kid = graph.node_key[node]
                 check = not (graph.key_grad.get(kid) is True and reads_grad(graph, kid))
             views[(store, leaf)] = (rows, None if first.is_inference() else first._version, check)
+            handed_changes.note_rows(graph, store, leaf, rows, views[(store, leaf)][1])
     return views
 
 
