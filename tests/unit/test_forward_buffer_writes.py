@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tests.unit.test_forward_caches import ENTRIES, Keeping, check_as_eagerly
+from tests.unit.test_forward_number_reads import plain_and_coroutine_calls_as_eagerly
 
 Write = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -74,3 +75,11 @@ def test_the_runs_on_fake_tensors_leave_the_buffers_version_as_it_was() -> None:
         changed = list(kept.changed)  # the real tensors whose changes the run skipped
     assert module.buf._version == 0 and not module.buf.any()
     assert [t is module.buf for t in changed] == [True]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("buffer", [True, False], ids=["buffer", "plain"])
+@pytest.mark.parametrize("write", ["row add_ of a constant", "slice copy_", "data setitem"])
+def test_a_grandchild_writing_through_a_view_called_on_handles_and_in_coroutines(
+        write: str, buffer: bool, groups: int) -> None:
+    plain_and_coroutine_calls_as_eagerly(_module(WRITES[write], buffer), groups)

@@ -16,6 +16,8 @@ a count nothing reads and the modules' settings still batch.
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -143,3 +145,47 @@ def test_numbers_carried_leaves_the_attributes_as_they_were() -> None:
     assert numbers_carried(lambda: module(torch.ones(2, 4)), [module]) == ["Length.n"]
     assert_like(state_of(module), before, "state")
     assert type(module.n) is int and type(module.calls) is int
+
+
+# Recording refuses a forward that writes a handle into a tensor in place (copy_, t[i] =).
+WRITES_A_HANDLE = "recorded value is not known until computed|in place with a recorded value"
+
+
+def plain_and_coroutine_calls_as_eagerly(make: Callable[[], nn.Module], groups: int) -> None:
+    """``make()``'s module as a grandchild (``nn.Sequential``), called on handles in a
+    policy and by ``run_all`` examples calling it once each (in ``groups``): the same
+    values and state left as eagerly, or a clear error (examples interleaved: the
+    ordering error; a handle written into a tensor: ``WRITES_A_HANDLE``)."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Identity(), make()).double()
+    model, twin, eager_twin = (copy.deepcopy(eager) for _ in range(3))
+    xs = [torch.randn(n, 4, dtype=torch.float64) for n in [1, 2, 3, 2]]
+
+    async def once(x: torch.Tensor) -> Any:
+        return await bg.value(twin(bg.batched_value(x)))
+
+    def plain() -> list[torch.Tensor]:
+        with bg.BatchingPolicy():
+            handles = [model(bg.batched_value(x)) for x in xs]
+        return list(bg.compute(handles))
+
+    runs = [(plain, model, eager),
+            (lambda: bg.run_all([once(x) for x in xs], groups=groups), twin, eager_twin)]
+    for run, batched, reference in runs:
+        want = [reference(x) for x in xs]
+        try:
+            got = run()
+        except (bg.CoroutineExampleError, RuntimeError) as err:
+            assert re.search(WRITES_A_HANDLE, str(err)) or (
+                groups > 1 and "keeps state of its own" in str(err)), err
+            continue
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+        assert_like(state_of(batched[1]), state_of(reference[1]), "state")
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
+def test_a_grandchild_setting_numbers_called_on_handles_and_in_coroutines(
+        pattern: type[nn.Module], groups: int) -> None:
+    plain_and_coroutine_calls_as_eagerly(pattern, groups)
