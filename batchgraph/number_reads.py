@@ -231,8 +231,13 @@ def numbers_carried(run: Callable[[], object], modules: list[torch.nn.Module]) -
                 attrs[name] = _watch(value, frozenset({(i, name)}), noted)
                 watched.append((m, name, attrs[name]))
     try:
-        with _Reads(noted):
-            run()
+        try:
+            with _Reads(noted):
+                run()
+        except Exception:
+            # A forward that cannot take the watching numbers (type(n) is int
+            # checked, a C function wanting an exact int): as before, left to batch.
+            return []
         found = []
         for i, (m, attrs_before) in enumerate(zip(own, saved)):
             now = vars(m)

@@ -189,3 +189,27 @@ def plain_and_coroutine_calls_as_eagerly(make: Callable[[], nn.Module], groups: 
 def test_a_grandchild_setting_numbers_called_on_handles_and_in_coroutines(
         pattern: type[nn.Module], groups: int) -> None:
     plain_and_coroutine_calls_as_eagerly(pattern, groups)
+
+
+class ExactInt(Keeping):
+    """A forward checking its setting is an exact int (the watching numbers are not)."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"width": 4, "calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.width) is not int:
+            raise TypeError("width must be an int")
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_forward_refusing_the_watching_numbers_still_records_and_batches() -> None:
+    model = Holder(ExactInt())
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    want = [model.stub(x) for x in xs]
+    with bg.BatchingPolicy() as policy:
+        handles = [model.stub(x) for x in xs]
+    for g, w in zip(bg.compute(handles), want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert policy.stats is not None and policy.stats.launches < len(xs)
