@@ -36,6 +36,10 @@ WRITES: dict[str, Write] = {
     "out= a row": lambda buf, x: torch.mul(x.detach().sum(0), 2, out=buf[1]),
     "data setitem": lambda buf, x: buf.data.__setitem__(0, x.detach().sum(0)),
     "data row add_": lambda buf, x: buf.data[2].add_(1),
+    # directly (seen on 2fcebeb already)
+    "index_copy_": lambda buf, x: buf.index_copy_(0, torch.arange(x.shape[0]), x.detach()),
+    "masked_fill_": lambda buf, x: buf.masked_fill_(x.detach()[0] > 0, 1.0),
+    "row setitem": lambda buf, x: buf.__setitem__(1, x.detach().sum(0)),
 }
 
 
