@@ -22,10 +22,10 @@ order they were recorded. A count nothing reads (``self.calls += 1``), settings 
 but never set, and a cache bound once (``if n > self.cached_len: self.cached_len =
 n``, set by an earlier run already) are left to batch.
 
-Looked into: the modules' own attributes (not numbers in lists, dicts or objects they
-hold). The run costs as much as the one that learnt the call's output, so it is made
-only where some module's class is the user's and sets attributes in a method other
-than ``__init__`` (``sets_attributes``, its bytecode read once per class), or the
+Looked into: the modules' own attributes and the items of the dicts and lists among
+them (``self.state["n"]``; not deeper, nor objects they hold). The run costs as much as the one that learnt the call's output, so it is made
+only where some module's class is the user's and sets attributes (or items) in a
+method other than ``__init__`` (``sets_attributes``, its bytecode read once per class), or the
 first run changed an attribute: torch's own modules keep no such state.
 """
 
@@ -166,8 +166,8 @@ _SETTING = frozenset({"setattr", "__setattr__", "__dict__", "register_buffer"})
 
 def sets_attributes(modules: Iterable[torch.nn.Module]) -> bool:
     """Whether one of ``modules`` is of a class of the user's (not torch's) with a
-    method, other than ``__init__``, that sets an attribute (``self.n = ...``,
-    ``self.n += 1``, ``setattr``).
+    method, other than ``__init__``, that sets an attribute or an item (``self.n =
+    ...``, ``self.n += 1``, ``setattr``, ``self.state["n"] += 1``).
 
     Example:
         >>> class Counting(torch.nn.Linear):
@@ -195,9 +195,46 @@ def sets_attributes(modules: Iterable[torch.nn.Module]) -> bool:
 
 def _stores(code: types.CodeType) -> bool:
     if _SETTING.intersection(code.co_names) or any(
-            i.opname in ("STORE_ATTR", "DELETE_ATTR") for i in dis.get_instructions(code)):
+            i.opname in ("STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR") for i in dis.get_instructions(code)):
         return True
     return any(_stores(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+# Where a number is kept: its container (the module's __dict__, a dict or list in it)
+# and key, the watching number put there, and its label (Class.attribute[key]).
+_Slot = tuple[Any, Any, Any, str]
+
+
+def _watch_numbers(module: torch.nn.Module, noted: set[Tag]) -> list[_Slot]:
+    """Put watching numbers in place of ``module``'s plain numbers: its attributes,
+    and the items of the dicts and lists among them (``self.state["n"]``)."""
+    slots: list[_Slot] = []
+    prefix = type(module).__name__
+    attrs = vars(module)
+    places: list[tuple[Any, Any, str]] = []
+    for name, value in attrs.items():
+        if name in MODULE_OWN:
+            continue
+        places.append((attrs, name, f"{prefix}.{name}"))
+        if type(value) is dict:
+            places += [(value, k, f"{prefix}.{name}[{k!r}]") for k in value]
+        elif type(value) is list:
+            places += [(value, i, f"{prefix}.{name}[{i}]") for i in range(len(value))]
+    for holder, key, label in places:
+        if type(holder[key]) in (int, float):
+            holder[key] = _watch(holder[key], frozenset({label}), noted)
+            slots.append((holder, key, holder[key], label))
+    return slots
+
+
+def _item(holder: Any, key: Any) -> Any:
+    if isinstance(holder, dict):
+        return holder.get(key)
+    return holder[key] if key < len(holder) else None
+
+
+def _from_input(value: Any) -> bool:
+    return isinstance(value, _Watched) and _INPUT in value._tags
 
 
 def numbers_carried(run: Callable[[], object], modules: list[torch.nn.Module]) -> list[str]:
@@ -223,13 +260,7 @@ def numbers_carried(run: Callable[[], object], modules: list[torch.nn.Module]) -
         return []
     saved = [SavedAttributes(m, MODULE_OWN) for m in own]
     noted: set[Tag] = set()
-    watched: list[tuple[torch.nn.Module, str, Any]] = []
-    for i, m in enumerate(own):
-        attrs = vars(m)
-        for name, value in list(attrs.items()):
-            if type(value) in (int, float) and name not in MODULE_OWN:
-                attrs[name] = _watch(value, frozenset({(i, name)}), noted)
-                watched.append((m, name, attrs[name]))
+    slots = [slot for m in own for slot in _watch_numbers(m, noted)]
     try:
         try:
             with _Reads(noted):
@@ -238,16 +269,13 @@ def numbers_carried(run: Callable[[], object], modules: list[torch.nn.Module]) -
             # A forward that cannot take the watching numbers (type(n) is int
             # checked, a C function wanting an exact int): as before, left to batch.
             return []
-        found = []
-        for i, (m, attrs_before) in enumerate(zip(own, saved)):
-            now = vars(m)
-            for name in attrs_before.rebound():
-                value = now.get(name)
-                was = next((w for mm, n, w in watched if mm is m and n == name), None)
-                if value is was:
-                    continue
-                if (i, name) in noted or (isinstance(value, _Watched) and _INPUT in value._tags):
-                    found.append(f"{type(m).__name__}.{name}")
+        found = {label for holder, key, was, label in slots
+                 if (now := _item(holder, key)) is not was and (
+                     label in noted or _from_input(now))}
+        # attributes bound anew from the input's shape (self.n = x.shape[0], no n before)
+        found.update(f"{type(m).__name__}.{name}" for m, attrs_before in zip(own, saved)
+                     for name in attrs_before.rebound() - set(attrs_before.before)
+                     if _from_input(vars(m).get(name)))
         return sorted(found)
     finally:
         for attrs_before in saved:

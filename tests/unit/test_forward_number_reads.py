@@ -32,6 +32,7 @@ from tests.unit.test_forward_caches import (
     Keeping,
     as_eagerly_test,
     assert_like,
+    check_as_eagerly,
     runs_alike,
     state_of,
 )
@@ -81,7 +82,31 @@ class Length(Keeping):
         return self.lin(x) * self.n
 
 
-PATTERNS: list[type[nn.Module]] = [BranchCount, EveryOther, LastLength, Length]
+class DictCount(Keeping):
+    """A count kept in a dict, read by control flow alone."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"state": {"n": 0, "name": "count"}}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state["n"] += 1
+        return self.lin(x) * 2 if self.state["n"] > 2 else self.lin(x)
+
+
+class ListLength(Keeping):
+    """The length of the call before, kept in a list."""
+
+    def fresh(self) -> dict[str, Any]:
+        return {"lengths": [1]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * self.lengths[0]
+        self.lengths[0] = x.shape[0]
+        return out
+
+
+PATTERNS: list[type[nn.Module]] = [BranchCount, EveryOther, LastLength, Length, DictCount,
+                                   ListLength]
 
 test_a_number_set_at_every_call_and_read_computes_as_eagerly = as_eagerly_test(
     PATTERNS, tuple(PATTERNS))
@@ -103,12 +128,13 @@ def test_a_count_read_by_control_flow_counts_every_call_once_its_branch_settled(
 
 
 class Layers(nn.Module):
-    """Torch's usual layers under a module of the user's holding number settings and a
-    count nothing reads: its calls batch."""
+    """Torch's usual layers under a module of the user's holding number settings and
+    counts nothing reads: its calls batch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.width, self.scale, self.calls = 8, 0.5, 0
+        self.stats = {"calls": 0, "sizes": [0]}
         self.embed = nn.Embedding(10, 8)
         self.lin = nn.Linear(8, 8)
         self.cell = nn.GRUCell(8, 8)
@@ -118,6 +144,8 @@ class Layers(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        self.stats["calls"] += 1
+        self.stats["sizes"][0] += 1  # (a list in a dict: not looked into)
         x = self.norm(self.lin(self.embed(tokens))) * self.scale
         h = self.cell(x, torch.zeros(tokens.shape[0], self.width))
         return self.layer(self.bn(h)[None])[0]
@@ -213,3 +241,10 @@ def test_a_forward_refusing_the_watching_numbers_still_records_and_batches() -> 
     for g, w in zip(bg.compute(handles), want, strict=True):
         torch.testing.assert_close(g, w)
     assert policy.stats is not None and policy.stats.launches < len(xs)
+
+
+@pytest.mark.parametrize("pattern", [LastLength, ListLength], ids=lambda p: p.__name__)
+def test_a_length_kept_for_the_next_call_orders_a_first_call_setting_it_unchanged(
+        pattern: type[nn.Module]) -> None:
+    # The length-1 call sets the length it found (1): its run changes nothing.
+    check_as_eagerly("stub", pattern, [1, 2, 1], 0, in_order=True)
