@@ -241,12 +241,13 @@ def _check(modules: Sequence[nn.Module], runs: Sequence[Sequence[Tensor]],
 
     states = fresh()
     mode = _Marking()
-    generators = None
+    generators: Generators | None = None
     ran = swapped = False
     try:
+        # Runs on meta draw from Python's and NumPy's generators too (see Generators).
+        generators = Generators(devices or [t.device for t in runs[0]] if real else ())
         if real:
             mode.guard = WriteGuard(modules)
-            generators = Generators(devices or [t.device for t in runs[0]])
         elif plain_on_meta:
             swapped = any([_plain_tensors_on_meta(stage) for stage in saved])
         ran = True

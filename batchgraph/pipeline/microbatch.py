@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from batchgraph.pipeline.errors import PipelineConfigError, StageMismatchError
+from batchgraph.pipeline.real_runs import Generators
 from batchgraph.pipeline.swapped_state import swapped_state
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 from batchgraph.python_state import SavedAttributes
@@ -257,11 +258,15 @@ def _python_state_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
     ("Tensor on device meta is not on the expected device cpu"); one that counts its
     calls counted the probe. Attributes are put back (lists, deques, dicts and sets, nested
     ones too, keep their identity and get their old items back), added ones removed.
+    A forward drawing from Python's ``random`` or NumPy's generator (a LayerDrop) drew
+    on meta too, shifting the step's draws: the generators are set back as well.
     """
     saved = [SavedAttributes(m, _SWAPPED) for root in modules for m in root.modules()]
+    generators = Generators(())
     try:
         yield
     finally:
+        generators.reset()
         for attrs in saved:
             attrs.put_back(attrs.changed(_SWAPPED))
 

@@ -12,7 +12,9 @@ microbatch instead. What those runs would change is undone here:
   write and copied back by :meth:`WriteGuard.undo`: no copy of the state up front;
 * :class:`Generators`: each run draws the same random numbers (a draw read in Python
   then differs in no run), and the generators are as they were afterwards, so the step
-  draws what it would have without the check.
+  draws what it would have without the check: torch's, and Python's ``random`` and
+  NumPy's global one (a LayerDrop's ``random.random() < p``), which the runs on meta
+  tensors draw from too.
 
 The modules' Python attributes are put back by the check itself
 (:class:`batchgraph.python_state.SavedAttributes`).
@@ -20,7 +22,10 @@ The modules' Python attributes are put back by the check itself
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,16 +88,17 @@ class WriteGuard:
 
 
 class Generators:
-    """The CPU generator's state and those of ``devices``' CUDA generators: :meth:`reset`
-    sets them back to it (each run of a check draws the same numbers, and the step
-    after the check draws what it would have).
+    """The CPU generator's state, those of ``devices``' CUDA generators, and Python's
+    ``random`` and NumPy's global generator's: :meth:`reset` sets them back to it (each
+    run of a check draws the same numbers, and the step after the check draws what it
+    would have).
 
     Example:
         >>> gens = Generators([torch.device("cpu")])
-        >>> a = torch.rand(1)
+        >>> a, b = torch.rand(1), random.random()
         >>> gens.reset()
-        >>> torch.equal(torch.rand(1), a)
-        True
+        >>> torch.equal(torch.rand(1), a), random.random() == b
+        (True, True)
         >>> gens.reset()
     """
 
@@ -101,8 +107,17 @@ class Generators:
         indices = {d.index if d.index is not None else torch.cuda.current_device()
                    for d in devices if d.type == "cuda"}
         self.cuda = {i: torch.cuda.get_rng_state(i) for i in sorted(indices)}
+        # A forward may draw from these in Python (a LayerDrop): the check's runs would
+        # take other branches run to run (refused as computing otherwise at the second
+        # call) and shift the draws of the step and of the user's code after it.
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")  # not imported: nothing drew from it
+        self.numpy: Any = None if numpy is None else numpy.random.get_state()
 
     def reset(self) -> None:
         torch.set_rng_state(self.cpu)
         for i, state in self.cuda.items():
             torch.cuda.set_rng_state(state, i)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
