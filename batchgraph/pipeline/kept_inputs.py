@@ -55,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from batchgraph.module_state import output_ops
 from batchgraph.pipeline.errors import PipelineConfigError
-from batchgraph.pipeline.real_runs import Generators, WriteGuard
+from batchgraph.pipeline.real_runs import Generators, WriteGuard, unmarked_writes
 from batchgraph.pipeline.swapped_state import swapped_state
 from batchgraph.pipeline.thread_state import saved_tensors_hooks_enabled
 from batchgraph.python_state import DEPTH, SavedAttributes, tensors_in
@@ -101,8 +101,10 @@ class _Marking(TorchDispatchMode):  # type: ignore[no-untyped-call]
                    if a.alias_info is not None and a.alias_info.is_write
                    for t in tree_leaves(args[i] if i < len(args) else kwargs.get(a.name))
                    if isinstance(t, Tensor)]
-        if self.guard is not None and written:
-            self.guard.before_write(written)
+        if self.guard is not None:
+            # (BatchNorm's running statistics: written, but not marked so in its schema)
+            if guarded := written + unmarked_writes(func, args, kwargs):
+                self.guard.before_write(guarded)
         out = func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         for t in tensors:

@@ -32,7 +32,37 @@ from torch import Tensor, nn
 
 from batchgraph.python_state import DEPTH, tensors_in
 
-__all__ = ["Generators", "WriteGuard"]
+__all__ = ["Generators", "WriteGuard", "unmarked_writes"]
+
+_aten = torch.ops.aten
+# Ops that write arguments their schemas do not mark as written (Tensor(a!)): the batch
+# norms update their running statistics in place in training (BatchNorm in train()).
+_BATCH_NORMS = frozenset(
+    op for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None)
+
+
+def unmarked_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors ``func`` writes in place that its schema does not mark as written
+    (for :meth:`WriteGuard.before_write`): a batch norm's running statistics where it
+    trains.
+
+    Example:
+        >>> mean, var = torch.zeros(2), torch.ones(2)
+        >>> args = (torch.randn(3, 2), None, None, mean, var, True, 0.1, 1e-5)
+        >>> [t is mean or t is var for t in unmarked_writes(_aten.native_batch_norm.default, args, {})]
+        [True, True]
+        >>> unmarked_writes(_aten.native_batch_norm.default, (*args[:5], False, 0.1, 1e-5), {})
+        []
+    """
+    if func not in _BATCH_NORMS:
+        return []
+    names = [a.name for a in func._schema.arguments]
+    given = {**dict(zip(names, args)), **kwargs}
+    if not given.get("training"):
+        return []
+    return [t for name in ("running_mean", "running_var")
+            if isinstance(t := given.get(name), Tensor)]
 
 
 def _storage(t: Tensor) -> int | None:
