@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from batchgraph.plain_objects import Fields, fields_of, put_back_fields
 
-__all__ = ["DEPTH", "PLAIN", "SEQUENCES", "SavedAttributes", "differs", "same", "tensors_in"]
+__all__ = ["DEPTH", "PLAIN", "SEQUENCES", "SavedAttributes", "differs", "instances_in", "same",
+           "tensors_in"]
+
+_T = TypeVar("_T")
 
 # A container value is looked into this deep (a dict of (cos, sin) tuples per length).
 DEPTH = 3
@@ -194,7 +197,18 @@ def tensors_in(value: Any, depth: int = DEPTH) -> list[torch.Tensor]:
         >>> len(tensors_in({"layer": [(t, t)], "n": 3})), len(tensors_in(types.SimpleNamespace(t=t)))
         (2, 1)
     """
-    if isinstance(value, torch.Tensor):
+    return instances_in(value, torch.Tensor, depth)
+
+
+def instances_in(value: Any, kind: type[_T], depth: int = DEPTH) -> list[_T]:
+    """The instances of ``kind`` in ``value``, found as :func:`tensors_in` finds tensors.
+
+    Example:
+        >>> gen = torch.Generator()
+        >>> instances_in({"noise": [gen], "n": 3}, torch.Generator) == [gen]
+        True
+    """
+    if isinstance(value, kind):
         return [value]
     if depth == 0:
         return []
@@ -205,4 +219,4 @@ def tensors_in(value: Any, depth: int = DEPTH) -> list[torch.Tensor]:
         if fields is None:
             return []
         value = fields.values()
-    return [t for v in value for t in tensors_in(v, depth - 1)]
+    return [t for v in value for t in instances_in(v, kind, depth - 1)]

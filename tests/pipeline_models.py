@@ -34,6 +34,24 @@ def reference(
     return loss.detach(), grads
 
 
+def microbatch_reference(model: nn.Module, x: Tensor, y: Tensor, microbatches: int
+                         ) -> tuple[Tensor, list[Tensor | None]]:
+    """Loss and gradients of one device running ``model`` a microbatch at a time (as a
+    pipeline splits ``x``), each microbatch's MSE weighted by its rows: what a pipeline
+    step gives where a forward draws or updates state per call (BatchNorm's statistics,
+    a generator of its own)."""
+    from batchgraph.pipeline.microbatch import split_microbatches
+
+    model.zero_grad(set_to_none=True)
+    loss = torch.zeros((), dtype=x.dtype)
+    for (part,), (target,) in zip(split_microbatches(x, microbatches),
+                                  split_microbatches(y, microbatches), strict=True):
+        mb_loss = nn.functional.mse_loss(model(part), target) * len(part) / len(x)
+        mb_loss.backward()
+        loss += mb_loss.detach()
+    return loss, [p.grad for p in model.parameters()]
+
+
 def assert_grads_equal(model: nn.Module, expected: list[Tensor | None]) -> None:
     for i, (p, g) in enumerate(zip(model.parameters(), expected)):
         assert (p.grad is None) == (g is None), f"parameter {i}: grad presence differs"

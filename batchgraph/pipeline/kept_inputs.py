@@ -247,7 +247,8 @@ def _check(modules: Sequence[nn.Module], runs: Sequence[Sequence[Tensor]],
     ran = swapped = False
     try:
         # Runs on meta draw from Python's and NumPy's generators too (see Generators).
-        generators = Generators(devices or [t.device for t in runs[0]] if real else ())
+        generators = Generators(devices or [t.device for t in runs[0]] if real else (),
+                                modules)
         if real:
             mode.guard = WriteGuard(modules)
         elif plain_on_meta:

@@ -262,7 +262,7 @@ def _python_state_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
     on meta too, shifting the step's draws: the generators are set back as well.
     """
     saved = [SavedAttributes(m, _SWAPPED) for root in modules for m in root.modules()]
-    generators = Generators(())
+    generators = Generators((), modules)
     try:
         yield
     finally:

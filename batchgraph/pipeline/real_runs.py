@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from batchgraph.python_state import DEPTH, tensors_in
+from batchgraph.python_state import DEPTH, instances_in, tensors_in
 
 __all__ = ["Generators", "WriteGuard", "unmarked_writes"]
 
@@ -118,21 +118,26 @@ class WriteGuard:
 
 
 class Generators:
-    """The CPU generator's state, those of ``devices``' CUDA generators, and Python's
-    ``random`` and NumPy's global generator's: :meth:`reset` sets them back to it (each
-    run of a check draws the same numbers, and the step after the check draws what it
-    would have).
+    """The CPU generator's state, those of ``devices``' CUDA generators, of Python's
+    ``random`` and NumPy's global generator, and of the ``torch.Generator`` objects
+    ``modules`` keep (``self.gen``, drawn from with ``generator=``): :meth:`reset` sets
+    them back to it (each run of a check draws the same numbers, and the step after the
+    check draws what it would have).
 
     Example:
-        >>> gens = Generators([torch.device("cpu")])
-        >>> a, b = torch.rand(1), random.random()
+        >>> layer = nn.Linear(2, 2)
+        >>> layer.gen = torch.Generator().manual_seed(0)
+        >>> gens = Generators([torch.device("cpu")], [layer])
+        >>> a, b, c = torch.rand(1), random.random(), torch.rand(1, generator=layer.gen)
         >>> gens.reset()
         >>> torch.equal(torch.rand(1), a), random.random() == b
         (True, True)
+        >>> torch.equal(torch.rand(1, generator=layer.gen), c)
+        True
         >>> gens.reset()
     """
 
-    def __init__(self, devices: Iterable[torch.device]) -> None:
+    def __init__(self, devices: Iterable[torch.device], modules: Iterable[nn.Module] = ()) -> None:
         self.cpu = torch.get_rng_state()
         indices = {d.index if d.index is not None else torch.cuda.current_device()
                    for d in devices if d.type == "cuda"}
@@ -143,6 +148,14 @@ class Generators:
         self.python = random.getstate()
         numpy = sys.modules.get("numpy")  # not imported: nothing drew from it
         self.numpy: Any = None if numpy is None else numpy.random.get_state()
+        # A module's own generator is state of it, which the runs on real tensors move.
+        own: dict[int, torch.Generator] = {}
+        for root in modules:
+            for m in root.modules():
+                for value in vars(m).values():
+                    for gen in instances_in(value, torch.Generator, DEPTH):
+                        own[id(gen)] = gen
+        self.own = [(gen, gen.get_state()) for gen in own.values()]
 
     def reset(self) -> None:
         torch.set_rng_state(self.cpu)
@@ -151,3 +164,5 @@ class Generators:
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+        for gen, state in self.own:
+            gen.set_state(state)

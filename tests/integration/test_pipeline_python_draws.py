@@ -9,6 +9,8 @@ branches from one run to the next and the stage was refused as "computes its out
 otherwise at its second call" (several microbatches; no state is kept), or, reading
 ``.item()``, the runs' draws shifted the step's: its layers dropped otherwise than the
 same step without the check, silently, and the user's draws after the step moved too.
+So did a module's own ``torch.Generator`` (``self.gen``, drawn from with ``generator=``),
+which the runs on real tensors moved and nothing set back.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from torch import Tensor, nn
 from batchgraph.pipeline import Pipeline
 from batchgraph.pipeline.kept_inputs import check_inputs_kept
 from batchgraph.pipeline.microbatch import check_stages_fit
-from tests.pipeline_models import chunks_for, grid, stacked
+from tests.pipeline_models import (
+    assert_grads_equal,
+    chunks_for,
+    grid,
+    microbatch_reference,
+    stacked,
+)
 
 
 class PyDrop(nn.Module):
@@ -93,3 +101,42 @@ def test_the_checks_leave_pythons_and_numpys_generators(layer: type[nn.Module]) 
     check_stages_fit([model[:2], model[2:]], [x])
     check_inputs_kept([model[:2], model[2:]], [x], later=x * 2)
     assert _states() == before
+
+
+class OwnNoise(nn.Module):
+    """Adds noise from a generator of its own, reading a value in Python first (so
+    checked on real tensors, whose runs drew from it and left it moved: 6685f77)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.gens = [torch.Generator().manual_seed(7)]  # in a container too
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not x.isfinite().all().item():  # cannot run on meta tensors
+            raise ValueError("not finite")
+        noise = torch.rand(x.shape, generator=self.gens[0], dtype=x.dtype)
+        return torch.tanh(self.lin(x)) + noise
+
+
+@settings(max_examples=10, deadline=None)
+@given(**grid())
+@example(stages=2, microbatches=2, schedule="gpipe")
+def test_a_modules_own_generator_draws_as_one_device_a_microbatch_at_a_time(
+    stages: int, microbatches: int, schedule: str
+) -> None:
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[OwnNoise() for _ in range(stages * chunks_for(schedule))])
+
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    # Each layer draws from its own generator once per microbatch, in microbatch order.
+    reference = model()
+    loss, grads = microbatch_reference(reference, x, y, microbatches)
+    piped = model()
+    with Pipeline(piped, stages=stages, microbatches=microbatches, schedule=schedule,
+                  loss_fn=nn.MSELoss(), chunks=chunks_for(schedule)) as pipe:
+        torch.testing.assert_close(pipe.train_step(x, y), loss, rtol=1e-10, atol=1e-10)
+    assert_grads_equal(piped, grads)
+    for a, b in zip(piped, reference, strict=True):
+        assert torch.equal(a.gens[0].get_state(), b.gens[0].get_state())

@@ -18,8 +18,7 @@ from hypothesis import example, given, settings
 from torch import Tensor, nn
 
 from batchgraph.pipeline import Pipeline
-from batchgraph.pipeline.microbatch import split_microbatches
-from tests.pipeline_models import assert_grads_equal, chunks_for, grid
+from tests.pipeline_models import assert_grads_equal, chunks_for, grid, microbatch_reference
 
 LOGGED: list[float] = []
 
@@ -60,13 +59,7 @@ def test_running_statistics_are_the_microbatches_forwards(
     # One device, a microbatch at a time: each forward normalises by its microbatch's
     # statistics and updates the running ones once (what the pipeline promises).
     reference = _model(blocks)
-    loss = torch.zeros((), dtype=torch.float64)
-    for part, target in zip(split_microbatches(x, microbatches),
-                            split_microbatches(y, microbatches), strict=True):
-        mb_loss = nn.functional.mse_loss(reference(part[0]), target[0]) / microbatches
-        mb_loss.backward()
-        loss += mb_loss.detach()
-    grads = [p.grad for p in reference.parameters()]
+    loss, grads = microbatch_reference(reference, x, y, microbatches)
     model = _model(blocks)
     with Pipeline(model, stages=stages, microbatches=microbatches, schedule=schedule,
                   loss_fn=nn.MSELoss(), chunks=chunks_for(schedule)) as pipe:
