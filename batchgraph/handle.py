@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from batchgraph import handed_changes, handle_operators
 from batchgraph.aliasing import unmerge_viewed
 from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
-from batchgraph.errors import ConstantChangedError, NotComputedError
+from batchgraph.errors import ConstantChangedError, NotComputedError, PolicyMismatchError
 from batchgraph.handed_views import note_handed
 from batchgraph.handle_operators import TensorOperators
 from batchgraph.spec_answers import answer_from_specs
@@ -356,11 +356,18 @@ class ResultHandle(TensorOperators):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """Eagerly a new tensor of equal value, which an in-place change of either does
-        not reach (a beam's hypotheses copied, then one changed): a new handle of the
-        value (in-place calls rebind the handle they change), or, where the value is at
-        hand (handed out, or the tensor given to ``batched_value``), a deep copy of it."""
+        not reach (a beam's hypotheses copied, then one changed): a recorded clone (a
+        value of its own, sharing no view: ``s = h[0]; g = copy.deepcopy(h); g += 1;
+        s * 2`` reads ``h``), or, where the value is at hand (handed out, or the tensor
+        given to ``batched_value``), a deep copy of it; a twin handle of the value where
+        no call can be recorded (nor can a change)."""
         if self._out is not None:
             return copy.deepcopy(self._out[0], memo)
+        if self._graph.open:
+            try:
+                return self.clone()
+            except PolicyMismatchError:  # another policy records here: a twin, as below
+                pass
         twin = object.__new__(ResultHandle)
         twin._graph, twin._gen, twin._out = self._graph, self._gen, None  # keeps its value
         twin.node, twin.leaf, twin.spec = self.node, self.leaf, self.spec
