@@ -70,7 +70,7 @@ def hand_out_together(graph: Graph, fresh: list[ResultHandle]) -> None:
     for h in sorted(views, key=lambda h: h.node):  # a view after what it views
         if h._out is not None or type(h.spec) is not TensorSpec:  # (listed twice)
             continue
-        found = _viewed_handle(graph, h.node, bases)
+        found = _viewed_handle(graph, h.node, h.leaf, bases)
         if found is None:
             continue
         base, chain = found
@@ -82,24 +82,33 @@ def hand_out_together(graph: Graph, fresh: list[ResultHandle]) -> None:
             len(graph.node_key)),)
         tracked = {n: (handout, (base.node, base.leaf)) for n in chain}
         view = rederive(graph, h.node, tracked)
-        if view is not None:
-            h.handed(view if isinstance(view, torch.Tensor) else tree_leaves(view)[h.leaf])
+        if view is None:
+            continue
+        view = view if isinstance(view, torch.Tensor) else tree_leaves(view)[h.leaf]
+        # A view of another input (a guess of which input an output views that missed)
+        # is a view of that input's stored row: handed out, a change of it would reach
+        # the store, which later calls read. It stays a copy of its own.
+        if view.untyped_storage()._cdata == value.untyped_storage()._cdata:
+            h.handed(view)
 
 
-def _viewed_handle(graph: Graph, node: int, bases: dict[Ref, ResultHandle | None],
+def _viewed_handle(graph: Graph, node: int, leaf: int,
+                   bases: dict[Ref, ResultHandle | None],
                    ) -> tuple[ResultHandle, list[int]] | None:
-    """The handle whose value ``node`` is a view of (through torch's view calls on
-    their first input), and the view calls from it; None where there is none, or its
-    value has several handles."""
+    """The handle whose value output ``leaf`` of ``node`` is a view of (through torch's
+    view calls), and the view calls from it; None where there is none, or its value has
+    several handles. A call of several inputs and outputs views input ``leaf`` with
+    output ``leaf`` (``torch.broadcast_tensors(a, h)[1]`` views ``h``; the caller checks
+    that guess), else its first input (``h.unbind()[2]`` views ``h``)."""
     inputs, chain = graph.node_inputs, []
     n = node
     while inputs[n] and known_view(graph, n):
         chain.append(n)
-        ref = inputs[n][0]
+        ref = inputs[n][leaf if leaf < len(inputs[n]) else 0]
         if ref in bases:
             base = bases[ref]
             if base is None or ref[0] in graph.shared:
                 return None
             return base, chain
-        n = ref[0]
+        n, leaf = ref
     return None

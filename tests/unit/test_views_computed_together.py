@@ -6,6 +6,7 @@ was a copy of its own: ``s * 2`` gave the old value, silently).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,35 @@ def test_a_user_function_returning_a_view_stays_a_copy() -> None:
     y.add_(1)
     assert row.tolist() == [0.0, 0.0]
     assert len(calls) == calls_after
+
+
+# Views of several inputs: output i views input i (the view of the second input was
+# taken as one of the first: rerun on the first's hand-out, it was a view of the second
+# input's stored row, so changing it changed what later calls on that input read).
+MULTI: dict[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    "broadcast_tensors": lambda a, t: torch.broadcast_tensors(a, t),
+    "meshgrid": lambda a, t: torch.meshgrid(a[0], t[1], indexing="ij"),
+    "atleast_2d": lambda a, t: torch.atleast_2d(a, t),
+}
+
+
+def _multi(h: torch.Tensor, compute: Callable[..., Any], view: str,
+           change: str) -> tuple[torch.Tensor, ...]:
+    a = h[0:1] * 1
+    first, second = MULTI[view](a, h)
+    ya, yh, v0, v1 = compute((a, h, first, second))
+    {"first": ya, "second": yh, "view": v1}[change].add_(100)
+    return (ya, yh, v0, v1, *compute((h * 1, second * 1)))
+
+
+@pytest.mark.parametrize(("view", "change"), [
+    (view, change) for view in sorted(MULTI) for change in ["first", "second", "view"]
+    if (view, change) != ("meshgrid", "view")])  # eagerly an error: expanded outputs
+def test_a_view_of_a_later_input_follows_that_inputs_value(view: str, change: str) -> None:
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    want = [_multi(x * 1, lambda t: t, view, change) for x in xs]
+    with bg.BatchingPolicy():
+        got = [_multi(bg.batched_value(x) * 1, bg.compute, view, change) for x in xs]
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w, g, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
