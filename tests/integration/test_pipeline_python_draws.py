@@ -140,3 +140,20 @@ def test_a_modules_own_generator_draws_as_one_device_a_microbatch_at_a_time(
     assert_grads_equal(piped, grads)
     for a, b in zip(piped, reference, strict=True):
         assert torch.equal(a.gens[0].get_state(), b.gens[0].get_state())
+
+
+class TorchDrawn(nn.Module):
+    """Scales by a number drawn from torch's CPU generator and read in Python: a draw
+    the runs on meta tensors make too."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x) * (1 + torch.rand(()).item())
+
+
+def test_the_runs_on_meta_leave_torchs_generator() -> None:
+    model = stacked(2, TorchDrawn)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    before = torch.get_rng_state()
+    check_stages_fit([model[:2], model[2:]], [x])
+    check_inputs_kept([model[:2], model[2:]], [x], later=x * 2)
+    assert torch.equal(torch.get_rng_state(), before)
