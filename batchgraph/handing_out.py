@@ -44,6 +44,12 @@ def private_rows(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """
     copy = own_copy(column)
     with reading(copy):
+        if copy.requires_grad:
+            # unbind's rows are outputs of one multi-view call: autograd refuses an
+            # in-place change of one, and any use of the others after a change under
+            # no_grad, where each eager result is a tensor of its own. A row selected
+            # on its own is a view autograd lets change.
+            return tuple(copy[i] for i in range(copy.shape[0]))
         return copy.unbind(0)
 
 
