@@ -27,6 +27,7 @@ from batchgraph.aliasing import unmerge_viewed
 from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
 from batchgraph.errors import ConstantChangedError, NotComputedError, PolicyMismatchError
 from batchgraph.handed_views import note_handed
+from batchgraph.handle_metadata import TensorMetadata
 from batchgraph.handle_operators import TensorOperators
 from batchgraph.spec_answers import answer_from_specs
 from batchgraph.specs import OutSpec, TensorSpec
@@ -78,7 +79,7 @@ def _versions(value: Any) -> tuple[int, ...]:
                   if isinstance(t, torch.Tensor)])
 
 
-class ResultHandle(TensorOperators):
+class ResultHandle(TensorOperators, TensorMetadata):
     """A recorded value: output ``leaf`` of ``node`` (the whole result if its structure
     was unknown before running).
 
@@ -149,98 +150,6 @@ class ResultHandle(TensorOperators):
 
     def __getitem__(self, index: Any) -> Any:
         return _record(operator.getitem, (self, index), {})
-
-    # -- tensor-like metadata ----------------------------------------------------------
-    def _tensor_spec(self, what: str) -> TensorSpec:
-        spec = self.spec
-        if isinstance(spec, TensorSpec):
-            return spec
-        if spec is None:
-            # A run on fake tensors could not tell the output: its shape depends on
-            # the values (a mask's selection), or the call returns another structure.
-            raise TypeError(
-                f"the {what} of {self!r} is not known while recording: its call's output "
-                "(or that of a call it reads) depends on values only computing tells "
-                "(h[h > 0], h.nonzero(), torch.unique(h)). Compute it first "
-                "(bg.compute(h) after the policy's block, or `await bg.value(h)` in a "
-                f"coroutine example) and ask the tensor; or ask the {what} of the handle "
-                "it was made from, where it is the same (h[h > 0] keeps h's dtype and "
-                "device)."
-            )
-        raise TypeError(
-            f"the {what} of {self!r}: it stands for several tensors, not one; ask one of "
-            "them (index the result first)"
-        )
-
-    @property
-    def shape(self) -> torch.Size:
-        """Per-example shape (no batch dimension)."""
-        return torch.Size(self._tensor_spec("shape").shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._tensor_spec("dtype").dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._tensor_spec("device").device
-
-    @property
-    def ndim(self) -> int:
-        return len(self._tensor_spec("ndim").shape)
-
-    def dim(self) -> int:
-        return self.ndim
-
-    ndimension = dim
-
-    def size(self, dim: int | None = None) -> Any:
-        shape = self.shape
-        return shape if dim is None else shape[dim]
-
-    # Known from the spec, as the attributes above: per-example code asks them of
-    # tensors (`x / x.numel()`), and recording them would fail (they are not tensors).
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    nelement = numel
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel() * self.dtype.itemsize
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
-    def is_complex(self) -> bool:
-        return self.dtype.is_complex
-
-    def is_signed(self) -> bool:
-        return self.dtype.is_signed
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.device.type == "cpu"
-
-    @property
-    def is_meta(self) -> bool:
-        return self.device.type == "meta"
-
-    def get_device(self) -> int:
-        # As a tensor answers: the device index, -1 on the CPU.
-        index = self.device.index
-        return -1 if self.device.type == "cpu" else (0 if index is None else index)
 
     # -- values ------------------------------------------------------------------------
     @property
