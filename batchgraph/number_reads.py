@@ -111,6 +111,13 @@ def _read(base: type, name: str) -> Callable[..., Any]:
     return op
 
 
+def _read_property(member: types.GetSetDescriptorType) -> property:
+    def get(self: _Watched) -> Any:
+        self._noted.update(self._tags)
+        return member.__get__(self._plain)
+    return property(get)
+
+
 def _methods(base: type) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _ARITHMETIC:
@@ -122,6 +129,14 @@ def _methods(base: type) -> dict[str, Any]:
     for name in _READS:
         if hasattr(base, f"__{name}__"):
             out[f"__{name}__"] = _read(base, f"__{name}__")
+    # The number's own methods and properties read it too (if self.n.bit_length() > 2,
+    # self.t.is_integer(), self.n.real): inherited, they read the plain value unnoted.
+    for name, member in vars(base).items():
+        if name.startswith("_") or not isinstance(
+                member, (types.MethodDescriptorType, types.GetSetDescriptorType)):
+            continue  # from_bytes, fromhex: made from others, not read from it
+        out[name] = (_read_property(member) if isinstance(member, types.GetSetDescriptorType)
+                     else _read(base, name))
     return out
 
 
