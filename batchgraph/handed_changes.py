@@ -10,8 +10,8 @@ as computed where eagerly it read the change (an output off by the change, silen
 Recording does not look at handed-out values' contents (a comparison per recorded
 call would cost every call), so each compute does, once: for the calls it runs that
 were recorded after a hand-out and read the handed-out node's row, the value handed
-out is compared with that row (``torch.equal``), where its version did not move. A
-difference is refused (``ConstantChangedError``): whether the change came before the
+out is compared with that row (bit for bit: a NaN kept is no change, 0.0 set to -0.0
+is one), where its version did not move. A difference is refused (``ConstantChangedError``): whether the change came before the
 call (eagerly read) or after it (eagerly not) cannot be told, so the error says what
 to write instead.
 
@@ -156,10 +156,34 @@ def _changed(value: torch.Tensor, column: torch.Tensor, row: int, whole: bool,
     from the stored row; a whole copy is compared with the column first, once
     (``same``), and its row only where they differ."""
     if not whole:
-        return not torch.equal(value, column[row])
+        return not _same_bits(value, column[row])
     if id(value) not in same:
-        same[id(value)] = torch.equal(value, column)
-    return not same[id(value)] and not torch.equal(value[row], column[row])
+        same[id(value)] = _same_bits(value, column)
+    return not same[id(value)] and not _same_bits(value[row], column[row])
+
+
+# Floating dtypes compared as integers of their width: bit for bit, as a copy is.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits: a NaN copied is unchanged (where
+    ``torch.equal`` takes it for a change), 0.0 set to -0.0 is a change (1 / y
+    differs), where ``torch.equal`` takes them for equal.
+
+    Example:
+        >>> nan = torch.tensor([float("nan"), 0.0])
+        >>> _same_bits(nan, nan.clone()), _same_bits(nan, torch.tensor([float("nan"), -0.0]))
+        (True, False)
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        bits = _BITS[a.element_size()]
+        a, b = a.detach().view(bits), b.detach().view(bits)
+    return torch.equal(a, b)
 
 
 def _refuse(graph: Graph, ref: Ref, reader: int) -> None:
