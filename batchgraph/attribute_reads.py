@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RESULT_FIELDS", "TENSOR_PROPERTIES", "property_getter", "read_field"]
+__all__ = ["RESULT_FIELDS", "TENSOR_PROPERTIES", "property_call", "property_getter", "read_field"]
 
 
 # Tensor properties that are computations (recorded); other non-callable tensor
@@ -65,3 +65,27 @@ def read_field(result: Any, name: str) -> Any:
 def property_getter(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     getter: Callable[[torch.Tensor], torch.Tensor] = getattr(_TensorProperty, name)
     return getter
+
+
+def property_call(name: str, tensor: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The torch call that reads property ``name`` of ``tensor`` (a handle: its
+    ``dim()`` known from its spec), so it batches as torch's own view does: the
+    property's getter, a function of batchgraph's, ran one example at a time
+    (``q @ k.T``: one launch per example). The getter where no call says the same
+    (``h.mT`` of a 1-D value: eagerly an error, raised by the getter).
+
+    Example:
+        >>> fn, args = property_call("mT", torch.ones(2, 3, 4))
+        >>> fn(*args).shape
+        torch.Size([2, 4, 3])
+    """
+    ndim = tensor.dim() if name in ("T", "mT", "H", "mH") else 0
+    if name == "T" and ndim <= 2:
+        return torch.Tensor.t, (tensor,)
+    if name == "mT" and ndim >= 2:
+        return torch.Tensor.transpose, (tensor, -2, -1)
+    if (name == "mH" and ndim >= 2) or (name == "H" and ndim == 2):
+        return torch.Tensor.adjoint, (tensor,)
+    if name in ("real", "imag"):
+        return getattr(torch, name), (tensor,)
+    return property_getter(name), (tensor,)

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from batchgraph import handed_changes, handle_operators
 from batchgraph.aliasing import unmerge_viewed
-from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_getter, read_field
+from batchgraph.attribute_reads import RESULT_FIELDS, TENSOR_PROPERTIES, property_call, read_field
 from batchgraph.errors import ConstantChangedError, NotComputedError, PolicyMismatchError
 from batchgraph.handed_views import note_handed
 from batchgraph.handle_metadata import TensorMetadata
@@ -314,7 +314,8 @@ class ResultHandle(TensorOperators, TensorMetadata):
 
     def __getattr__(self, name: str) -> Any:
         if name in TENSOR_PROPERTIES:  # h.T and friends: recorded right away
-            return _record(property_getter(name), (self,), {})
+            fn, args = property_call(name, self)
+            return _record(fn, args, {})
         if name in RESULT_FIELDS and self.spec is None:
             return _record(read_field, (self, name), {})
         method = getattr(torch.Tensor, name, None)
