@@ -11,8 +11,8 @@ Recording does not look at handed-out values' contents (a comparison per recorde
 call would cost every call), so each compute does, once: for the calls it runs that
 were recorded after a hand-out and read the handed-out node's row, the value handed
 out is compared with that row (bit for bit: a NaN kept is no change, 0.0 set to -0.0
-is one), where its version did not move. A difference is refused (``ConstantChangedError``): whether the change came before the
-call (eagerly read) or after it (eagerly not) cannot be told, so the error says what
+is one), where its version did not move. A difference is refused
+(``ConstantChangedError``): whether the change came before the call (eagerly read) or after it (eagerly not) cannot be told, so the error says what
 to write instead.
 
 Hand-outs are noted weakly (a value dropped can no longer change) and the table is
