@@ -47,10 +47,26 @@ def private_rows(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if copy.requires_grad:
             # unbind's rows are outputs of one multi-view call: autograd refuses an
             # in-place change of one, and any use of the others after a change under
-            # no_grad, where each eager result is a tensor of its own. A row selected
-            # on its own is a view autograd lets change.
-            return tuple(copy[i] for i in range(copy.shape[0]))
+            # no_grad, where each eager result is a tensor of its own. Rows selected
+            # one by one may change, but each select's backward makes a zero column:
+            # quadratic in the rows (4096 rows of 256: 1.0-1.8 s of backward, 0.05 s here).
+            # _Rows' are no views, and its backward stacks their gradients once.
+            rows: tuple[torch.Tensor, ...] = _Rows.apply(copy)  # type: ignore[no-untyped-call]
+            return rows
         return copy.unbind(0)
+
+
+class _Rows(torch.autograd.Function):
+    """A column's rows as tensors autograd takes for its own (no views: each may
+    change in place), sharing the column's memory; one backward for all."""
+
+    @staticmethod
+    def forward(ctx: Any, column: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(row.detach() for row in column.unbind(0))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
+        return torch.stack(grads)
 
 
 def own_copy(value: torch.Tensor) -> torch.Tensor:

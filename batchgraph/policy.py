@@ -454,6 +454,8 @@ def _rebuild(obj: Any, views: dict[tuple[int, int], _View]) -> Any:
                     return obj.handed(own_copy(row))
                 obj._out = (row, version)  # ResultHandle.handed, inlined
                 graph.handed_out.add(obj.node)
+                if row._base is None:  # rows with grad are no views: noted one by one
+                    handed_changes.note(graph, obj.node, obj.leaf, row, version)
                 if graph.node_inputs[obj.node] and graph.dedupe and getattr(
                         graph.keys[graph.node_key[obj.node]], "_known_view", True):
                     unmerge_viewed(graph, obj.node)
